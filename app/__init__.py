@@ -1,0 +1,1 @@
+"""The application layer: CLI now, the REST server later."""

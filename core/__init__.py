@@ -1,0 +1,9 @@
+"""kvforge's engine: `from kvforge.core import LLM, SamplingParams`."""
+
+from kvforge.core.config import EngineConfig
+from kvforge.core.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from kvforge.core.sampling import SamplingParams
+from kvforge.core.scheduler import RequestRejected
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "CompletionOutput", "RequestOutput",
+           "RequestRejected"]

@@ -1,0 +1,54 @@
+"""Every engine knob and its default, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16)
+    quant: str = "none"  # a `kvforge.quant` plugin name
+    quant_options: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 1 << 30  # KV pool budget; ignored when num_kv_blocks is set
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (decode tokens + prefill chunks)
+    seed: int = 0  # seeds requests that give no seed of their own
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The seed formula: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes, per token."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

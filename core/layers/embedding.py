@@ -1,0 +1,59 @@
+"""Token embedding and the LM head (vocabulary split across tensor-parallel ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kvforge.core.distributed import tp_rank, tp_size
+from kvforge.core.layers.linear import ColumnParallelLinear
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        rows = max(0, min(self.shard_size, vocab_size - self.vocab_start))
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded.narrow(0, self.vocab_start, param.shape[0])
+        if rows.shape != param.shape:
+            raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+        param.data.copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        mask = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mask.unsqueeze(-1)
+        torch.distributed.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """Logits over the vocabulary; always dense (quantized checkpoints keep the head unquantized)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        self.vocab_size = vocab_size
+        padded = -(-vocab_size // tp_size()) * tp_size()
+        super().__init__(hidden_size, [padded], bias=False, params_dtype=dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        missing = self.output_sizes[0] - loaded.shape[0]
+        if missing > 0:  # pad the vocabulary to a multiple of the tensor-parallel size
+            loaded = F.pad(loaded, (0, 0, 0, missing))
+        super().weight_loader(param, loaded)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(hidden)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.vocab_size]

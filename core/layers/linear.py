@@ -1,0 +1,133 @@
+"""Linear layers that own their weight loading (fusion, tensor-parallel slicing) and delegate the
+storage and the matmul to a QuantMethod.
+
+`weight_loader(param, tensor, shard_id)` receives a checkpoint tensor with the full (unsharded)
+shape of one logical projection; the layer copies the rows or columns of this rank into the right
+place of its (possibly fused) parameter. A QuantMethod never sees fusion or tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvforge.core.distributed import all_reduce, tp_rank, tp_size
+from kvforge.core.plugins import QuantMethod
+from torch import nn
+
+
+def _dense() -> QuantMethod:
+    from kvforge.plugins.quant.dense import DenseMethod
+
+    return DenseMethod()
+
+
+class LinearBase(nn.Module):
+    """y = x @ W.T + b, with W of shape [sum(out_features_per_shard), in_features] on this rank."""
+
+    def __init__(self, in_features: int, out_features_per_shard: list[int], bias: bool,
+                 quant_method: QuantMethod | None, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features_per_shard = out_features_per_shard
+        self.out_features = sum(out_features_per_shard)
+        self.quant_method = quant_method or _dense()
+        self.quant_method.create_weights(self, in_features, out_features_per_shard, params_dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.bias = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        raise NotImplementedError
+
+    def process_after_loading(self) -> None:
+        self.quant_method.process_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
+                         f"of shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(in_features, [out_features], bias, quant_method, params_dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        _copy(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; shards (e.g. gate and up) each split on their own."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        for size in output_sizes:
+            if size % self.tp_size:
+                raise ValueError(f"output size {size} is not divisible by tensor-parallel size {self.tp_size}")
+        self.output_sizes = output_sizes
+        super().__init__(in_features, [s // self.tp_size for s in output_sizes], bias, quant_method, params_dtype)
+
+    def _shard_offset(self, shard_id: int) -> tuple[int, int]:
+        sizes = self.out_features_per_shard
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        index = 0 if shard_id is None else self._shard_index(shard_id)
+        offset, size = self._shard_offset(index)
+        rank_rows = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), rank_rows)
+
+    def _shard_index(self, shard_id: str | int) -> int:
+        return int(shard_id)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several projections of the same input fused into one matmul (gate_proj + up_proj)."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; query heads and kv heads are split across ranks separately."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+        if num_kv_heads % tp_size():
+            raise ValueError(f"{num_kv_heads} kv heads cannot be split across {tp_size()} ranks")
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, quant_method, params_dtype)
+
+    def _shard_index(self, shard_id: str | int) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard_id]
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        if in_features % self.tp_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp_size}")
+        super().__init__(in_features // self.tp_size, [out_features], bias, quant_method, params_dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if param.dim() == 2:  # weight: keep this rank's input columns; the bias is not split
+            size = self.in_features
+            loaded = loaded.narrow(1, self.tp_rank * size, size)
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial products are summed.
+        out = self.quant_method.apply(self, x, self.bias if self.tp_size == 1 else None)
+        if self.tp_size > 1:
+            out = all_reduce(out)
+            if self.bias is not None:
+                out = out + self.bias
+        return out

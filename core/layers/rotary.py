@@ -1,0 +1,49 @@
+"""Rotary position embedding with a precomputed cos/sin table indexed by position.
+
+The inverse frequencies of scaled variants (Llama 3, linear, YaRN, ...) come from transformers'
+own ROPE_INIT_FUNCTIONS, so every rope_scaling type a config names is computed exactly as the
+reference computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for the step's positions, computed once per step and shared by every layer
+    (no table sized by max_position_embeddings, which reaches 128k for some models)."""
+
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        inv_freq, self.scaling = _inverse_frequencies(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

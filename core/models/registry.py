@@ -1,0 +1,21 @@
+"""HF `architectures` name -> our model class."""
+
+from __future__ import annotations
+
+from kvforge.core.models.llama import LlamaForCausalLM
+from torch import nn
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class_for(config) -> type[nn.Module]:
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in MODEL_CLASSES:
+            return MODEL_CLASSES[arch]
+    names = getattr(config, "architectures", None) or [config.model_type]
+    raise ValueError(f"unsupported architecture {', '.join(names)}; supported: {', '.join(MODEL_CLASSES)}")

@@ -1,0 +1,128 @@
+"""Plugin seams (quantization methods, speculative proposers) and their entry-point discovery.
+
+A plugin is a class named by an entry point in the group `kvforge.quant` or `kvforge.decoding`.
+Discovery imports each entry point lazily and on its own, so one broken plugin is reported and
+the others still load. The built-in dense method `none` comes through the same group.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+QUANT_GROUP = "kvforge.quant"
+DECODING_GROUP = "kvforge.decoding"
+BUILTIN_DISTRIBUTION = "kvforge"
+
+
+class QuantMethod(ABC):
+    """How one linear layer stores its weights and computes `x @ W.T + b`.
+
+    The linear layer owns weight loading (fusion, tensor-parallel slicing); a method only creates
+    the parameters, post-processes them once they are loaded, and applies them.
+    """
+
+    name: str = ""
+    description: str = ""
+    settings: dict[str, Any] = {}  # JSON-schema-like description of the options the UI renders
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @abstractmethod
+    def create_weights(
+        self, layer: torch.nn.Module, in_features: int, out_features_per_shard: list[int],
+        params_dtype: torch.dtype,
+    ) -> None: ...
+
+    def process_after_loading(self, layer: torch.nn.Module) -> None:  # noqa: B027 - optional hook
+        """Repack / transpose / quantize once every shard is loaded."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ...
+
+    def weight_bytes(self, layer: torch.nn.Module) -> int:
+        """Bytes the layer's weights take after processing (for memory reports)."""
+        return sum(t.numel() * t.element_size() for t in layer.parameters(recurse=False)) + sum(
+            t.numel() * t.element_size() for t in layer.buffers(recurse=False))
+
+
+class Proposer(ABC):
+    """A speculative-decoding drafter: proposes up to k tokens per sequence; the core verifies them."""
+
+    name: str = ""
+    description: str = ""
+    settings: dict[str, Any] = {}
+
+    @abstractmethod
+    def propose(self, batch: Any) -> list[list[int]]: ...
+
+
+@dataclass
+class PluginRegistry:
+    """What discovery found in one entry-point group."""
+
+    group: str
+    plugins: dict[str, type] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # name -> "distribution version"
+    errors: dict[str, str] = field(default_factory=dict)  # name -> why it did not load
+
+    def get(self, name: str) -> type:
+        if name in self.plugins:
+            return self.plugins[name]
+        if name in self.errors:
+            raise ValueError(f"{self.group} plugin {name!r} is installed but failed to load: {self.errors[name]}")
+        known = ", ".join(sorted(self.plugins)) or "none"
+        raise ValueError(f"unknown {self.group} plugin {name!r}; installed: {known}")
+
+
+def discover(group: str, override: set[str] | None = None) -> PluginRegistry:
+    """Load every entry point of `group`.
+
+    A name claimed by two distributions is refused for the non-built-in one (built-ins win) unless
+    that name is listed in `override`, in which case the third-party plugin replaces the built-in.
+    """
+    override = override or set()
+    registry = PluginRegistry(group)
+    entries = sorted(importlib.metadata.entry_points(group=group),
+                     key=lambda ep: _distribution_name(ep) != BUILTIN_DISTRIBUTION)
+    for ep in entries:
+        dist = _distribution_name(ep)
+        if ep.name in registry.sources:
+            builtin_first = registry.sources[ep.name].split()[0] == BUILTIN_DISTRIBUTION
+            if not (builtin_first and ep.name in override):
+                registry.errors.setdefault(
+                    f"{ep.name} ({dist})", f"duplicate plugin name {ep.name!r}; already provided by "
+                    f"{registry.sources[ep.name]}")
+                continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # a broken plugin must not take the others down
+            log.warning("plugin %s from %s failed to load: %s", ep.name, dist, exc)
+            registry.errors[ep.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        registry.plugins[ep.name] = plugin
+        registry.sources[ep.name] = f"{dist} {_distribution_version(ep)}"
+    return registry
+
+
+def _distribution_name(ep: importlib.metadata.EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "unknown"
+
+
+def _distribution_version(ep: importlib.metadata.EntryPoint) -> str:
+    return ep.dist.version if ep.dist is not None else ""
+
+
+def get_quant_method(name: str = "none", **options: Any) -> QuantMethod:
+    cls = discover(QUANT_GROUP).get(name)
+    return cls(**options)

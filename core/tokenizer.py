@@ -1,0 +1,65 @@
+"""The model's HF tokenizer and chat template, and an incremental detokenizer.
+
+Streaming text must never carry half of a UTF-8 character (an emoji or CJK character can span
+several byte-fallback tokens): tokenizers' DecodeStream buffers such tokens until they form
+valid text, which is exactly the job, so we use it rather than re-implementing offsets.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+
+class Tokenizer:
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self.eos_token_ids = self._eos_ids(path)
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids: set[int] = set()
+        generation_config = path / "generation_config.json"
+        if generation_config.exists():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        # The rendered template already holds every special token it needs.
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, one at a time, into text deltas that are always valid UTF-8."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.hf.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        delta = self._stream.step(self._backend, token_id) or ""
+        self.text += delta
+        return delta

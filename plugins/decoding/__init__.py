@@ -1,0 +1,1 @@
+"""Speculative-decoding plugins, registered through the `kvforge.decoding` entry-point group."""

@@ -1,0 +1,1 @@
+"""Quantization plugins, each registered through the `kvforge.quant` entry-point group."""

@@ -1,0 +1,1 @@
+"""The browser UI (Gradio), mounted in the server process."""
