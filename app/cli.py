@@ -1,8 +1,171 @@
-"""The `kvforge` command line."""
+"""The `kvforge` command line: generate, chat, bench, plugins."""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache budget in GiB (default: 1)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+
+
+def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"0 = greedy (default: {temperature})")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def _engine(args: argparse.Namespace):
+    from kvforge.core import LLMEngine
+    from kvforge.core.config import EngineConfig
+
+    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads))
+
+
+def _params(args: argparse.Namespace):
+    from kvforge.core import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def stream(engine, prompt: Any, params, out=sys.stdout) -> str:
+    """Run one request to the end, writing its text as it is generated."""
+    request_id = engine.add_request(prompt, params)
+    text = ""
+    try:
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.request_id == request_id:
+                    out.write(output.delta_text)
+                    out.flush()
+                    text = output.text
+    except KeyboardInterrupt:
+        engine.abort(request_id)
+        out.write(" [stopped]")
+    out.write("\n")
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine, params = _engine(args), _params(args)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    stream(engine, prompt, params)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine, params = _engine(args), _params(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("kvforge chat: type a message; /reset clears the conversation, /exit (or Ctrl-D) quits.")
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history.clear()
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(system + history)
+        try:
+            reply = stream(engine, prompt, params)
+        except ValueError as exc:  # e.g. the conversation outgrew the context: say so, keep going
+            history.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvforge.app.bench import run_latency
+
+    run_latency(args)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover
+
+    for group in (QUANT_GROUP, DECODING_GROUP):
+        registry = discover(group)
+        print(f"{group}:")
+        if not registry.plugins and not registry.errors:
+            print("  (none installed)")
+        for name, cls in sorted(registry.plugins.items()):
+            print(f"  {name:<12} {registry.sources[name]:<24} {getattr(cls, 'description', '')}")
+            for option, schema in getattr(cls, "settings", {}).items():
+                print(f"      --{option}: {schema}")
+        for name, error in sorted(registry.errors.items()):
+            print(f"  {name:<12} FAILED: {error}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvforge", description="A workstation chat server for local LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and stream the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _engine_args(gen)
+    _sampling_args(gen, temperature=0.0)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streamed")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_args(chat)
+    _sampling_args(chat, temperature=0.7)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks against HF transformers, measured in the same run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    latency = bench_sub.add_parser("latency", help="prefill tok/s and batch-1 decode tok/s")
+    latency.add_argument("--model", default=None)
+    latency.add_argument("--dtypes", default="float32,bfloat16", help="kvforge dtypes to measure")
+    latency.add_argument("--prompt-tokens", type=int, default=256)
+    latency.add_argument("--decode-tokens", type=int, default=64)
+    latency.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is kept")
+    latency.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    latency.add_argument("--threads", type=int, default=None)
+    latency.set_defaults(func=cmd_bench)
+
+    plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
+    plugins.set_defaults(func=cmd_plugins)
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    print("kvforge")
-    return 0
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from kvforge.core.loader import ModelNotFoundError
+
+    try:
+        return args.func(args)
+    except (ModelNotFoundError, ValueError) as exc:  # user errors: one clear line, no traceback
+        print(f"kvforge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

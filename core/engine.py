@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvforge.core.config import EngineConfig
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.loader import load_config, resolve_model

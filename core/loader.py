@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from kvforge.core.models.registry import model_class_for
-from kvforge.core.plugins import QuantMethod
 from platformdirs import user_cache_dir
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
+
+from kvforge.core.models.registry import model_class_for
+from kvforge.core.plugins import QuantMethod
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,21 @@ def _download_from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(
             repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]))
     except Exception as exc:  # offline, unknown repo, gated repo, network error: one clear line
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelNotFoundError(
-            f"model {repo_id!r} is not a local path and could not be fetched from the hub "
-            f"({type(exc).__name__}: {reason[:200]})") from None
+            f"model {repo_id!r} is not a local path and could not be fetched from the hub: {_hub_reason(exc)}"
+        ) from None
+
+
+def _hub_reason(exc: Exception) -> str:
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if isinstance(exc, LocalEntryNotFoundError):
+        return "offline (or the hub is unreachable) and it is not in the local hub cache"
+    if isinstance(exc, GatedRepoError):
+        return "the repository is gated; log in with `hf auth login` first"
+    if isinstance(exc, RepositoryNotFoundError):
+        return "no such repository"
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
 
 
 def convert_gguf(gguf: Path) -> Path:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+
 from kvforge.core.sampling import SamplingParams
 
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
+
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
 from kvforge.core.context import StepContext, set_context
 from kvforge.core.distributed import tp_size

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvforge.core.context import StepContext, get_context
 from torch import nn
+
+from kvforge.core.context import StepContext, get_context
 
 
 class Attention(nn.Module):

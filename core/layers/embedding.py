@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kvforge.core.distributed import tp_rank, tp_size
 from kvforge.core.layers.linear import ColumnParallelLinear
-from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -9,9 +9,10 @@ place of its (possibly fused) parameter. A QuantMethod never sees fusion or tens
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from kvforge.core.distributed import all_reduce, tp_rank, tp_size
 from kvforge.core.plugins import QuantMethod
-from torch import nn
 
 
 def _dense() -> QuantMethod:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
 from kvforge.core.distributed import tp_size
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.attention import Attention
@@ -18,7 +20,6 @@ from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLi
 from kvforge.core.layers.norm import RMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, apply_rotary
 from kvforge.core.plugins import QuantMethod
-from torch import nn
 
 QuantFactory = Callable[[], QuantMethod]
 

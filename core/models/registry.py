@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvforge.core.models.llama import LlamaForCausalLM
 from torch import nn
+
+from kvforge.core.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvforge.core import SamplingParams
 from parity import compare, hf_greedy
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
-from parity import compare, hf_greedy
 
 from kvforge.core import LLM, SamplingParams
+from parity import compare, hf_greedy
 
 NEW_TOKENS = 24
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
