@@ -57,7 +57,7 @@ def stream(engine, prompt: Any, params, out=sys.stdout) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine, params = _engine(args), _params(args)
+    params, engine = _params(args), _engine(args)  # bad sampling values fail before the model loads
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     stream(engine, prompt, params)
@@ -65,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine, params = _engine(args), _params(args)
+    params, engine = _params(args), _engine(args)  # bad sampling values fail before the model loads
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()

@@ -131,7 +131,11 @@ def convert_gguf(gguf: Path) -> Path:
         config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)  # atomic: a half-written cache is never picked up
+        try:
+            os.replace(staging, target)  # atomic: a half-written cache is never picked up
+        except OSError:
+            if not (target / "model.safetensors").exists():  # not a concurrent conversion that won
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -42,9 +42,12 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block with none left returns to the free list."""
-        for block in reversed(blocks):  # reversed: a sequence's tail blocks are reused first
-            if self.ref_counts[block] < 1:
+        drops: dict[int, int] = {}
+        for block in blocks:  # check everything first: an invalid list frees nothing
+            drops[block] = drops.get(block, 0) + 1
+            if not 0 <= block < self.num_blocks or self.ref_counts[block] < drops[block]:
                 raise ValueError(f"block {block} freed more times than allocated")
+        for block in reversed(blocks):  # reversed: a sequence's tail blocks are reused first
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free.appendleft(block)

@@ -31,7 +31,7 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(0, ctx.slot_mapping, k)
         self.v_cache.index_copy_(0, ctx.slot_mapping, v)
         masks = attention_masks(ctx, self.sliding_window)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if len(ctx.seq_lens) > 1 else None
         starts = ctx.query_start_loc
         for i, context_len in enumerate(ctx.seq_lens):
             start, end = starts[i], starts[i + 1]
@@ -40,11 +40,13 @@ class Attention(nn.Module):
             else:
                 slots = ctx.context_slots[i]
                 keys, values = self.k_cache.index_select(0, slots), self.v_cache.index_select(0, slots)
-            mask = masks[i]
-            out[start:end] = F.scaled_dot_product_attention(
+            attended = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, scale=self.scale, enable_gqa=True,
+                attn_mask=masks[i], scale=self.scale, enable_gqa=True,
             ).transpose(0, 1)
+            if out is None:  # a single sequence: no copy into a shared output buffer
+                return attended.reshape(attended.shape[0], -1)
+            out[start:end] = attended
         return out.flatten(1)
 
 

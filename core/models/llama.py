@@ -61,13 +61,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        tokens, heads = qkv.shape[0], self.num_heads
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q = self.q_norm(qkv[:, : self.q_size].reshape(tokens, heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(tokens, -1, self.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        else:  # q and k sit side by side in the fused output: rotate both in one pass
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim), *rope)
+            q, k = qk[:, :heads], qk[:, heads:]
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvforge.core.kv.blocks import BlockPool, NoFreeBlocksError
 
 

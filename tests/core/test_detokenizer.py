@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
+
 from kvforge.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REPLACEMENT = "\ufffd"
 EMOJI = "🎉🚀 👩‍👩‍👧"
 CJK = "今天天气很好"
 ACCENTED = "Café naïve résumé Ångström, Zürich, façade, São Paulo"
-CODE = 'def fib(n: int) -> int:\n    """Return the n-th number."""\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n'
+CODE = ('def fib(n: int) -> int:\n    """Return the n-th number."""\n'
+        "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n")
 MIXED = f"Weather: {CJK}! {EMOJI} — {ACCENTED}\n```python\n{CODE}```"
 TEXTS = [EMOJI, CJK, ACCENTED, CODE, MIXED]
 

@@ -1,0 +1,71 @@
+"""The `kvforge` command line, run as a real subprocess on the embedded model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+QUESTION = "What is the capital of France? Answer briefly."
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "kvforge.app.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_converted(embedded_path):
+    """The GGUF conversion happens once, before the subprocesses start."""
+
+
+def test_generate_chat_answers():
+    result = run_cli("generate", QUESTION, "--chat", "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_generate_raw_completion_respects_max_tokens():
+    result = run_cli("generate", "The capital of France is", "--max-tokens", "3")
+    assert result.returncode == 0, result.stderr
+    assert 0 < len(result.stdout.strip()) < 40
+
+
+def test_chat_streams_replies_and_keeps_history():
+    script = f"{QUESTION}\nAnd of Italy? One word.\n/exit\n"
+    result = run_cli("chat", "--temperature", "0", "--max-tokens", "24", stdin=script)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "Rome" in result.stdout  # the second question only makes sense with the first in the history
+
+
+def test_missing_model_is_one_line_error_without_traceback():
+    result = run_cli("generate", "hi", "--model", "nobody/does-not-exist")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "nobody/does-not-exist" in lines[0]
+
+
+def test_invalid_sampling_value_names_the_field():
+    result = run_cli("generate", "hi", "--temperature", "-1")
+    assert result.returncode == 2
+    assert "temperature" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plugins_lists_builtin_dense_method():
+    result = run_cli("plugins")
+    assert result.returncode == 0, result.stderr
+    assert "kvforge.quant:" in result.stdout and "none" in result.stdout
+
+
+def test_bench_latency_prints_ratios_against_hf():
+    result = run_cli("bench", "latency", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1",
+                     "--dtypes", "float32")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(("HF", "kvforge"))}
+    assert set(rows) == {"HF", "kvforge"}
+    assert rows["kvforge"].rstrip().endswith("x")  # decode ratio against HF fp32, measured in this run
