@@ -19,8 +19,8 @@ class StepContext:
     seq_lens: list[int]  # [seqs] context length after this step (cached + new tokens)
     context_slots: list[torch.Tensor]  # [seqs] slots of each sequence's whole context, in order
     block_tables: torch.Tensor | None = None  # [seqs, max_blocks] (-1 padded), for paged kernels
-    # [seqs] per sequence: None (no mask needed) or a boolean [new, context] mask; keyed by window
-    masks: dict[int | None, list[torch.Tensor | None]] = field(default_factory=dict)
+    # attention masks per sequence, keyed by sliding-window size (see layers/attention.py)
+    masks: dict[int | None, list] = field(default_factory=dict)
 
 
 _context: StepContext | None = None

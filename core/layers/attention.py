@@ -40,27 +40,52 @@ class Attention(nn.Module):
             else:
                 slots = ctx.context_slots[i]
                 keys, values = self.k_cache.index_select(0, slots), self.v_cache.index_select(0, slots)
-            attended = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=masks[i], scale=self.scale, enable_gqa=True,
-            ).transpose(0, 1)
+            mask = masks[i]
+            if end - start == 1 and mask is None:
+                attended = single_query_attention(q[start], keys, values, self.scale)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                    attn_mask=None if mask is CAUSAL else mask, is_causal=mask is CAUSAL, scale=self.scale,
+                    enable_gqa=True,
+                ).transpose(0, 1).flatten(1)
             if out is None:  # a single sequence: no copy into a shared output buffer
-                return attended.reshape(attended.shape[0], -1)
-            out[start:end] = attended
+                return attended
+            out[start:end] = attended.view(-1, self.num_heads, self.head_dim)
         return out.flatten(1)
 
 
-def attention_masks(ctx: StepContext, window: int | None) -> list[torch.Tensor | None]:
-    """Boolean [new, context] masks per sequence (None where every key is visible), built once per
-    step and window size and shared by all layers."""
+def single_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token over its context: q [heads, head_dim], keys/values [context, kv_heads, head_dim]
+    -> [1, heads * head_dim]. Two batched matmuls over the kv-head groups: SDPA's general path costs
+    several times more per call at this size (a dozen small ops, dtype round trips)."""
+    dtype, kv_heads = q.dtype, keys.shape[1]
+    if dtype != torch.float32:  # CPU bf16/fp16 bmm at these odd shapes is ~10x slower than fp32
+        q, keys, values = q.float(), keys.float(), values.float()
+    grouped = q.view(kv_heads, -1, q.shape[-1])  # [kv_heads, queries per kv head, head_dim]
+    scores = torch.bmm(grouped, keys.permute(1, 2, 0)) * scale
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, values.transpose(0, 1)).view(1, -1).to(dtype)
+
+
+CAUSAL = object()  # mask marker: a fresh prompt chunk with no cached context; causal is all it needs
+
+
+def attention_masks(ctx: StepContext, window: int | None) -> list:
+    """Per sequence: None (every key visible), CAUSAL, or a boolean [new, context] mask; built once
+    per step and window size and shared by all layers."""
     if window not in ctx.masks:
-        masks: list[torch.Tensor | None] = []
+        masks: list = []
         starts = ctx.query_start_loc
         for i, context_len in enumerate(ctx.seq_lens):
             new = starts[i + 1] - starts[i]
-            if new == 1 and (window is None or context_len <= window):
-                masks.append(None)
-                continue
+            if window is None or context_len <= window:
+                if new == 1:
+                    masks.append(None)
+                    continue
+                if new == context_len:
+                    masks.append(CAUSAL)
+                    continue
             query_pos = torch.arange(context_len - new, context_len).unsqueeze(1)
             key_pos = torch.arange(context_len).unsqueeze(0)
             visible = key_pos <= query_pos
