@@ -1,7 +1,8 @@
 """kvforge's engine: `from kvforge.core import LLM, SamplingParams`."""
 
 from kvforge.core.config import EngineConfig
-from kvforge.core.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from kvforge.core.engine import LLM, CompletionOutput, LLMEngine
+from kvforge.core.output import RequestOutput
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
 

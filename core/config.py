@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # KV pool budget; ignored when num_kv_blocks is set
     num_kv_blocks: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True  # reuse the KV of equal prompt prefixes across requests
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (decode tokens + prefill chunks)
     seed: int = 0  # seeds requests that give no seed of their own

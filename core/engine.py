@@ -1,43 +1,37 @@
 """LLMEngine (the synchronous step loop) and LLM (the offline API).
 
-This loop is deliberately small: add requests, step until done. Each step schedules a batch,
-runs it, appends the sampled tokens, streams text deltas and frees the KV blocks of finished
-sequences.
+One step: schedule -> run the model on the flat batch -> sample -> append tokens, fork n-sample
+requests at their first token, check stop conditions, stream text deltas, free finished sequences'
+blocks (their full blocks stay in the prefix cache).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvforge.core.config import EngineConfig
+from kvforge.core.distributed import tp_size
 from kvforge.core.kv.blocks import BlockPool
-from kvforge.core.loader import load_config, resolve_model
+from kvforge.core.kv.manager import KVCacheManager
+from kvforge.core.loader import load_config, resolve_model, safetensors_files
+from kvforge.core.metrics import EngineStats, RateMeter, request_metrics
+from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
+from kvforge.core.sampler import SamplingBatch, sample
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import Scheduler
-from kvforge.core.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvforge.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request; `text` / `token_ids` are the totals so far."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -46,6 +40,9 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    index: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
@@ -56,84 +53,198 @@ class LLMEngine:
         self.hf_config = load_config(self.model_path)
         self.tokenizer = Tokenizer(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
-        self.block_pool = BlockPool(self.runner.num_blocks)
+        self.block_pool = BlockPool(self.runner.num_blocks, enable_caching=self.config.enable_prefix_caching)
+        self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
+        self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint)
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
-        self.scheduler = Scheduler(self.block_pool, self.config.block_size, self.max_model_len,
-                                   self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
-        self._sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its samples
+        self._outputs: dict[tuple[str, int], OutputState] = {}
+        self._pending_children: dict[tuple[str, int], list[Sequence]] = {}
+        self._generation_rate, self._prompt_rate = RateMeter(), RateMeter()
+        self._totals = dict(requests_finished=0, prompt_tokens_total=0, cached_tokens_total=0,
+                            generated_tokens_total=0)
+
+    # --- requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._sequences:
+        if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(
-                torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, prompt_ids, params, generator)
-        self.scheduler.add(seq)  # raises RequestRejected before anything runs
-        self._sequences[request_id] = seq
-        self._detokenizers[request_id] = self.tokenizer.detokenizer(params.skip_special_tokens)
+        self.scheduler.check_admissible(len(prompt_ids), params.max_tokens)  # before anything is queued
+        base_seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        arrival = next(self._arrivals)
+        samples = []
+        for index in range(params.n):
+            # Sample i of a seeded request draws from its own stream; sample 0 equals the n = 1 stream.
+            generator = None if params.greedy else torch.Generator().manual_seed(
+                base_seed if index == 0 else hash((base_seed, index)) & (2**62 - 1))
+            seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival)
+            samples.append(seq)
+            self._outputs[seq.key] = OutputState(self.tokenizer, params)
+        self.scheduler.add(samples[0])
+        if params.n > 1:  # the others fork off sample 0 once the prompt is computed
+            self._pending_children[samples[0].key] = samples[1:]
+        self._requests[request_id] = samples
+        self._totals["prompt_tokens_total"] += len(prompt_ids)
         return request_id
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def abort(self, request_id: str) -> None:
-        seq = self._sequences.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self._release(request_id)
-
-    def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        tokens = self.runner.run(batch)
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop every sample of the request now and free its blocks; returns their final outputs."""
         outputs = []
-        for item, token in zip(batch, tokens):
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            if token is None:
-                continue
-            seq.output_token_ids.append(token)
-            detok = self._detokenizers[seq.request_id]
-            reason = self._finish_reason(seq, token)
-            delta = "" if reason == "stop" and self._is_stop_token(seq, token) else detok.step(token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            outputs.append(RequestOutput(
-                seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), detok.text, delta, [token],
-                finished=reason is not None, finish_reason=reason))
-            if reason is not None:
-                self._release(seq.request_id)
+        for seq in self._requests.get(request_id, []):
+            if not seq.is_finished:  # running, waiting, or a sample not yet forked
+                self.scheduler.finish(seq, "abort")
+                outputs.append(self._final_output(seq, [], "abort"))
+        self._pending_children = {k: v for k, v in self._pending_children.items() if k[0] != request_id}
+        self._forget_if_done(request_id)
         return outputs
 
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        return token in seq.params.stop_token_ids or (
-            not seq.params.ignore_eos and token in self.tokenizer.eos_token_ids)
+    # --- the step -----------------------------------------------------------------------------
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if self._is_stop_token(seq, token):
-            return "stop"
-        if len(seq.output_token_ids) >= seq.params.max_tokens:
-            return "length"
-        return None
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        sampled, logits = self.runner.run(plan.scheduled)
+        prompt_tokens = 0
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.num_computed_tokens < len(seq.prompt_token_ids):
+                prompt_tokens += min(item.num_new_tokens, len(seq.prompt_token_ids) - seq.num_computed_tokens)
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(seq)
+        self._prompt_rate.add(prompt_tokens)
+        if not sampled:
+            return []
 
-    def _release(self, request_id: str) -> None:
-        self._sequences.pop(request_id, None)
-        self._detokenizers.pop(request_id, None)
+        seqs, rows, parents = [], [], []
+        for row, item in enumerate(sampled):
+            seqs.append(item.seq)
+            rows.append(row)
+            parents.append(None)
+            for child in self._pending_children.pop(item.seq.key, []):
+                seqs.append(child)
+                rows.append(row)
+                parents.append(item.seq)
+        if len(rows) != len(sampled):
+            logits = logits[rows]
+        result = sample(logits, SamplingBatch(
+            [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs], self.tokenizer.eos_token_ids))
+
+        now = time.monotonic()
+        copies, outputs = [], []
+        for i, seq in enumerate(seqs):
+            if parents[i] is not None:
+                copies.extend(self._fork(parents[i], seq))
+            token = result.token_ids[i]
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            logprob = None if result.logprobs[i] is None else TokenLogprob(
+                token, result.logprobs[i], result.top_logprobs[i])
+            outputs.append(self._process_token(seq, token, logprob))
+        self.runner.copy_blocks(copies)
+        self._generation_rate.add(len(seqs))
+        self._totals["generated_tokens_total"] += len(seqs)
+        return [o for o in outputs if o is not None]
+
+    def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        copies = self.kv.fork(parent, child)
+        if copies is None:  # no block for its copy of the partial block: recompute it later
+            self.scheduler.add_waiting(child)
+            return []
+        self.scheduler.add_running(child)
+        return copies
+
+    def _process_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
+        params, state = seq.params, self._outputs[seq.key]
+        is_stop_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+        generated = len(seq.output_token_ids)
+        stop_string = state.add_token(token, text_visible=not is_stop_token, num_output_tokens=generated)
+        if logprob is not None:
+            state.pending_logprobs.append(logprob)
+        reason = None
+        if (is_stop_token and generated >= params.min_tokens) or stop_string:
+            reason = "stop"
+        elif generated >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            return self._final_output(seq, state.pending_tokens, reason)
+        delta_text = state.take_delta(finished=False)
+        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
+                            state.emitted_text(), delta_text, state.pending_tokens,
+                            state.pending_logprobs if params.logprobs is not None else None,
+                            num_cached_tokens=seq.num_cached_tokens or 0)
+        state.pending_tokens, state.pending_logprobs = [], []
+        return out
+
+    def _final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None) -> RequestOutput:
+        state = self._outputs[seq.key]
+        delta_text = state.take_delta(finished=True)
+        metrics = request_metrics(seq)
+        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
+                            state.emitted_text(), delta_text, list(delta_tokens),
+                            state.pending_logprobs if seq.params.logprobs is not None else None,
+                            finished=True, finish_reason=seq.finish_reason or reason,
+                            num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)
+        state.pending_tokens, state.pending_logprobs = [], []
+        if seq.index == 0:
+            self._totals["cached_tokens_total"] += seq.num_cached_tokens or 0
+        self._totals["requests_finished"] += seq.index == 0
+        self._forget_if_done(seq.request_id)
+        return out
+
+    def _forget_if_done(self, request_id: str) -> None:
+        samples = self._requests.get(request_id, [])
+        if samples and all(s.is_finished for s in samples):
+            del self._requests[request_id]
+            for s in samples:
+                self._outputs.pop(s.key, None)
+
+    # --- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.block_pool
+        cached = pool.num_cached_free
+        return EngineStats(
+            kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used, kv_blocks_cached=cached,
+            kv_blocks_free=pool.num_free - cached, kv_cache_bytes=self.runner.kv_cache_bytes,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            generation_tokens_per_s=self._generation_rate.rate(), prompt_tokens_per_s=self._prompt_rate.rate(),
+            preemptions_total=self.scheduler.num_preemptions, **self._totals)
+
+
+def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) -> bytes:
+    """Root of every block hash: anything that changes the KV of a prefix changes it."""
+    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in safetensors_files(model_path)]
+    identity = {
+        "weights": weights, "config": (model_path / "config.json").read_text(),
+        "dtype": str(config.torch_dtype), "quant": config.quant, "quant_options": config.quant_options,
+        "kv_dtype": str(config.torch_dtype), "block_size": config.block_size, "tp_size": tp_size(),
+        "tokenizer": tokenizer.fingerprint(),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()[:16]
 
 
 class LLM:
@@ -144,7 +255,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None):
+        """One CompletionOutput per prompt; a list of n of them for requests with n > 1."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -158,16 +270,28 @@ class LLM:
             for request_id in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort(request_id)
             raise
-        final: dict[str, RequestOutput] = {}
+        final: dict[tuple[str, int], RequestOutput] = {}
+        logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.delta_logprobs:
+                    logprobs.setdefault((out.request_id, out.index), []).extend(out.delta_logprobs)
                 if out.finished:
-                    final[out.request_id] = out
-        return [CompletionOutput(final[i].prompt_token_ids, final[i].token_ids, final[i].text,
-                                 final[i].finish_reason) for i in ids]
+                    final[(out.request_id, out.index)] = out
+        results = []
+        for request_id, p in zip(ids, params_list):
+            samples = [_completion(final[(request_id, i)], logprobs.get((request_id, i)), p) for i in range(p.n)]
+            results.append(samples[0] if p.n == 1 else samples)
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | None = None) -> list[CompletionOutput]:
+             params: SamplingParams | list[SamplingParams] | None = None):
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params)
+
+
+def _completion(out: RequestOutput, logprobs: list[TokenLogprob] | None, params: SamplingParams) -> CompletionOutput:
+    return CompletionOutput(out.prompt_token_ids, out.token_ids, out.text, out.finish_reason, out.index,
+                            out.num_cached_tokens, (logprobs or []) if params.logprobs is not None else None,
+                            out.metrics or {})

@@ -1,7 +1,8 @@
-"""Sequence state: its tokens, its KV block table and how much of it the cache already holds."""
+"""Sequence state: its tokens, its KV block table, how much of it the cache holds, and its timings."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -21,12 +22,23 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None  # per-request RNG: same seed, same tokens, any batch
+    generator: torch.Generator | None = None  # per-sequence RNG: same seed, same tokens, any batch
+    index: int = 0  # which of the request's n samples
+    arrival: int = 0  # global arrival order: FCFS admission, latest-first preemption
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int | None = None  # prefix-cache hit on first admission
+    num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    children_pending: int = 0  # n > 1: samples still to fork off this sequence at its first token
+    # timings (time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -39,3 +51,7 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index

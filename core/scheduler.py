@@ -1,17 +1,20 @@
-"""A small first-come-first-served scheduler (replaced by the full continuous-batching one later).
+"""Token-budget continuous batching with chunked prefill, prefix caching and preemption.
 
-Each step spends a token budget: one token for every sequence that is decoding, then prefill
-chunks for the others, oldest first, so a long prompt is fed over several steps. A sequence is
-admitted only when the pool can hold all of its KV (prompt + max_tokens), so no running sequence
-ever runs out of blocks and nothing needs preempting.
+Every step spends up to `max_num_batched_tokens` under `max_num_seqs`: running sequences first, in
+arrival order (one token each when decoding, the next chunk when still prefilling), then waiting
+sequences, first come first served. When the KV pool runs out, the running sequence that arrived
+last is preempted: its blocks are freed (its full blocks stay in the prefix cache) and it is
+recomputed later, producing the same tokens. Admission control rejects, before anything runs, a
+request that could never fit the model's context or the whole KV pool.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import bisect
+import time
+from dataclasses import dataclass, field
 
-from kvforge.core.kv.blocks import BlockPool
+from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.request import Sequence, Status
 
 
@@ -25,62 +28,121 @@ class ScheduledSeq:
     num_new_tokens: int
 
 
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_model_len: int, max_num_seqs: int,
+    def __init__(self, kv: KVCacheManager, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
-        self.pool, self.block_size = pool, block_size
+        self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
 
-    def blocks_needed(self, seq: Sequence) -> int:
-        return -(-(len(seq.prompt_token_ids) + seq.params.max_tokens) // self.block_size)
-
-    def check_admissible(self, seq: Sequence) -> None:
-        total = len(seq.prompt_token_ids) + seq.params.max_tokens
-        if not seq.prompt_token_ids:
+    def check_admissible(self, prompt_len: int, max_tokens: int) -> None:
+        total = prompt_len + max_tokens
+        if prompt_len == 0:
             raise RequestRejected("prompt is empty")
         if total > self.max_model_len:
             raise RequestRejected(
-                f"prompt ({len(seq.prompt_token_ids)} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
-                f"exceeds the model's maximum context length of {self.max_model_len} tokens")
-        if self.blocks_needed(seq) > self.pool.num_blocks:
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
+                f"maximum context length of {self.max_model_len} tokens")
+        blocks = -(-total // self.kv.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            pool = self.kv.pool.num_blocks
             raise RequestRejected(
-                f"prompt + max_tokens = {total} tokens needs {self.blocks_needed(seq)} KV blocks; "
-                f"the KV pool has only {self.pool.num_blocks}")
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens needs {blocks} KV "
+                f"blocks; the KV pool has only {pool} ({pool * self.kv.block_size} tokens)")
 
     def add(self, seq: Sequence) -> None:
-        self.check_admissible(seq)
-        self.waiting.append(seq)
+        self.check_admissible(len(seq.prompt_token_ids), seq.params.max_tokens)
+        self._insert(self.waiting, seq)
+
+    @staticmethod
+    def _insert(queue: list[Sequence], seq: Sequence) -> None:
+        keys = [s.arrival for s in queue]
+        queue.insert(bisect.bisect_right(keys, seq.arrival), seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        while (self.waiting and len(self.running) < self.max_num_seqs
-               and self.blocks_needed(self.waiting[0]) <= self.pool.num_free):
-            seq = self.waiting.popleft()
-            seq.block_table = self.pool.allocate(self.blocks_needed(seq))
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+    def schedule(self, lookahead: int = 0) -> SchedulerOutput:
+        """Pick this step's work. `lookahead` reserves extra slots per decoding sequence (speculative
+        decoding verifies 1 + k tokens in a step)."""
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        batch: list[ScheduledSeq] = []
-        decoding = [s for s in self.running if s.num_computed_tokens >= len(s.prompt_token_ids)]
-        prefilling = [s for s in self.running if s.num_computed_tokens < len(s.prompt_token_ids)]
-        for seq in decoding + prefilling:  # decodes first: a long prefill must not stall them
-            if budget == 0:
-                break
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.append(ScheduledSeq(seq, n))
+            extra = lookahead if seq.num_computed_tokens >= len(seq.prompt_token_ids) else 0
+            while not self.kv.allocate(seq, n, extra):
+                victim = self.running[-1]  # the latest arrival: possibly this very sequence
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: everything after it already was too
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.kv.block_size, budget)
+            if not self.kv.admit(seq, hits, n):
+                break  # not enough KV right now; it stays first in line (FCFS, no overtaking)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self._insert(self.running, seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert(self.waiting, seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample joins the running set next to its parent."""
+        seq.status = Status.RUNNING
+        self._insert(self.running, seq)
+
+    def add_waiting(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self._insert(self.waiting, seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = Status.FINISHED, reason
-        if seq in self.running:
+        if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.finish_time = time.monotonic()
+        self.kv.free(seq)

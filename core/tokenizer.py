@@ -7,6 +7,7 @@ valid text, which is exactly the job, so we use it rather than re-implementing o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -29,6 +30,11 @@ class Tokenizer:
         if self.hf.eos_token_id is not None:
             ids.add(self.hf.eos_token_id)
         return ids
+
+    def fingerprint(self) -> str:
+        """Identifies the vocabulary, normalisation and chat template (part of the KV hash root)."""
+        content = self.hf.backend_tokenizer.to_str() + (self.hf.chat_template or "")
+        return hashlib.sha256(content.encode()).hexdigest()
 
     @property
     def vocab_size(self) -> int:

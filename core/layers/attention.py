@@ -1,8 +1,9 @@
 """Attention over the paged KV cache (CPU / portable path).
 
-The layer writes the step's new K/V into the cache through the slot mapping, then, sequence by
-sequence, attends the new queries over that sequence's whole context read back through its
-block table. Sequences are never padded to a common length.
+The layer writes the step's new K/V into the cache through the slot mapping. Prefill chunks then
+attend, one sequence at a time, over their context read back through the block table (SDPA).
+Decode tokens are attended in groups of similar context length with two batched matmuls, which
+keeps the number of operations per layer independent of the number of sequences.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core.context import StepContext, get_context
+from kvforge.core.context import DecodeGroup, PrefillSeq, StepContext, get_context
 
 
 class Attention(nn.Module):
@@ -30,67 +31,86 @@ class Attention(nn.Module):
         ctx = get_context()
         self.k_cache.index_copy_(0, ctx.slot_mapping, k)
         self.v_cache.index_copy_(0, ctx.slot_mapping, v)
-        masks = attention_masks(ctx, self.sliding_window)
-        out = torch.empty_like(q) if len(ctx.seq_lens) > 1 else None
-        starts = ctx.query_start_loc
-        for i, context_len in enumerate(ctx.seq_lens):
-            start, end = starts[i], starts[i + 1]
-            if context_len == end - start:  # nothing cached before this chunk: use the fresh K/V
-                keys, values = k[start:end], v[start:end]
-            else:
-                slots = ctx.context_slots[i]
-                keys, values = self.k_cache.index_select(0, slots), self.v_cache.index_select(0, slots)
-            mask = masks[i]
-            if end - start == 1 and mask is None:
-                attended = single_query_attention(q[start], keys, values, self.scale)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                    attn_mask=None if mask is CAUSAL else mask, is_causal=mask is CAUSAL, scale=self.scale,
-                    enable_gqa=True,
-                ).transpose(0, 1).flatten(1)
-            if out is None:  # a single sequence: no copy into a shared output buffer
-                return attended
-            out[start:end] = attended.view(-1, self.num_heads, self.head_dim)
-        return out.flatten(1)
+        if not ctx.prefills and len(ctx.decode_groups) == 1:  # the common decode step: no copies
+            return self._decode(ctx, 0, q)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        for i, seq in enumerate(ctx.prefills):
+            out[seq.start:seq.end] = self._prefill(ctx, i, seq, q, k, v)
+        for i, group in enumerate(ctx.decode_groups):
+            out[group.start:group.end] = self._decode(ctx, i, q)
+        return out
+
+    def _prefill(self, ctx: StepContext, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
+        new = seq.end - seq.start
+        if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
+            keys, values = k[seq.start:seq.end], v[seq.start:seq.end]
+        else:
+            keys = self.k_cache.index_select(0, seq.context_slots)
+            values = self.v_cache.index_select(0, seq.context_slots)
+        mask = prefill_mask(ctx, i, seq, self.sliding_window)
+        return F.scaled_dot_product_attention(
+            q[seq.start:seq.end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=None if mask is CAUSAL else mask, is_causal=mask is CAUSAL, scale=self.scale,
+            enable_gqa=True,
+        ).transpose(0, 1).flatten(1)
+
+    def _decode(self, ctx: StepContext, i: int, q: torch.Tensor) -> torch.Tensor:
+        group = ctx.decode_groups[i]
+        queries = q[group.start:group.end]
+        keys = self.k_cache[group.slots]  # [g, max_len, kv_heads, head_dim]
+        values = self.v_cache[group.slots]
+        return grouped_decode_attention(queries, keys, values, decode_mask(ctx, i, group, self.sliding_window),
+                                        self.scale)
 
 
-def single_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode token over its context: q [heads, head_dim], keys/values [context, kv_heads, head_dim]
-    -> [1, heads * head_dim]. Two batched matmuls over the kv-head groups: SDPA's general path costs
-    several times more per call at this size (a dozen small ops, dtype round trips)."""
-    dtype, kv_heads = q.dtype, keys.shape[1]
-    if dtype != torch.float32:  # CPU bf16/fp16 bmm at these odd shapes is ~10x slower than fp32
+def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [g, heads, head_dim]; keys/values [g, max_len, kv_heads, head_dim]; valid [g, max_len] or
+    None -> [g, heads * head_dim]. Computed in fp32: CPU bf16 batched matmuls at these odd shapes are
+    several times slower, and the softmax wants fp32 anyway."""
+    dtype = q.dtype
+    g, kv_heads, head_dim = q.shape[0], keys.shape[2], q.shape[2]
+    if dtype != torch.float32:
         q, keys, values = q.float(), keys.float(), values.float()
-    grouped = q.view(kv_heads, -1, q.shape[-1])  # [kv_heads, queries per kv head, head_dim]
-    scores = torch.bmm(grouped, keys.permute(1, 2, 0)) * scale
+    grouped = q.view(g, kv_heads, -1, head_dim)  # [g, kv_heads, queries per kv head, head_dim]
+    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)) * scale  # [g, kv_heads, qpk, max_len]
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs, values.transpose(0, 1)).view(1, -1).to(dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # [g, kv_heads, qpk, head_dim]
+    return out.reshape(g, -1).to(dtype)
 
 
 CAUSAL = object()  # mask marker: a fresh prompt chunk with no cached context; causal is all it needs
 
 
-def attention_masks(ctx: StepContext, window: int | None) -> list:
-    """Per sequence: None (every key visible), CAUSAL, or a boolean [new, context] mask; built once
-    per step and window size and shared by all layers."""
-    if window not in ctx.masks:
-        masks: list = []
-        starts = ctx.query_start_loc
-        for i, context_len in enumerate(ctx.seq_lens):
-            new = starts[i + 1] - starts[i]
-            if window is None or context_len <= window:
-                if new == 1:
-                    masks.append(None)
-                    continue
-                if new == context_len:
-                    masks.append(CAUSAL)
-                    continue
-            query_pos = torch.arange(context_len - new, context_len).unsqueeze(1)
-            key_pos = torch.arange(context_len).unsqueeze(0)
+def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
+    key = ("prefill", i, window)
+    if key not in ctx.masks:
+        new, length = seq.end - seq.start, seq.context_len
+        if new == length and (window is None or length <= window):
+            ctx.masks[key] = CAUSAL
+        else:
+            query_pos = torch.arange(length - new, length).unsqueeze(1)
+            key_pos = torch.arange(length).unsqueeze(0)
             visible = key_pos <= query_pos
             if window is not None:
                 visible &= key_pos > query_pos - window
-            masks.append(visible)
-        ctx.masks[window] = masks
-    return ctx.masks[window]
+            ctx.masks[key] = visible
+    return ctx.masks[key]
+
+
+def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None) -> torch.Tensor | None:
+    key = ("decode", i, window)
+    if key not in ctx.masks:
+        needs_window = window is not None and group.max_len > window
+        if group.uniform and not needs_window:
+            ctx.masks[key] = None
+        else:
+            pos = torch.arange(group.max_len).unsqueeze(0)
+            lengths = group.lengths.unsqueeze(1)
+            valid = pos < lengths
+            if needs_window:
+                valid &= pos >= lengths - window
+            ctx.masks[key] = valid
+    return ctx.masks[key]

@@ -17,7 +17,7 @@ def _clean_engine(request):
     yield
     if "embedded_llm" in request.fixturenames:
         engine = request.getfixturevalue("embedded_llm").engine
-        for request_id in list(engine._sequences):
+        for request_id in list(engine._requests):
             engine.abort(request_id)
 
 

@@ -1,0 +1,75 @@
+"""Request and engine metrics, read by the server's /metrics and the UI dashboard."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from kvforge.core.request import Sequence
+
+
+def request_metrics(seq: Sequence) -> dict:
+    """Per-request timings (seconds) and token counts, once the sequence has finished."""
+    generated = len(seq.output_token_ids)
+    first, finish = seq.first_token_time, seq.finish_time or time.monotonic()
+    return {
+        "queue_time": (seq.first_scheduled_time - seq.arrival_time) if seq.first_scheduled_time else None,
+        "ttft": (first - seq.arrival_time) if first else None,
+        "tpot": ((finish - first) / (generated - 1)) if first and generated > 1 else None,
+        "e2e_latency": finish - seq.arrival_time,
+        "prompt_tokens": len(seq.prompt_token_ids),
+        "cached_tokens": seq.num_cached_tokens or 0,
+        "generated_tokens": generated,
+        "preemptions": seq.num_preemptions,
+    }
+
+
+class RateMeter:
+    """Events per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, count: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._events.append((now, count))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = min(self.window_s, max(now - self._events[0][0], 1.0))  # >= 1 s: no burst spikes
+        return sum(count for _, count in self._events) / span
+
+
+@dataclass
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int  # unused blocks that still hold a reusable prefix
+    kv_blocks_free: int  # unused blocks holding nothing reusable
+    kv_cache_bytes: int
+    running: int
+    waiting: int
+    generation_tokens_per_s: float
+    prompt_tokens_per_s: float
+    requests_finished: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    generated_tokens_total: int
+    preemptions_total: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"prefix_cache_hit_rate": self.prefix_cache_hit_rate}

@@ -1,0 +1,78 @@
+"""Per-sequence output state: incremental text, stop strings across token boundaries, logprobs.
+
+Text is streamed through the UTF-8-safe detokenizer. With stop strings, the last
+(longest stop string - 1) characters are held back until they can no longer start a stop string,
+so a stop string never reaches the client, not even in part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.core.sampling import SamplingParams
+from kvforge.core.tokenizer import Tokenizer
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N (token id, logprob) pairs at this position
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sample of a request; `text` / `token_ids` are the totals so far."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    delta_logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] | None = None  # set on the final output
+
+
+@dataclass
+class OutputState:
+    tokenizer: Tokenizer
+    params: SamplingParams
+    text: str = ""  # decoded so far (after a stop string is found: cut before it)
+    sent: int = 0  # characters of `text` already streamed
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.detokenizer = self.tokenizer.detokenizer(self.params.skip_special_tokens)
+        self.hold_back = max((len(s) for s in self.params.stop), default=1) - 1
+
+    def add_token(self, token: int, text_visible: bool, num_output_tokens: int) -> bool:
+        """Append one token; True when a stop string was found (the text is then cut before it)."""
+        self.pending_tokens.append(token)
+        if not text_visible:
+            return False
+        before = len(self.text)
+        self.text += self.detokenizer.step(token)
+        if not self.params.stop or num_output_tokens < self.params.min_tokens:
+            return False
+        search_from = max(0, before - self.hold_back)
+        found = [i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            return True
+        return False
+
+    def take_delta(self, finished: bool) -> str:
+        limit = len(self.text) if finished else max(self.sent, len(self.text) - self.hold_back)
+        delta = self.text[self.sent:limit]
+        self.sent = limit
+        return delta
+
+    def emitted_text(self) -> str:
+        return self.text[: self.sent]
