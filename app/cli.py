@@ -102,6 +102,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from kvforge.app.bench import run_throughput
+
+    run_throughput(args)
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover
 
@@ -147,6 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     latency.add_argument("--threads", type=int, default=None)
     latency.set_defaults(func=cmd_bench)
+    throughput = bench_sub.add_parser(
+        "throughput", help="output tok/s of many chat requests at once, against HF sequential and static batches")
+    throughput.add_argument("--model", default=None)
+    throughput.add_argument("--dtype", default="float32", help="kvforge and HF dtype (default: float32)")
+    throughput.add_argument("--num-requests", type=int, default=64, help="chat requests, submitted at once")
+    throughput.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    throughput.add_argument("--max-num-seqs", type=int, default=64, help="kvforge: sequences in one step")
+    throughput.add_argument("--max-num-batched-tokens", type=int, default=2048, help="kvforge: tokens in one step")
+    throughput.add_argument("--kv-cache-gb", type=float, default=1.0, help="kvforge KV cache budget in GiB")
+    throughput.add_argument("--hf-sequential-requests", type=int, default=4,
+                            help="requests HF generates one at a time (default: 4)")
+    throughput.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
+    throughput.add_argument("--hf-batches", type=int, default=None,
+                            help="HF static batches to run (default: all, covering every request)")
+    throughput.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
+    throughput.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    throughput.add_argument("--threads", type=int, default=None)
+    throughput.set_defaults(func=cmd_bench_throughput)
 
     plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
     plugins.set_defaults(func=cmd_plugins)

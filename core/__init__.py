@@ -1,10 +1,11 @@
 """kvforge's engine: `from kvforge.core import LLM, SamplingParams`."""
 
+from kvforge.core.async_engine import AsyncEngine, RequestStream
 from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLM, CompletionOutput, LLMEngine
 from kvforge.core.output import RequestOutput
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "CompletionOutput", "RequestOutput",
-           "RequestRejected"]
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "RequestStream", "EngineConfig", "SamplingParams",
+           "CompletionOutput", "RequestOutput", "RequestRejected"]

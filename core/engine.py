@@ -104,6 +104,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        """True while any sample of the request has not finished."""
+        return request_id in self._requests
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop every sample of the request now and free its blocks; returns their final outputs."""
         outputs = []

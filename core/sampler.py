@@ -36,6 +36,7 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [batch.size, vocab] fp32 (modified in place)."""
     params = batch.params
@@ -114,5 +115,6 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass above it is < top_p
-    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    beyond = (mass_before >= top_p.unsqueeze(1)) & (ranks > 0) & (top_p < 1).unsqueeze(1)  # top_p = 1: off
+    sorted_logits = sorted_logits.masked_fill(beyond, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,173 @@
+"""AsyncEngine: the engine loop in a background thread, one async stream of deltas per request.
+
+Requests are validated in the caller's thread (so a bad request fails at once, before anything
+is queued) and handed to the loop thread, which applies new requests and aborts between steps;
+the loop never blocks the caller's event loop. Outputs are handed back to each stream's event
+loop thread-safely. A step that raises fails the requests in it, not the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from typing import Any
+
+from kvforge.core.engine import LLMEngine
+from kvforge.core.metrics import EngineStats
+from kvforge.core.output import RequestOutput
+from kvforge.core.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Async iterator of one request's RequestOutputs (all its samples), ending when all finish.
+    Leaving the iteration early (break, cancellation, a closed connection) aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int) -> None:
+        self.engine, self.request_id = engine, request_id
+        self._remaining = num_samples
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    @property
+    def finished(self) -> bool:
+        return self._remaining == 0
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._remaining == 0:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the client is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._remaining = 0
+            raise item
+        if item.finished:
+            self._remaining -= 1
+        return item
+
+    def abort(self) -> None:
+        if self._remaining:
+            self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine | None = None, **config: Any) -> None:
+        self.engine = engine or LLMEngine(**config)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._unfinished: dict[str, int] = {}  # samples of each request not yet delivered as finished
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        """Validate and queue a request; returns its stream. Must be called from a running event loop.
+        Raises ValueError (RequestRejected included) for a request that cannot run."""
+        if self._stopped:
+            raise RuntimeError("the engine is closed")
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.engine.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        self.engine.scheduler.check_admissible(len(prompt_ids), params.max_tokens)
+        request_id = request_id or f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, params.n)
+        self._streams[request_id] = stream
+        self._unfinished[request_id] = params.n
+        self._commands.put(("add", request_id, prompt_ids, params))
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort at the next step: its blocks are freed and its stream ends with finish_reason 'abort'."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step (safe to read from any thread)."""
+        return self._stats
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._stats = self.engine.stats()
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # fail the requests of this step, keep serving the others
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for output in outputs:
+                self._deliver(output)
+            self._stats = self.engine.stats()
+        self._fail_all(RuntimeError("the engine was closed"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt_ids, params = command
+                if request_id not in self._streams:
+                    continue  # aborted before it was added
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id=request_id)
+                except Exception as exc:
+                    self._unfinished.pop(request_id, None)
+                    self._streams.pop(request_id)._put(exc)
+            else:
+                for output in self.engine.abort(command[1]):
+                    self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        stream._put(output)
+        if output.finished:
+            self._unfinished[output.request_id] -= 1
+            if self._unfinished[output.request_id] == 0:
+                del self._streams[output.request_id], self._unfinished[output.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._unfinished.pop(request_id, None)
+            self._streams.pop(request_id)._put(exc)

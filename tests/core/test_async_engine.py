@@ -1,0 +1,123 @@
+"""AsyncEngine: the engine loop in a background thread with per-request async streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvforge.core import AsyncEngine, RequestRejected, SamplingParams
+
+PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Paris is the capital of", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def async_engine(embedded_llm):
+    engine = AsyncEngine(embedded_llm.engine)
+    yield engine
+    engine.close()
+
+
+def idle(engine: AsyncEngine) -> bool:
+    return not engine.engine.has_unfinished() and engine.engine.block_pool.num_used == 0
+
+
+async def collect(stream) -> tuple[str, list[int], list, str]:
+    text, tokens, deltas, reason = "", [], [], None
+    async for out in stream:
+        deltas.append(out.delta_text)
+        text += out.delta_text
+        tokens.extend(out.delta_token_ids)
+        reason = out.finish_reason
+        if out.finished:
+            assert out.text == text and out.token_ids == tokens
+    return text, tokens, deltas, reason
+
+
+def test_concurrent_streams_equal_offline_results(async_engine, embedded_llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    offline = [o.token_ids for o in embedded_llm.generate(PROMPTS, params)]
+
+    async def main():
+        streams = [async_engine.add_request(p, params) for p in PROMPTS]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(main())
+    assert [r[1] for r in results] == offline
+    assert all(r[3] == "length" for r in results)
+    assert all(len(r[2]) > 1 for r in results)  # streamed in several deltas, not one final blob
+    assert idle(async_engine)
+
+
+def test_abort_mid_stream_frees_blocks_and_ends_with_abort(async_engine):
+    async def main():
+        stream = async_engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        outputs = []
+        async for out in stream:
+            outputs.append(out)
+            if len(outputs) == 3:
+                async_engine.abort(stream.request_id)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert len(outputs[-1].token_ids) < 200
+    assert idle(async_engine)
+
+
+def test_leaving_the_stream_early_aborts_the_request(async_engine):
+    async def main():
+        stream = async_engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        async for _ in stream:
+            break  # like a client that disconnects
+        await stream.aclose()
+        for _ in range(200):  # the abort is applied at the engine's next step
+            if idle(async_engine):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_cancelled_consumer_aborts_the_request(async_engine):
+    async def main():
+        stream = async_engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        task = asyncio.create_task(collect(stream))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if idle(async_engine):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_requests_fail_at_once_and_queue_nothing(async_engine):
+    async def main():
+        with pytest.raises(RequestRejected, match="maximum context length"):
+            async_engine.add_request("hi", SamplingParams(max_tokens=10**6))
+        with pytest.raises(ValueError, match="prompt token ids"):
+            async_engine.add_request([10**9], SamplingParams(max_tokens=4))
+
+    asyncio.run(main())
+    assert idle(async_engine)
+    assert async_engine.stats().running == 0
+
+
+def test_n_samples_stream_every_index(async_engine):
+    async def main():
+        stream = async_engine.add_request(PROMPTS[3], SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=6))
+        finished = {}
+        async for out in stream:
+            if out.finished:
+                finished[out.index] = out.token_ids
+        return finished
+
+    finished = asyncio.run(main())
+    assert sorted(finished) == [0, 1, 2] and all(len(t) == 6 or t[-1] == 2 for t in finished.values())
+    assert idle(async_engine)
