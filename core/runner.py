@@ -18,7 +18,7 @@ from kvforge.core.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-DECODE_GROUP_SIZE = 16  # decode tokens attended together; similar lengths keep the padding small
+DECODE_GROUP_SIZE = 8  # decode tokens attended together; similar lengths keep the padding small
 
 
 class ModelRunner:
@@ -40,13 +40,15 @@ class ModelRunner:
         self.kv_bytes_per_block = self.block_size * kv_bytes_per_token(
             self.num_layers, self.num_kv_heads, self.head_dim, config.torch_dtype)
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // self.kv_bytes_per_block)
-        slots = self.num_blocks * self.block_size
-        shape = (self.num_layers, slots, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        # head-major paged layout (see layers/attention.py)
+        shape = (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
-        self._block_offsets = torch.arange(self.block_size, device=self.device)
+            attn.kv_cache = self.kv_cache[i]
+        # row offsets of each (K/V, head) plane in the 2-D views of a layer's cache (see context.py)
+        planes = torch.arange(2 * self.num_kv_heads, dtype=torch.long).unsqueeze(1)
+        self._plane_blocks = planes * self.num_blocks
+        self._plane_slots = planes * self.num_blocks * self.block_size
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -62,15 +64,8 @@ class ModelRunner:
                 total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         return total
 
-    def _slot_table(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
-        """[seqs, length] KV slots of positions 0..length-1 (rows past a table's end point at slot 0)."""
-        num_blocks = -(-length // self.block_size)
-        table = torch.zeros(len(block_tables), num_blocks, dtype=torch.long)
-        for row, blocks in enumerate(block_tables):
-            used = blocks[:num_blocks]
-            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        slots = table.unsqueeze(2) * self.block_size + self._block_offsets
-        return slots.view(len(block_tables), -1)[:, :length]
+    def _gather_rows(self, block_ids: list[int]) -> torch.Tensor:
+        return (self._plane_blocks + torch.tensor(block_ids, dtype=torch.long)).view(-1)
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext, list[ScheduledSeq]]:
         """Order the batch (decode tokens by context length, then prefill chunks) and build the step's
@@ -78,36 +73,40 @@ class ModelRunner:
         decodes = sorted((item for item in batch if item.num_new_tokens == 1),
                          key=lambda item: item.seq.num_computed_tokens)
         prefills = [item for item in batch if item.num_new_tokens > 1]
-        ordered = decodes + prefills
-        input_ids, positions, slot_mapping = [], [], []
+        size = self.block_size
+        input_ids, positions, slots = [], [], []
         groups: list[DecodeGroup] = []
         for first in range(0, len(decodes), DECODE_GROUP_SIZE):
             items = decodes[first:first + DECODE_GROUP_SIZE]
             lengths = [item.seq.num_computed_tokens + 1 for item in items]
-            slots = self._slot_table([item.seq.block_table for item in items], max(lengths))
-            lengths_t = torch.tensor(lengths, dtype=torch.long)
-            groups.append(DecodeGroup(first, first + len(items), slots, lengths_t, max(lengths),
-                                      uniform=min(lengths) == max(lengths)))
-            slot_mapping.append(slots.gather(1, (lengths_t - 1).unsqueeze(1)).squeeze(1))
+            blocks = -(-max(lengths) // size)
+            table = []
             for item, length in zip(items, lengths):
+                own = item.seq.block_table[:blocks]
+                table.extend(own + [0] * (blocks - len(own)))
                 input_ids.append(item.seq.token_ids[length - 1])
                 positions.append(length - 1)
+                slots.append(own[(length - 1) // size] * size + (length - 1) % size)
+            groups.append(DecodeGroup(first, first + len(items), self._gather_rows(table), blocks * size,
+                                      torch.tensor(lengths, dtype=torch.long)))
         prefill_seqs: list[PrefillSeq] = []
         for item in prefills:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            context_slots = self._slot_table([seq.block_table], end)[0]
-            slot_mapping.append(context_slots[start:end])
+            table = seq.block_table
+            slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            gather = self._gather_rows(table[: -(-end // size)]) if start > 0 else None
             row = len(positions) - item.num_new_tokens
-            prefill_seqs.append(PrefillSeq(row, row + item.num_new_tokens, end, context_slots))
+            prefill_seqs.append(PrefillSeq(row, row + item.num_new_tokens, end, gather))
+        write_rows = (self._plane_slots + torch.tensor(slots, dtype=torch.long)).view(-1)
         context = StepContext(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            slot_mapping=torch.cat(slot_mapping).to(self.device),
-            prefills=prefill_seqs, decode_groups=groups, num_tokens=len(positions),
+            write_rows=write_rows.to(self.device), prefills=prefill_seqs, decode_groups=groups,
+            num_tokens=len(positions),
         )
-        return torch.tensor(input_ids, dtype=torch.long, device=self.device), context, ordered
+        return torch.tensor(input_ids, dtype=torch.long, device=self.device), context, decodes + prefills
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
@@ -134,6 +133,4 @@ class ModelRunner:
         """Copy whole KV blocks (source -> destination) in every layer: forked samples get their own
         copy of the prompt's partial last block."""
         for src, dst in pairs:
-            size = self.block_size
-            for cache in (self.k_cache, self.v_cache):
-                cache[:, dst * size:(dst + 1) * size] = cache[:, src * size:(src + 1) * size]
+            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]

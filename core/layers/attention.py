@@ -1,9 +1,11 @@
 """Attention over the paged KV cache (CPU / portable path).
 
-The layer writes the step's new K/V into the cache through the slot mapping. Prefill chunks then
-attend, one sequence at a time, over their context read back through the block table (SDPA).
-Decode tokens are attended in groups of similar context length with two batched matmuls, which
-keeps the number of operations per layer independent of the number of sequences.
+The cache is head-major and paged: [2 (K, V), kv_heads, num_blocks, block_size, head_dim] per
+layer, so a gathered context comes out as [2, kv_heads, tokens, head_dim], the layout the matmuls
+want, and gathering copies whole blocks (see context.py). The layer first writes the step's new K/V.
+Prefill chunks attend one sequence at a time over their context (SDPA). Decode tokens attend in
+groups of similar context length with two batched matmuls, so the number of operations per layer
+does not grow with the number of sequences.
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        # Set by the model runner: this layer's slice of the KV pool, [slots, kv_heads, head_dim].
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        # Set by the model runner: this layer's slice of the KV pool,
+        # [2, kv_heads, blocks, block_size, head_dim].
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
         ctx = get_context()
-        self.k_cache.index_copy_(0, ctx.slot_mapping, k)
-        self.v_cache.index_copy_(0, ctx.slot_mapping, v)
+        new_kv = torch.stack((k, v)).transpose(1, 2).reshape(-1, self.head_dim)  # [(2, kv_heads, tokens), d]
+        self.kv_cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
         if not ctx.prefills and len(ctx.decode_groups) == 1:  # the common decode step: no copies
             return self._decode(ctx, 0, q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
@@ -43,42 +45,46 @@ class Attention(nn.Module):
     def _prefill(self, ctx: StepContext, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
         new = seq.end - seq.start
         if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
-            keys, values = k[seq.start:seq.end], v[seq.start:seq.end]
+            keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
         else:
-            keys = self.k_cache.index_select(0, seq.context_slots)
-            values = self.v_cache.index_select(0, seq.context_slots)
+            keys, values = self._gather(seq.gather_rows)[:, :, : seq.context_len].unbind(0)
         mask = prefill_mask(ctx, i, seq, self.sliding_window)
         return F.scaled_dot_product_attention(
-            q[seq.start:seq.end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            q[seq.start:seq.end].transpose(0, 1), keys, values,
             attn_mask=None if mask is CAUSAL else mask, is_causal=mask is CAUSAL, scale=self.scale,
             enable_gqa=True,
         ).transpose(0, 1).flatten(1)
 
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """K and V of the given blocks: [2, kv_heads, blocks * block_size, head_dim]."""
+        block_elems = self.kv_cache.shape[3] * self.head_dim
+        gathered = self.kv_cache.view(-1, block_elems).index_select(0, rows)
+        return gathered.view(2, self.num_kv_heads, -1, self.head_dim)
+
     def _decode(self, ctx: StepContext, i: int, q: torch.Tensor) -> torch.Tensor:
         group = ctx.decode_groups[i]
-        queries = q[group.start:group.end]
-        keys = self.k_cache[group.slots]  # [g, max_len, kv_heads, head_dim]
-        values = self.v_cache[group.slots]
-        return grouped_decode_attention(queries, keys, values, decode_mask(ctx, i, group, self.sliding_window),
-                                        self.scale)
+        g = group.end - group.start
+        keys, values = self._gather(group.gather_rows).view(2, self.num_kv_heads, g, -1, self.head_dim).unbind(0)
+        return grouped_decode_attention(q[group.start:group.end], keys, values,
+                                        decode_mask(ctx, i, group, self.sliding_window), self.scale)
 
 
 def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              valid: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [g, heads, head_dim]; keys/values [g, max_len, kv_heads, head_dim]; valid [g, max_len] or
+    """q [g, heads, head_dim]; keys/values [kv_heads, g, context, head_dim]; valid [g, context] or
     None -> [g, heads * head_dim]. Computed in fp32: CPU bf16 batched matmuls at these odd shapes are
     several times slower, and the softmax wants fp32 anyway."""
     dtype = q.dtype
-    g, kv_heads, head_dim = q.shape[0], keys.shape[2], q.shape[2]
+    kv_heads, g, _, head_dim = keys.shape
     if dtype != torch.float32:
         q, keys, values = q.float(), keys.float(), values.float()
-    grouped = q.view(g, kv_heads, -1, head_dim)  # [g, kv_heads, queries per kv head, head_dim]
-    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)) * scale  # [g, kv_heads, qpk, max_len]
+    grouped = q.view(g, kv_heads, -1, head_dim).transpose(0, 1)  # [kv_heads, g, queries per kv head, head_dim]
+    scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [kv_heads, g, qpk, context]
     if valid is not None:
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.transpose(1, 2))  # [g, kv_heads, qpk, head_dim]
-    return out.reshape(g, -1).to(dtype)
+    out = torch.matmul(probs, values)  # [kv_heads, g, qpk, head_dim]
+    return out.transpose(0, 1).reshape(g, -1).to(dtype)
 
 
 CAUSAL = object()  # mask marker: a fresh prompt chunk with no cached context; causal is all it needs
@@ -101,13 +107,15 @@ def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
 
 
 def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None) -> torch.Tensor | None:
+    """[g, blocks * block_size] visible keys (None when every gathered key is visible)."""
     key = ("decode", i, window)
     if key not in ctx.masks:
-        needs_window = window is not None and group.max_len > window
-        if group.uniform and not needs_window:
+        padded = group.padded_len
+        needs_window = window is not None and int(group.lengths.max()) > window
+        if bool((group.lengths == padded).all()) and not needs_window:
             ctx.masks[key] = None
         else:
-            pos = torch.arange(group.max_len).unsqueeze(0)
+            pos = torch.arange(padded).unsqueeze(0)
             lengths = group.lengths.unsqueeze(1)
             valid = pos < lengths
             if needs_window:

@@ -18,7 +18,7 @@ def test_reduced_precision_matches_fp32_answers(embedded_llm, embedded_path, dty
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     reference = [o.token_ids for o in embedded_llm.chat(conversations, params)]
     llm = LLM(str(embedded_path), dtype=dtype, progress=False, kv_cache_bytes=64 << 20)
-    assert llm.engine.runner.k_cache.dtype == llm.engine.config.torch_dtype
+    assert llm.engine.runner.kv_cache.dtype == llm.engine.config.torch_dtype
     outs = llm.chat(conversations, params)
     assert "Paris" in outs[0].text
     assert all(o.token_ids[0] == r[0] for o, r in zip(outs, reference))
