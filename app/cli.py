@@ -15,6 +15,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache budget in GiB (default: 1)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of equal prefixes")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -22,6 +23,11 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--temperature", type=float, default=temperature,
                         help=f"0 = greedy (default: {temperature})")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: 0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def _engine(args: argparse.Namespace):
@@ -29,13 +35,16 @@ def _engine(args: argparse.Namespace):
     from kvforge.core.config import EngineConfig
 
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads))
+                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
+                                  enable_prefix_caching=not args.no_prefix_caching))
 
 
 def _params(args: argparse.Namespace):
     from kvforge.core import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          stop=args.stop)
 
 
 def stream(engine, prompt: Any, params, out=sys.stdout) -> str:

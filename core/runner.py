@@ -46,8 +46,8 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache = self.kv_cache[i]
         # row offsets of each (K/V, head) plane in the 2-D views of a layer's cache (see context.py)
-        planes = torch.arange(2 * self.num_kv_heads, dtype=torch.long).unsqueeze(1)
-        self._plane_blocks = planes * self.num_blocks
+        planes = torch.arange(2 * self.num_kv_heads, dtype=torch.long).view(2, 1, self.num_kv_heads, 1)
+        self._plane_blocks = planes * self.num_blocks  # [2 (K/V), 1, kv_heads, 1]
         self._plane_slots = planes * self.num_blocks * self.block_size
 
     @property
@@ -64,8 +64,10 @@ class ModelRunner:
                 total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         return total
 
-    def _gather_rows(self, block_ids: list[int]) -> torch.Tensor:
-        return (self._plane_blocks + torch.tensor(block_ids, dtype=torch.long)).view(-1)
+    def _gather_rows(self, tables: list[list[int]]) -> torch.Tensor:
+        """Rows ordered (K/V, sequence, head, block): a gather yields [2, seqs, kv_heads, tokens, head_dim]."""
+        blocks = torch.tensor(tables, dtype=torch.long).unsqueeze(2)  # [seqs, blocks, 1]
+        return (self._plane_blocks + blocks.transpose(1, 2)).view(-1)
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext, list[ScheduledSeq]]:
         """Order the batch (decode tokens by context length, then prefill chunks) and build the step's
@@ -80,14 +82,14 @@ class ModelRunner:
             items = decodes[first:first + DECODE_GROUP_SIZE]
             lengths = [item.seq.num_computed_tokens + 1 for item in items]
             blocks = -(-max(lengths) // size)
-            table = []
+            tables = []
             for item, length in zip(items, lengths):
                 own = item.seq.block_table[:blocks]
-                table.extend(own + [0] * (blocks - len(own)))
+                tables.append(own + [0] * (blocks - len(own)))
                 input_ids.append(item.seq.token_ids[length - 1])
                 positions.append(length - 1)
                 slots.append(own[(length - 1) // size] * size + (length - 1) % size)
-            groups.append(DecodeGroup(first, first + len(items), self._gather_rows(table), blocks * size,
+            groups.append(DecodeGroup(first, first + len(items), self._gather_rows(tables), blocks * size,
                                       torch.tensor(lengths, dtype=torch.long)))
         prefill_seqs: list[PrefillSeq] = []
         for item in prefills:
@@ -97,10 +99,11 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            gather = self._gather_rows(table[: -(-end // size)]) if start > 0 else None
+            gather = self._gather_rows([table[: -(-end // size)]]) if start > 0 else None
             row = len(positions) - item.num_new_tokens
             prefill_seqs.append(PrefillSeq(row, row + item.num_new_tokens, end, gather))
-        write_rows = (self._plane_slots + torch.tensor(slots, dtype=torch.long)).view(-1)
+        # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
+        write_rows = (self._plane_slots + torch.tensor(slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
         context = StepContext(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             write_rows=write_rows.to(self.device), prefills=prefill_seqs, decode_groups=groups,

@@ -31,7 +31,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
         ctx = get_context()
-        new_kv = torch.stack((k, v)).transpose(1, 2).reshape(-1, self.head_dim)  # [(2, kv_heads, tokens), d]
+        new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
         self.kv_cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
         if not ctx.prefills and len(ctx.decode_groups) == 1:  # the common decode step: no copies
             return self._decode(ctx, 0, q)
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
             keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
         else:
-            keys, values = self._gather(seq.gather_rows)[:, :, : seq.context_len].unbind(0)
+            keys, values = self._gather(seq.gather_rows, 1)[:, 0, :, : seq.context_len].unbind(0)
         mask = prefill_mask(ctx, i, seq, self.sliding_window)
         return F.scaled_dot_product_attention(
             q[seq.start:seq.end].transpose(0, 1), keys, values,
@@ -55,36 +55,30 @@ class Attention(nn.Module):
             enable_gqa=True,
         ).transpose(0, 1).flatten(1)
 
-    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """K and V of the given blocks: [2, kv_heads, blocks * block_size, head_dim]."""
-        block_elems = self.kv_cache.shape[3] * self.head_dim
-        gathered = self.kv_cache.view(-1, block_elems).index_select(0, rows)
-        return gathered.view(2, self.num_kv_heads, -1, self.head_dim)
+    def _gather(self, rows: torch.Tensor, seqs: int) -> torch.Tensor:
+        """K and V of the given blocks: [2, seqs, kv_heads, blocks * block_size, head_dim]."""
+        gathered = self.kv_cache.view(-1, self.kv_cache.shape[3] * self.head_dim).index_select(0, rows)
+        return gathered.view(2, seqs, self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, ctx: StepContext, i: int, q: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence of the group, as three batched ops over (sequence, kv head):
+        scaled scores (+ additive padding mask), softmax, weighted values. Computed in fp32: CPU
+        bf16 batched matmuls at these odd shapes are several times slower."""
         group = ctx.decode_groups[i]
-        g = group.end - group.start
-        keys, values = self._gather(group.gather_rows).view(2, self.num_kv_heads, g, -1, self.head_dim).unbind(0)
-        return grouped_decode_attention(q[group.start:group.end], keys, values,
-                                        decode_mask(ctx, i, group, self.sliding_window), self.scale)
-
-
-def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                             valid: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [g, heads, head_dim]; keys/values [kv_heads, g, context, head_dim]; valid [g, context] or
-    None -> [g, heads * head_dim]. Computed in fp32: CPU bf16 batched matmuls at these odd shapes are
-    several times slower, and the softmax wants fp32 anyway."""
-    dtype = q.dtype
-    kv_heads, g, _, head_dim = keys.shape
-    if dtype != torch.float32:
-        q, keys, values = q.float(), keys.float(), values.float()
-    grouped = q.view(g, kv_heads, -1, head_dim).transpose(0, 1)  # [kv_heads, g, queries per kv head, head_dim]
-    scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [kv_heads, g, qpk, context]
-    if valid is not None:
-        scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values)  # [kv_heads, g, qpk, head_dim]
-    return out.transpose(0, 1).reshape(g, -1).to(dtype)
+        g, kv_heads, head_dim = group.end - group.start, self.num_kv_heads, self.head_dim
+        dtype = q.dtype
+        queries = (q[group.start:group.end].float() * self.scale).view(g * kv_heads, -1, head_dim)
+        kv = self._gather(group.gather_rows, g)
+        if dtype != torch.float32:
+            kv = kv.float()
+        keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
+        mask = decode_mask(ctx, i, group, self.sliding_window, queries.shape[1], kv_heads)
+        if mask is None:
+            scores = torch.bmm(queries, keys.transpose(1, 2))
+        else:
+            scores = torch.baddbmm(mask, queries, keys.transpose(1, 2))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [g * kv_heads, queries per head, head_dim]
+        return out.view(g, -1).to(dtype)
 
 
 CAUSAL = object()  # mask marker: a fresh prompt chunk with no cached context; causal is all it needs
@@ -106,8 +100,10 @@ def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
     return ctx.masks[key]
 
 
-def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None) -> torch.Tensor | None:
-    """[g, blocks * block_size] visible keys (None when every gathered key is visible)."""
+def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None, queries_per_head: int,
+                kv_heads: int) -> torch.Tensor | None:
+    """Additive mask [g * kv_heads, queries per head, padded_len] (0 visible, -inf hidden), or None when
+    every gathered key is visible. Built once per step and shared by all layers."""
     key = ("decode", i, window)
     if key not in ctx.masks:
         padded = group.padded_len
@@ -120,5 +116,8 @@ def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None
             valid = pos < lengths
             if needs_window:
                 valid &= pos >= lengths - window
-            ctx.masks[key] = valid
+            additive = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+            g = valid.shape[0]
+            ctx.masks[key] = additive.view(g, 1, 1, padded).expand(g, kv_heads, queries_per_head, padded) \
+                .reshape(g * kv_heads, queries_per_head, padded)
     return ctx.masks[key]
