@@ -41,7 +41,9 @@ def bench_kvforge(model: str | None, dtype: str, ids: list[int], decode_tokens: 
     from kvforge.core import LLMEngine, SamplingParams
     from kvforge.core.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=256 << 20, num_threads=threads),
+    # prefix caching off: every repeat must prefill the whole prompt again
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=256 << 20, num_threads=threads,
+                                    enable_prefix_caching=False),
                        progress=False)
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     prefill, decode = [], []
@@ -240,7 +242,9 @@ def throughput_kvforge(model: str, dtype: str, prompts: list[list[int]], output_
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    num_threads=args.threads), progress=False)
+                                    num_threads=args.threads,
+                                    enable_prefix_caching=not getattr(args, "no_prefix_caching", False)),
+                       progress=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request(_warm_ids(prompts), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():  # warm-up, outside the measurement

@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput", help="output tok/s of many chat requests at once, against HF sequential and static batches")
     throughput.add_argument("--model", default=None)
     throughput.add_argument("--dtype", default="float32", help="kvforge and HF dtype (default: float32)")
+    throughput.add_argument("--no-prefix-caching", action="store_true",
+                            help="kvforge: no reuse of the shared system prompt's KV")
     throughput.add_argument("--num-requests", type=int, default=64, help="chat requests, submitted at once")
     throughput.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     throughput.add_argument("--max-num-seqs", type=int, default=64, help="kvforge: sequences in one step")
