@@ -104,6 +104,52 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
+
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model in EMBEDDED_ALIASES:
+        return EMBEDDED_MODEL
+    return Path(args.model).stem if Path(args.model).exists() else args.model
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
+    if not is_loopback(args.host) and not api_key:
+        raise ValueError(f"refusing to bind {args.host} without an API key: pass --api-key or set "
+                         "KVFORGE_API_KEY, or bind 127.0.0.1")
+    import uvicorn
+
+    from kvforge.app.server import create_app
+    from kvforge.core import AsyncEngine
+
+    engine = AsyncEngine(_engine(args))
+    app = create_app(engine, served_model_name(args), api_key=api_key, max_pending=args.max_pending,
+                     default_max_tokens=args.default_max_tokens)
+    print(f"kvforge: serving {served_model_name(args)} on http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvforge.app.bench import run_latency
 
@@ -138,6 +184,18 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="A workstation chat server for local LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible REST server (default http://127.0.0.1:8000/v1)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="required to bind any non-loopback address "
+                       "(or KVFORGE_API_KEY); clients send 'Authorization: Bearer <key>'")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use")
+    serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503")
+    serve.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets none")
+    serve.add_argument("--log-level", default="info")
+    _engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and stream the text")
     gen.add_argument("prompt")

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the server (prometheus_client, one registry per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.output import RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvforge_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("kvforge_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("kvforge_cached_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.generated_tokens = Counter("kvforge_generated_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("kvforge_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvforge_tpot_seconds", "Time per output token", buckets=LATENCY_BUCKETS, registry=r)
+        self.gauges = {name: Gauge(f"kvforge_{name}", help_text, registry=r) for name, help_text in {
+            "kv_blocks_used": "KV blocks in use", "kv_blocks_cached": "Unused KV blocks holding a cached prefix",
+            "kv_blocks_free": "KV blocks holding nothing", "requests_running": "Sequences running",
+            "requests_waiting": "Sequences waiting", "generation_tokens_per_second": "Generated tokens/s (10 s)",
+        }.items()}
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics or {}
+        self.requests.labels(out.finish_reason or "unknown").inc()
+        if out.index == 0:
+            self.prompt_tokens.inc(m.get("prompt_tokens", 0))
+            self.cached_tokens.inc(m.get("cached_tokens", 0))
+        self.generated_tokens.inc(m.get("generated_tokens", 0))
+        if m.get("ttft") is not None:
+            self.ttft.observe(m["ttft"])
+        if m.get("tpot") is not None:
+            self.tpot.observe(m["tpot"])
+
+    def render(self) -> tuple[bytes, str]:
+        stats = self.engine.stats()
+        values = {"kv_blocks_used": stats.kv_blocks_used, "kv_blocks_cached": stats.kv_blocks_cached,
+                  "kv_blocks_free": stats.kv_blocks_free, "requests_running": stats.running,
+                  "requests_waiting": stats.waiting, "generation_tokens_per_second": stats.generation_tokens_per_s}
+        for name, value in values.items():
+            self.gauges[name].set(value)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

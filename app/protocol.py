@@ -1,0 +1,81 @@
+"""OpenAI-compatible request bodies (pydantic) and their translation into SamplingParams.
+
+Unknown fields are ignored (clients send many); known ones are validated, and any error becomes an
+HTTP 400 in OpenAI's error shape naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvforge.core.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: keep the text ones
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI names, plus extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=64)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # extras beyond OpenAI's schema (vLLM-style)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed,
+            max_tokens=self.requested_max_tokens() or default_max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False

@@ -1,0 +1,251 @@
+"""The FastAPI app: OpenAI-compatible REST API over one AsyncEngine.
+
+Routes: /v1/chat/completions, /v1/completions (streamed as server-sent events or whole),
+/v1/models, /health, /metrics (Prometheus). Errors come in OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}: 400 naming the bad field, 401 for a missing or wrong
+API key, 404 for an unknown model, 503 when the bounded queue is full. A client that disconnects
+has its request aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvforge.app.metrics import ServerMetrics
+from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.output import RequestOutput, TokenLogprob
+from kvforge.core.scheduler import RequestRejected
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_pending: int = 256,
+               default_max_tokens: int = 512) -> FastAPI:
+    app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine)
+    state = {"pending": 0}
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), None, kind)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):  # never a bare 500 page
+        return error_response(500, f"internal error: {type(exc).__name__}", None, "server_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                      None, "authentication_error", "invalid_api_key")
+        return await call_next(request)
+
+    def check_model(body: SamplingFields) -> None:
+        if body.model not in (None, "", model_name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           "model", "not_found_error", "model_not_found")
+
+    def submit(prompt, body: SamplingFields, logprobs: int | None):
+        try:
+            params = body.sampling_params(default_max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split()[0]) from None
+        if params.max_tokens == default_max_tokens and body.requested_max_tokens() is None:
+            # no explicit limit: fit what is left of the context instead of rejecting the request
+            room = engine.engine.max_model_len - len(prompt)
+            params.max_tokens = max(1, min(params.max_tokens, room))
+        if state["pending"] >= max_pending:
+            raise APIError(503, f"the server is busy ({max_pending} requests in flight); retry later", None,
+                           "server_busy", "queue_full")
+        try:
+            stream = engine.add_request(prompt, params)
+        except RequestRejected as exc:
+            raise APIError(400, str(exc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        return stream, params
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models():
+        runner = engine.engine.runner
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
+            "quant": engine.engine.config.quant, "dtype": engine.engine.config.dtype,
+            "max_model_len": engine.engine.max_model_len,
+            "memory": {"weights_bytes": runner.weight_bytes(), "kv_cache_bytes": runner.kv_cache_bytes},
+        }]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt = engine.tokenizer.apply_chat_template(messages)
+        except Exception as exc:  # a template that rejects this conversation (e.g. role order)
+            raise APIError(400, f"messages: {exc}", "messages") from None
+        return await respond(body, prompt, body.logprobs_count(), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return await respond(body, prompt, body.logprobs, chat=False)
+
+    async def respond(body: SamplingFields, prompt: list[int], logprobs: int | None, chat: bool):
+        stream, params = submit(prompt, body, logprobs)
+        state["pending"] += 1
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                sse(stream, request_id, created, chat, params.n, include_usage, len(prompt)),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            finals: dict[int, RequestOutput] = {}
+            token_logprobs: dict[int, list[TokenLogprob]] = {}
+            async for out in stream:
+                if out.delta_logprobs:
+                    token_logprobs.setdefault(out.index, []).extend(out.delta_logprobs)
+                if out.finished:
+                    finals[out.index] = out
+                    metrics.observe_finished(out)
+        finally:
+            state["pending"] -= 1
+            stream.abort()  # no-op once finished; frees everything if the client went away
+        choices = []
+        for i in range(params.n):
+            out = finals[i]
+            lp = format_logprobs(token_logprobs.get(i, []), chat, engine.tokenizer) if logprobs is not None else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": lp, "finish_reason": finish_reason(out)})
+            else:
+                choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
+                "timings": timings(finals[0])}
+
+    async def sse(stream, request_id: str, created: int, chat: bool, n: int, include_usage: bool,
+                  prompt_tokens: int) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list, **extra) -> str:
+            payload = {"id": request_id, "object": kind, "created": created, "model": model_name,
+                       "choices": choices, **extra}
+            return f"data: {json.dumps(payload)}\n\n"
+
+        finals: dict[int, RequestOutput] = {}
+        try:
+            if chat:
+                for i in range(n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            async for out in stream:
+                lp = format_logprobs(out.delta_logprobs, chat, engine.tokenizer) if out.delta_logprobs else None
+                if out.delta_text or lp:
+                    if chat:
+                        yield chunk([{"index": out.index, "delta": {"content": out.delta_text}, "logprobs": lp,
+                                      "finish_reason": None}])
+                    else:
+                        yield chunk([{"index": out.index, "text": out.delta_text, "logprobs": lp,
+                                      "finish_reason": None}])
+                if out.finished:
+                    finals[out.index] = out
+                    metrics.observe_finished(out)
+                    last = {"index": out.index, "logprobs": None, "finish_reason": finish_reason(out)}
+                    last.update({"delta": {}} if chat else {"text": ""})
+                    yield chunk([last], timings=timings(out))
+            if include_usage:
+                yield chunk([], usage=usage(finals.values(), prompt_tokens))
+            yield "data: [DONE]\n\n"
+        finally:
+            state["pending"] -= 1
+            stream.abort()  # the client disconnected mid-stream: stop it and free its KV blocks
+
+    return app
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def usage(finals, prompt_tokens: int) -> dict:
+    finals = list(finals)
+    completion = sum(len(o.token_ids) for o in finals)
+    cached = max((o.num_cached_tokens for o in finals), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def timings(out: RequestOutput) -> dict:
+    m = out.metrics or {}
+    tpot = m.get("tpot")
+    return {"ttft_ms": None if m.get("ttft") is None else round(m["ttft"] * 1000, 2),
+            "tpot_ms": None if tpot is None else round(tpot * 1000, 2),
+            "tokens_per_second": None if not tpot else round(1 / tpot, 2),
+            "queue_ms": None if m.get("queue_time") is None else round(m["queue_time"] * 1000, 2)}
+
+
+def format_logprobs(items: list[TokenLogprob], chat: bool, tokenizer) -> dict:
+    """OpenAI's logprobs objects: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "id": token_id}
+
+    if chat:
+        return {"content": [entry(i.token_id, i.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in i.top]}
+                            for i in items]}
+    return {"tokens": [entry(i.token_id, i.logprob)["token"] for i in items],
+            "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{entry(t, lp)["token"]: lp for t, lp in i.top} for i in items]}
