@@ -13,6 +13,7 @@ QUESTION = "What is the capital of France? Answer briefly."
 
 def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("KVFORGE_API_KEY", None)
     return subprocess.run([sys.executable, "-m", "kvforge.app.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -69,3 +70,9 @@ def test_bench_latency_prints_ratios_against_hf():
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(("HF", "kvforge"))}
     assert set(rows) == {"HF", "kvforge"}
     assert rows["kvforge"].rstrip().endswith("x")  # decode ratio against HF fp32, measured in this run
+
+
+def test_serve_refuses_a_public_address_without_an_api_key():
+    result = run_cli("serve", "--host", "0.0.0.0", "--port", "0")
+    assert result.returncode == 2
+    assert "API key" in result.stderr and "Traceback" not in result.stderr
