@@ -30,11 +30,12 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace, quant: str = "none", quant_options: dict | None = None):
     from kvforge.core import LLMEngine
     from kvforge.core.config import EngineConfig
 
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
+                                  quant_options=quant_options or {},
                                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                                   enable_prefix_caching=not args.no_prefix_caching))
 
@@ -134,19 +135,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and not api_key:
         raise ValueError(f"refusing to bind {args.host} without an API key: pass --api-key or set "
                          "KVFORGE_API_KEY, or bind 127.0.0.1")
+    from pathlib import Path
+
     import uvicorn
 
+    from kvforge.app.models import ModelHost, ModelSpec
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
 
-    engine = AsyncEngine(_engine(args))
-    app = create_app(engine, served_model_name(args), api_key=api_key, max_pending=args.max_pending,
-                     default_max_tokens=args.default_max_tokens)
+    def factory(spec: ModelSpec) -> AsyncEngine:
+        args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype})
+        return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options))
+
+    spec = ModelSpec(args.model, args.dtype, served_name=served_model_name(args))
+    host = ModelHost(factory, spec, factory(spec), Path(args.models_dir) if args.models_dir else None)
+    app = create_app(host, api_key=api_key, max_pending=args.max_pending, default_max_tokens=args.default_max_tokens)
     print(f"kvforge: serving {served_model_name(args)} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
-        engine.close()
+        host.close()
     return 0
 
 
@@ -194,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503")
     serve.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets none")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--models-dir", default=None, help="models the admin API may load (paths stay inside it)")
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.output import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, host) -> None:
+        self.host = host  # app.models.ModelHost: the engine changes when the model is swapped
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvforge_requests", "Finished requests by finish reason", ["finish_reason"],
@@ -42,7 +41,9 @@ class ServerMetrics:
             self.tpot.observe(m["tpot"])
 
     def render(self) -> tuple[bytes, str]:
-        stats = self.engine.stats()
+        if self.host.engine is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        stats = self.host.engine.stats()
         values = {"kv_blocks_used": stats.kv_blocks_used, "kv_blocks_cached": stats.kv_blocks_cached,
                   "kv_blocks_free": stats.kv_blocks_free, "requests_running": stats.running,
                   "requests_waiting": stats.waiting, "generation_tokens_per_second": stats.generation_tokens_per_s}

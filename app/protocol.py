@@ -79,3 +79,14 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+
+class LoadModelRequest(BaseModel):
+    """POST /admin/models/load: a model in the models directory (or the embedded default) and options."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quant: str = "none"
+    quant_options: dict[str, Any] = Field(default_factory=dict)
+    served_model_name: str | None = None

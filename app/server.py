@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvforge.app.metrics import ServerMetrics
-from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvforge.app.models import ModelHost, ModelSpec, NoModelLoaded
+from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.scheduler import RequestRejected
@@ -39,12 +40,22 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_pending: int = 256,
-               default_max_tokens: int = 512) -> FastAPI:
+def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
+    from kvforge.core.config import EngineConfig
+    from kvforge.core.engine import LLMEngine
+
+    return AsyncEngine(LLMEngine(EngineConfig(model=spec.model, dtype=spec.dtype, quant=spec.quant,
+                                              quant_options=spec.quant_options), progress=False))
+
+
+def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
+               max_pending: int = 256, default_max_tokens: int = 512, models_dir=None) -> FastAPI:
+    """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`."""
+    if isinstance(host, AsyncEngine):
+        host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name), host, models_dir)
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine)
-    state = {"pending": 0}
-    app.state.engine, app.state.metrics = engine, metrics
+    metrics = ServerMetrics(host)
+    app.state.host, app.state.metrics = host, metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -69,7 +80,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and request.url.path.startswith(("/v1", "/admin")):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
@@ -77,11 +88,14 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return await call_next(request)
 
     def check_model(body: SamplingFields) -> None:
-        if body.model not in (None, "", model_name):
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
+        if host.engine is None:
+            raise APIError(503, "no model is loaded; load one with POST /admin/models/load", None,
+                           "server_error", "no_model")
+        if body.model not in (None, "", host.name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {host.name!r}",
                            "model", "not_found_error", "model_not_found")
 
-    def submit(prompt, body: SamplingFields, logprobs: int | None):
+    def submit(engine, prompt, body: SamplingFields, logprobs: int | None):
         try:
             params = body.sampling_params(default_max_tokens, logprobs)
         except ValueError as exc:
@@ -90,9 +104,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             # no explicit limit: fit what is left of the context instead of rejecting the request
             room = engine.engine.max_model_len - len(prompt)
             params.max_tokens = max(1, min(params.max_tokens, room))
-        if state["pending"] >= max_pending:
-            raise APIError(503, f"the server is busy ({max_pending} requests in flight); retry later", None,
-                           "server_busy", "queue_full")
         try:
             stream = engine.add_request(prompt, params)
         except RequestRejected as exc:
@@ -104,26 +115,50 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name}
+        return {"status": "ok", "model": host.name}
 
     @app.get("/metrics")
     async def prometheus_metrics():
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card() -> dict:
+        core = host.current().engine
+        return {"id": host.name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
+                "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
+                "max_model_len": core.max_model_len,
+                "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes}}
+
     @app.get("/v1/models")
     async def list_models():
-        runner = engine.engine.runner
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
-            "quant": engine.engine.config.quant, "dtype": engine.engine.config.dtype,
-            "max_model_len": engine.engine.max_model_len,
-            "memory": {"weights_bytes": runner.weight_bytes(), "kv_cache_bytes": runner.kv_cache_bytes},
-        }]}
+        return {"object": "list", "data": [model_card()] if host.engine is not None else []}
+
+    @app.get("/admin/models")
+    async def admin_models():
+        return {"loaded": model_card() if host.engine is not None else None, "available": host.available(),
+                "in_flight": host.in_flight, "last_error": host.last_error}
+
+    @app.post("/admin/models/load")
+    async def admin_load(body: LoadModelRequest):
+        spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name)
+        try:
+            await host.load(spec)
+        except ValueError as exc:  # bad path, unknown plugin, bad dtype: the old model keeps serving
+            raise APIError(400, str(exc), "model") from None
+        except Exception as exc:
+            raise APIError(400, f"loading failed, the previous model keeps serving: {type(exc).__name__}: {exc}",
+                           "model") from None
+        return {"loaded": model_card()}
+
+    @app.post("/admin/models/unload")
+    async def admin_unload():
+        await host.unload()
+        return {"loaded": None}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
+        engine = host.current()
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         try:
@@ -135,20 +170,34 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
+        engine = host.current()
+        try:
+            prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
+        except Exception as exc:  # text the tokenizer cannot take (e.g. a lone UTF-16 surrogate)
+            raise APIError(400, f"prompt: cannot tokenize ({type(exc).__name__})", "prompt") from None
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         return await respond(body, prompt, body.logprobs, chat=False)
 
     async def respond(body: SamplingFields, prompt: list[int], logprobs: int | None, chat: bool):
-        stream, params = submit(prompt, body, logprobs)
-        state["pending"] += 1
+        if host.in_flight >= max_pending:
+            raise APIError(503, f"the server is busy ({max_pending} requests in flight); retry later", None,
+                           "server_busy", "queue_full")
+        try:
+            engine = await host.acquire()  # waits while a model swap is in progress
+        except NoModelLoaded as exc:
+            raise APIError(503, str(exc), None, "server_error", "no_model") from None
+        try:
+            stream, params = submit(engine, prompt, body, logprobs)
+        except BaseException:
+            host.release()
+            raise
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(stream, request_id, created, chat, params.n, include_usage, len(prompt)),
+                sse(engine, stream, request_id, created, chat, params.n, include_usage, len(prompt)),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             finals: dict[int, RequestOutput] = {}
@@ -160,7 +209,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     finals[out.index] = out
                     metrics.observe_finished(out)
         finally:
-            state["pending"] -= 1
+            host.release()
             stream.abort()  # no-op once finished; frees everything if the client went away
         choices = []
         for i in range(params.n):
@@ -172,15 +221,15 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             else:
                 choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model_name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
+                "model": host.name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
                 "timings": timings(finals[0])}
 
-    async def sse(stream, request_id: str, created: int, chat: bool, n: int, include_usage: bool,
+    async def sse(engine, stream, request_id: str, created: int, chat: bool, n: int, include_usage: bool,
                   prompt_tokens: int) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
-            payload = {"id": request_id, "object": kind, "created": created, "model": model_name,
+            payload = {"id": request_id, "object": kind, "created": created, "model": host.name,
                        "choices": choices, **extra}
             return f"data: {json.dumps(payload)}\n\n"
 
@@ -209,7 +258,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 yield chunk([], usage=usage(finals.values(), prompt_tokens))
             yield "data: [DONE]\n\n"
         finally:
-            state["pending"] -= 1
+            host.release()
             stream.abort()  # the client disconnected mid-stream: stop it and free its KV blocks
 
     return app

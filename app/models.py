@@ -1,0 +1,120 @@
+"""ModelHost: the model the server is serving, swapped without a process restart.
+
+A swap (load / unload / change of dtype or quant plugin) stops admitting new requests (they wait),
+lets the in-flight ones finish, builds the new engine off the event loop, then resumes. A failed
+load keeps the old model. Model paths given over the API are confined to the models directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
+
+
+class NoModelLoaded(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: str | None = None  # None: the embedded default
+    dtype: str = "float32"
+    quant: str = "none"
+    quant_options: dict[str, Any] = field(default_factory=dict)
+    served_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        return EMBEDDED_MODEL if self.model in EMBEDDED_ALIASES else Path(self.model).name
+
+
+class ModelHost:
+    def __init__(self, factory: Callable[[ModelSpec], AsyncEngine], spec: ModelSpec,
+                 engine: AsyncEngine | None = None, models_dir: Path | None = None) -> None:
+        self.factory, self.spec, self.engine = factory, spec, engine
+        self.models_dir = models_dir.resolve() if models_dir else None
+        self.in_flight = 0
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self._swap_lock = asyncio.Lock()
+        self.last_error: str | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self.spec.name if self.engine is not None else None
+
+    def current(self) -> AsyncEngine:
+        if self.engine is None:
+            raise NoModelLoaded("no model is loaded; load one with POST /admin/models/load")
+        return self.engine
+
+    async def acquire(self) -> AsyncEngine:
+        """Wait out a swap in progress, then count the caller as in flight (pair with release())."""
+        await self._ready.wait()
+        engine = self.current()
+        self.in_flight += 1
+        return engine
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    def confine(self, model: str | None) -> str | None:
+        """The embedded default, or a path inside the models directory; anything else is refused."""
+        if model in EMBEDDED_ALIASES:
+            return None
+        if self.models_dir is None:
+            raise ValueError("no models directory is configured (--models-dir); only the embedded model can be loaded")
+        path = (self.models_dir / model).resolve()
+        if not path.is_relative_to(self.models_dir):
+            raise ValueError(f"model path {model!r} is outside the models directory")
+        if not path.exists():
+            raise ValueError(f"model {model!r} not found in the models directory")
+        return str(path)
+
+    def available(self) -> list[str]:
+        names = [EMBEDDED_MODEL]
+        if self.models_dir and self.models_dir.is_dir():
+            names += sorted(p.name for p in self.models_dir.iterdir()
+                            if (p.is_dir() and (p / "config.json").exists()) or p.suffix == ".gguf")
+        return names
+
+    async def load(self, spec: ModelSpec) -> None:
+        spec = replace(spec, model=self.confine(spec.model))
+        async with self._swap_lock:
+            await self._drain()
+            try:
+                new = await asyncio.to_thread(self.factory, spec)
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._ready.set()
+                raise
+            old, self.engine, self.spec = self.engine, new, spec
+            self.last_error = None
+            self._ready.set()
+        if old is not None:
+            await asyncio.to_thread(old.close)
+
+    async def unload(self) -> None:
+        async with self._swap_lock:
+            await self._drain()
+            old, self.engine = self.engine, None
+            self._ready.set()
+        if old is not None:
+            await asyncio.to_thread(old.close)
+
+    async def _drain(self) -> None:
+        self._ready.clear()  # new requests wait from here on
+        while self.in_flight > 0:
+            await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

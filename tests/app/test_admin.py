@@ -1,0 +1,112 @@
+"""Model management without a restart: load / swap / unload through the admin API, in-flight requests
+finishing first, paths confined to the models directory, a failed load keeping the old model."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from kvforge.app.models import ModelHost, ModelSpec
+from kvforge.app.server import create_app, default_engine_factory
+from kvforge.core import AsyncEngine
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory, embedded_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.mktemp("models")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256,
+                         architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "tiny-llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_path / name, root / "tiny-llama" / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(embedded_llm, models_dir):
+    import uvicorn
+
+    host = ModelHost(default_engine_factory, ModelSpec(served_name=MODEL), AsyncEngine(embedded_llm.engine),
+                     models_dir)
+    app = create_app(host)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", host
+    uv.should_exit = True
+    thread.join(timeout=10)
+    host.close()
+
+
+def test_swap_waits_for_in_flight_requests_then_serves_the_new_model(server):
+    url, host = server
+    assert MODEL in httpx.get(f"{url}/admin/models").json()["available"]
+    done = {}
+
+    def long_stream():
+        payload = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                   "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=120) as r:
+            done["lines"] = [line for line in r.iter_lines() if line]
+
+    streamer = threading.Thread(target=long_stream)
+    streamer.start()
+    while host.in_flight == 0:
+        time.sleep(0.01)
+    r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama"}, timeout=120)
+    assert r.status_code == 200, r.text
+    streamer.join(timeout=120)
+    assert done["lines"][-1] == "data: [DONE]"
+    assert any('"finish_reason": "length"' in line for line in done["lines"])  # it ran to the end first
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny-llama"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("model, fragment", [("../../etc", "outside"), ("no-such-model", "not found"),
+                                             ("/etc", "outside")])
+def test_paths_stay_inside_the_models_directory(server, model, fragment):
+    url, _ = server
+    r = httpx.post(f"{url}/admin/models/load", json={"model": model})
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"]
+
+
+def test_failed_load_keeps_the_old_model(server):
+    url, host = server
+    before = host.name
+    r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama", "quant": "no-such-plugin"}, timeout=60)
+    assert r.status_code == 400 and "no-such-plugin" in r.json()["error"]["message"]
+    assert host.name == before
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_unload_then_load_the_embedded_model_again(server):
+    url, _ = server
+    assert httpx.post(f"{url}/admin/models/unload").json() == {"loaded": None}
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_model"
+    assert httpx.get(f"{url}/v1/models").json()["data"] == []
+    r = httpx.post(f"{url}/admin/models/load", json={"model": "embedded", "dtype": "bfloat16"}, timeout=120)
+    assert r.status_code == 200 and r.json()["loaded"]["dtype"] == "bfloat16"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
+                                                  "temperature": 0})
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
