@@ -129,11 +129,12 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
+    from kvforge.app.settings import resolve
 
-    api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
-    if not is_loopback(args.host) and not api_key:
-        raise ValueError(f"refusing to bind {args.host} without an API key: pass --api-key or set "
+    settings = resolve(args)
+    args = argparse.Namespace(**{**vars(args), **vars(settings)})  # the resolved values drive everything below
+    if not is_loopback(settings.host) and not settings.api_key:
+        raise ValueError(f"refusing to bind {settings.host} without an API key: pass --api-key or set "
                          "KVFORGE_API_KEY, or bind 127.0.0.1")
     from pathlib import Path
 
@@ -148,11 +149,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options))
 
     spec = ModelSpec(args.model, args.dtype, served_name=served_model_name(args))
-    host = ModelHost(factory, spec, factory(spec), Path(args.models_dir) if args.models_dir else None)
-    app = create_app(host, api_key=api_key, max_pending=args.max_pending, default_max_tokens=args.default_max_tokens)
-    print(f"kvforge: serving {served_model_name(args)} on http://{args.host}:{args.port}/v1", flush=True)
+    host = ModelHost(factory, spec, factory(spec), Path(args.models_dir).expanduser() if args.models_dir else None)
+    app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
+                     default_max_tokens=settings.default_max_tokens)
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM / Ctrl-C: end every open stream now (each gets its final chunk), then shut down
+            if host.engine is not None:
+                host.engine.abort_all()
+            super().handle_exit(sig, frame)
+
+    server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                           timeout_graceful_shutdown=5))
+    print(f"kvforge: serving {spec.name} on http://{settings.host}:{settings.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         host.close()
     return 0
@@ -193,17 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="A workstation chat server for local LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible REST server (default http://127.0.0.1:8000/v1)")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = sub.add_parser("serve", help="OpenAI-compatible REST server (default http://127.0.0.1:8000/v1)",
+                           description="Settings come from flags, then KVFORGE_<NAME> environment variables, "
+                           "then a TOML file (--config / KVFORGE_CONFIG), then defaults.")
+    serve.add_argument("--config", default=None, help="TOML settings file (keys = flag names with underscores)")
+    serve.add_argument("--host", default=None, help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="default: 8000")
     serve.add_argument("--api-key", default=None, help="required to bind any non-loopback address "
                        "(or KVFORGE_API_KEY); clients send 'Authorization: Bearer <key>'")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
-    serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503")
-    serve.add_argument("--default-max-tokens", type=int, default=512, help="when a request sets none")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--max-pending", type=int, default=None, help="requests in flight before 503 (256)")
+    serve.add_argument("--default-max-tokens", type=int, default=None, help="when a request sets none (512)")
+    serve.add_argument("--log-level", default=None, help="uvicorn log level (info)")
     serve.add_argument("--models-dir", default=None, help="models the admin API may load (paths stay inside it)")
-    _engine_args(serve)
+    serve.add_argument("--model", default=None,
+                       help="HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32)")
+    serve.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget in GiB (default: 1)")
+    serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
+    serve.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    serve.add_argument("--no-prefix-caching", action="store_true", default=None,
+                       help="do not reuse KV of equal prefixes")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and stream the text")

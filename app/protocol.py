@@ -40,7 +40,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extras beyond OpenAI's schema (vLLM-style)

@@ -107,6 +107,11 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (graceful shutdown): each stream still gets its final output."""
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe to read from any thread)."""
         return self._stats

@@ -1,0 +1,90 @@
+"""One settings object for `kvforge serve`, fed by (highest first) command-line flags, KVFORGE_*
+environment variables, an optional TOML file (--config or KVFORGE_CONFIG), then defaults.
+
+TOML keys are the flag names with underscores, at the top level or under [serve]:
+    port = 8080
+    dtype = "bfloat16"
+    models_dir = "~/models"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    models_dir: str | None = None
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    kv_cache_gb: float = 1.0
+    block_size: int = 16
+    threads: int | None = None
+    no_prefix_caching: bool = False
+    max_pending: int = 256
+    default_max_tokens: int = 512
+    log_level: str = "info"
+
+
+def _convert(name: str, raw, target: type) -> object:
+    if raw is None:
+        return None
+    kind = target if isinstance(target, type) else str(target)
+    try:
+        if kind in (bool, "bool"):
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if "int" in str(kind) and "float" not in str(kind):
+            return int(raw)
+        if "float" in str(kind):
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"setting {name}: invalid value {raw!r}") from None
+
+
+def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
+    """Flags given on the command line win over the environment, which wins over the TOML file."""
+    environ = os.environ if environ is None else environ
+    config_path = getattr(args, "config", None) or environ.get("KVFORGE_CONFIG")
+    table: dict = {}
+    if config_path:
+        path = Path(config_path).expanduser()
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"config file {path}: {exc}") from None
+        table = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data.get("serve", {})}
+        unknown = sorted(set(table) - {f.name for f in fields(ServeSettings)})
+        if unknown:
+            raise ValueError(f"config file {path}: unknown settings {', '.join(unknown)}")
+    settings = ServeSettings()
+    for f in fields(ServeSettings):
+        value = table.get(f.name)
+        env = environ.get(f"KVFORGE_{f.name.upper()}")
+        if env is not None:
+            value = env
+        flag = getattr(args, f.name, None)
+        if flag is not None and flag is not False:
+            value = flag
+        if value is not None:
+            setattr(settings, f.name, _convert(f.name, value, f.type))
+    return settings
