@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     throughput.add_argument("--threads", type=int, default=None)
     throughput.set_defaults(func=cmd_bench_throughput)
+    from kvforge.app.bench_serve import add_parser as add_serve_bench
+
+    add_serve_bench(bench_sub)
 
     plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
     plugins.set_defaults(func=cmd_plugins)

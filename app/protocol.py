@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvforge.core.sampling import SamplingParams
 
@@ -21,6 +21,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = ""
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_are_strings(cls, content):
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") == "text" and not isinstance(part.get("text", ""), str):
+                raise ValueError("a text content part's 'text' must be a string")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
@@ -44,7 +52,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extras beyond OpenAI's schema (vLLM-style)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=2**63 - 1)  # the sampler holds it in an int64 tensor
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0)
     min_tokens: int = Field(default=0, ge=0)

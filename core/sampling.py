@@ -41,7 +41,7 @@ class SamplingParams:
             ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
             ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number >= 0"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "an integer >= -1 (0 or -1 = off)"),
+            ("top_k", _is_int(self.top_k) and -1 <= self.top_k < 2**62, "an integer >= -1 (0 or -1 = off)"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "a number > 0"),
@@ -49,7 +49,8 @@ class SamplingParams:
              "a number in [-2, 2]"),
             ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              "a number in [-2, 2]"),
-            ("seed", self.seed is None or _is_int(self.seed), "an integer"),
+            ("seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+             "an integer in [-2**63, 2**64)"),
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
             ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= (
                 self.max_tokens if _is_int(self.max_tokens) else 0), "an integer in [0, max_tokens]"),

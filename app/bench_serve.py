@@ -1,0 +1,198 @@
+"""`kvforge bench serve`: the whole serving path under load. Starts the OpenAI-compatible server in this
+process (uvicorn on a free 127.0.0.1 port, in a thread), then for each concurrency level runs that many
+streaming HTTP clients at once, each sending its chat requests one after another, and measures from the
+client side: requests/s, output tok/s, TTFT (time to the first content delta) and TPOT ((last - first
+token time) / (tokens - 1)), p50 and p99."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+MODEL_NAME = "kvforge-bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(engine, max_pending: int):
+    """The server on a free loopback port, in a daemon thread; yields its base URL."""
+    import uvicorn
+
+    from kvforge.app.server import create_app
+
+    app = create_app(engine, MODEL_NAME, max_pending=max_pending)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, name="kvforge-bench-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the bench server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+async def _stream_one(client, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat request; client-side times of every content delta."""
+    payload = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    token_times: list[float] = []
+    completion_tokens = None
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {response.status_code}: {body[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if choice.get("delta", {}).get("content"):
+                    token_times.append(time.perf_counter())
+    end = time.perf_counter()
+    tokens = completion_tokens if completion_tokens is not None else len(token_times)
+    ttft = token_times[0] - start if token_times else None
+    # deltas can carry several tokens (held back while text is incomplete): spread over the token count
+    tpot = (token_times[-1] - token_times[0]) / (tokens - 1) if token_times and tokens > 1 else None
+    return {"tokens": tokens, "ttft": ttft, "tpot": tpot, "latency": end - start}
+
+
+async def _run_level(url: str, concurrency: int, requests_per_client: int, max_tokens: int,
+                     prompts: list[list[dict]], timeout: float) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+
+        async def one_client(c: int) -> list[dict]:
+            return [await _stream_one(client, prompts[(c * requests_per_client + r) % len(prompts)], max_tokens)
+                    for r in range(requests_per_client)]
+
+        start = time.perf_counter()
+        per_client = await asyncio.gather(*(one_client(c) for c in range(concurrency)))
+        wall = time.perf_counter() - start
+    return _summarize(concurrency, [r for rs in per_client for r in rs], wall)
+
+
+def _summarize(concurrency: int, results: list[dict], wall: float) -> dict:
+    from kvforge.app.bench import percentile
+
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+            "requests_per_s": len(results) / wall, "output_tok_s": tokens / wall,
+            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)}}
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if not levels or any(level < 1 for level in levels):
+        raise ValueError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _print_table(report: dict) -> None:
+    print(f"model {report['model']}; dtype {report['dtype']}; {report['threads']} threads; "
+          f"{report['requests_per_client']} requests per client, {report['max_tokens']} output tokens each "
+          f"(greedy, ignore_eos), streamed over HTTP")
+    header = (f"{'concurrency':>11}  {'requests':>8}  {'req/s':>7}  {'out tok/s':>9}  {'TTFT p50':>9}  "
+              f"{'TTFT p99':>9}  {'TPOT p50':>9}  {'TPOT p99':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in report["levels"]:
+        print(f"{r['concurrency']:>11}  {r['requests']:>8}  {r['requests_per_s']:>7.2f}  {r['output_tok_s']:>9.1f}  "
+              f"{_ms(r['ttft_s']['p50']):>9}  {_ms(r['ttft_s']['p99']):>9}  {_ms(r['tpot_s']['p50']):>9}  "
+              f"{_ms(r['tpot_s']['p99']):>9}")
+    print("(TTFT and TPOT in ms, measured by the clients)")
+
+
+def run_serve_bench(args: argparse.Namespace) -> dict:
+    import torch
+
+    from kvforge.app.bench import chat_messages
+    from kvforge.core import AsyncEngine, LLMEngine
+    from kvforge.core.config import EngineConfig
+    from kvforge.core.loader import resolve_model
+
+    levels = _levels(args.concurrency)
+    for name in ("requests_per_client", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    EngineConfig(dtype=args.dtype)  # a bad dtype fails before anything loads
+    path = resolve_model(args.model)
+    config = EngineConfig(model=str(path), dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+                          max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    engine = AsyncEngine(LLMEngine(config, progress=False))
+    prompts = chat_messages(max(levels) * args.requests_per_client)
+    report = {"model": path.name, "dtype": args.dtype,
+              "threads": torch.get_num_threads(), "requests_per_client": args.requests_per_client,
+              "max_tokens": args.max_tokens, "levels": []}
+    try:
+        with serving(engine, max_pending=max(levels) + 16) as url:
+            # warm-up, outside the measurement: one short request through the whole stack
+            asyncio.run(_run_level(url, 1, 1, 2, [[{"role": "user", "content": "Hello"}]], args.timeout))
+            for level in levels:
+                report["levels"].append(asyncio.run(_run_level(url, level, args.requests_per_client,
+                                                               args.max_tokens, prompts, args.timeout)))
+    finally:
+        engine.close()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report)
+    return report
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    run_serve_bench(args)
+    return 0
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    """Register `serve` on the `kvforge bench` subcommands."""
+    serve = bench_sub.add_parser("serve", help="requests/s, tok/s, TTFT and TPOT of concurrent streaming HTTP clients")
+    serve.add_argument("--model", default=None)
+    serve.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
+    serve.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts (default: 1,4,16,64)")
+    serve.add_argument("--requests-per-client", type=int, default=2, help="chat requests each client sends in turn")
+    serve.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step")
+    serve.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache budget in GiB")
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument("--timeout", type=float, default=600, help="per-request HTTP timeout in seconds")
+    serve.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    serve.set_defaults(func=cmd_bench_serve)
+    return serve
