@@ -199,3 +199,19 @@ def test_full_queue_is_503_and_frees_on_close(server):
     assert wait_idle(engine)
     ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=headers)
     assert ok.status_code == 200
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def ask():
+        return client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=1.0, seed=42,
+                                              max_tokens=12).choices[0].message.content
+
+    assert ask() == ask()
+
+
+def test_cors_is_closed_by_default(server):
+    preflight = httpx.options(f"{server[0]}/v1/chat/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in {k.lower() for k in preflight.headers}
+    r = httpx.get(f"{server[0]}/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in {k.lower() for k in r.headers}
