@@ -142,6 +142,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
 
     from kvforge.app.bench import chat_messages
     from kvforge.core import AsyncEngine, LLMEngine
+    from kvforge.core.async_engine import build_off_main_thread
     from kvforge.core.config import EngineConfig
     from kvforge.core.loader import resolve_model
 
@@ -154,7 +155,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     config = EngineConfig(model=str(path), dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                           max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                           enable_prefix_caching=not args.no_prefix_caching)
-    engine = AsyncEngine(LLMEngine(config, progress=False))
+    engine = AsyncEngine(build_off_main_thread(lambda: LLMEngine(config, progress=False)))
     prompts = chat_messages(max(levels) * args.requests_per_client)
     report = {"model": path.name, "dtype": args.dtype,
               "threads": torch.get_num_threads(), "requests_per_client": args.requests_per_client,

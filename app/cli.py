@@ -143,13 +143,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.app.models import ModelHost, ModelSpec
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
+    from kvforge.core.async_engine import build_off_main_thread
 
     def factory(spec: ModelSpec) -> AsyncEngine:
         args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype})
         return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options))
 
     spec = ModelSpec(args.model, args.dtype, served_name=served_model_name(args))
-    host = ModelHost(factory, spec, factory(spec), Path(args.models_dir).expanduser() if args.models_dir else None)
+    first = build_off_main_thread(lambda: factory(spec))
+    host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
     app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
                      default_max_tokens=settings.default_max_tokens)
 
