@@ -9,43 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import threading
 import time
 from contextlib import contextmanager
 
+from kvforge.app.threaded_server import serve_in_thread
+
 MODEL_NAME = "kvforge-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
 def serving(engine, max_pending: int):
     """The server on a free loopback port, in a daemon thread; yields its base URL."""
-    import uvicorn
-
     from kvforge.app.server import create_app
 
-    app = create_app(engine, MODEL_NAME, max_pending=max_pending)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name="kvforge-bench-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the bench server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(create_app(engine, MODEL_NAME, max_pending=max_pending)) as url:
+        yield url
 
 
 async def _stream_one(client, messages: list[dict], max_tokens: int) -> dict:

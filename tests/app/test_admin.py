@@ -4,7 +4,6 @@ finishing first, paths confined to the models directory, a failed load keeping t
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 import time
 
@@ -14,6 +13,7 @@ import torch
 
 from kvforge.app.models import ModelHost, ModelSpec
 from kvforge.app.server import create_app, default_engine_factory
+from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,22 +36,10 @@ def models_dir(tmp_path_factory, embedded_path):
 
 @pytest.fixture(scope="module")
 def server(embedded_llm, models_dir):
-    import uvicorn
-
     host = ModelHost(default_engine_factory, ModelSpec(served_name=MODEL), AsyncEngine(embedded_llm.engine),
                      models_dir)
-    app = create_app(host)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", host
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(host)) as url:
+        yield url, host
     host.close()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 
 from kvforge.app.cli import build_parser
 from kvforge.app.settings import resolve
+from kvforge.app.threaded_server import free_port
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -44,9 +44,7 @@ def test_bad_settings_are_clear_errors(tmp_path, content, fragment):
 
 
 def test_sigterm_ends_open_streams_with_a_final_chunk_and_exits_fast(tmp_path, embedded_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = tmp_path / "serve.toml"
     config.write_text('served_model_name = "local-smol"\napi_key = "k1"\nlog_level = "warning"\n')
     env = dict(os.environ, HF_HUB_OFFLINE="1", KVFORGE_PORT=str(port))

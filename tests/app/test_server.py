@@ -4,14 +4,12 @@ OpenAI's shape, API keys, client disconnects, /metrics and /health."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import pytest
 
+from engine_helpers import wait_idle
 from kvforge.app.server import create_app
+from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
@@ -19,30 +17,11 @@ MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key-123"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(embedded_llm):
-    import uvicorn
-
     engine = AsyncEngine(embedded_llm.engine)
-    app = create_app(engine, MODEL, api_key=API_KEY, max_pending=8)
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2)
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(engine, MODEL, api_key=API_KEY, max_pending=8)) as url:
+        yield url, engine
     engine.close()
 
 
@@ -51,15 +30,6 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def wait_idle(engine: AsyncEngine, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not engine.engine.has_unfinished() and engine.engine.block_pool.num_used == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_chat_completion_with_openai_client(client, server):

@@ -7,50 +7,22 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_helpers import wait_idle
 from kvforge.app.server import create_app
+from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "robust-key-456"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS_CAP = 4  # the fuzzer never lets the model run long
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _serve(app):
-    import uvicorn
-
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2)
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    assert uv.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +35,15 @@ def engine(embedded_llm):
 @pytest.fixture(scope="module")
 def fuzz_server(engine):
     """Small queue, and a small default max_tokens so bodies without a limit stay short too."""
-    with _serve(create_app(engine, MODEL, api_key=API_KEY, max_pending=16, default_max_tokens=MAX_TOKENS_CAP)) as url:
+    app = create_app(engine, MODEL, api_key=API_KEY, max_pending=16, default_max_tokens=MAX_TOKENS_CAP)
+    with serve_in_thread(app) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def load_server(engine):
-    with _serve(create_app(engine, MODEL, api_key=API_KEY, max_pending=128)) as url:
+    with serve_in_thread(create_app(engine, MODEL, api_key=API_KEY, max_pending=128)) as url:
         yield url
-
-
-def wait_drained(engine: AsyncEngine, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not engine.engine.has_unfinished() and engine.engine.block_pool.num_used == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def assert_openai_error(response: httpx.Response) -> None:
@@ -244,7 +208,7 @@ def test_raw_malformed_payloads(http, path, content, content_type):
 
 
 def test_fuzzing_leaves_nothing_behind(http, engine):
-    assert wait_drained(engine)
+    assert wait_idle(engine, timeout=30)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
 
@@ -300,7 +264,7 @@ def test_64_concurrent_streaming_clients(load_server, engine):
     assert not failed, failed[:3]
     assert all(r["done"] for r in results), "a stream did not end with data: [DONE]"
     assert all(len(r["finish"]) == 1 and r["finish"][0] in ("stop", "length") for r in results)
-    assert wait_drained(engine), f"KV blocks still in use: {engine.engine.block_pool.num_used}"
+    assert wait_idle(engine, timeout=30), f"KV blocks still in use: {engine.engine.block_pool.num_used}"
     r = httpx.post(f"{load_server}/v1/chat/completions", headers=HEADERS, timeout=60,
                    json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi!"}]})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from engine_helpers import async_idle
 from kvforge.core import AsyncEngine, RequestRejected, SamplingParams
 
 PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Paris is the capital of", "Once upon a time"]
@@ -18,8 +19,13 @@ def async_engine(embedded_llm):
     engine.close()
 
 
-def idle(engine: AsyncEngine) -> bool:
-    return not engine.engine.has_unfinished() and engine.engine.block_pool.num_used == 0
+async def until_idle(engine: AsyncEngine, timeout: float = 10) -> bool:
+    """Wait inside the running event loop, so the stream's final (abort) output is still delivered to it."""
+    for _ in range(int(timeout / 0.05)):
+        if async_idle(engine):
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 async def collect(stream) -> tuple[str, list[int], list, str]:
@@ -46,7 +52,7 @@ def test_concurrent_streams_equal_offline_results(async_engine, embedded_llm):
     assert [r[1] for r in results] == offline
     assert all(r[3] == "length" for r in results)
     assert all(len(r[2]) > 1 for r in results)  # streamed in several deltas, not one final blob
-    assert idle(async_engine)
+    assert async_idle(async_engine)
 
 
 def test_abort_mid_stream_frees_blocks_and_ends_with_abort(async_engine):
@@ -62,7 +68,7 @@ def test_abort_mid_stream_frees_blocks_and_ends_with_abort(async_engine):
     outputs = asyncio.run(main())
     assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
     assert len(outputs[-1].token_ids) < 200
-    assert idle(async_engine)
+    assert async_idle(async_engine)
 
 
 def test_leaving_the_stream_early_aborts_the_request(async_engine):
@@ -71,11 +77,7 @@ def test_leaving_the_stream_early_aborts_the_request(async_engine):
         async for _ in stream:
             break  # like a client that disconnects
         await stream.aclose()
-        for _ in range(200):  # the abort is applied at the engine's next step
-            if idle(async_engine):
-                return True
-            await asyncio.sleep(0.05)
-        return False
+        return await until_idle(async_engine)  # the abort is applied at the engine's next step
 
     assert asyncio.run(main())
 
@@ -88,11 +90,7 @@ def test_cancelled_consumer_aborts_the_request(async_engine):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if idle(async_engine):
-                return True
-            await asyncio.sleep(0.05)
-        return False
+        return await until_idle(async_engine)
 
     assert asyncio.run(main())
 
@@ -105,7 +103,7 @@ def test_bad_requests_fail_at_once_and_queue_nothing(async_engine):
             async_engine.add_request([10**9], SamplingParams(max_tokens=4))
 
     asyncio.run(main())
-    assert idle(async_engine)
+    assert async_idle(async_engine)
     assert async_engine.stats().running == 0
 
 
@@ -120,4 +118,4 @@ def test_n_samples_stream_every_index(async_engine):
 
     finished = asyncio.run(main())
     assert sorted(finished) == [0, 1, 2] and all(len(t) == 6 or t[-1] == 2 for t in finished.values())
-    assert idle(async_engine)
+    assert async_idle(async_engine)

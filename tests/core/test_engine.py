@@ -5,37 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import assert_idle, clean_engine, drain  # noqa: F401 - clean_engine is an autouse fixture
 from kvforge.core import LLM, RequestRejected, SamplingParams
 
 STORY = "Once upon a time"
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
-
-
-@pytest.fixture(autouse=True)
-def _clean_engine(request):
-    """A failing test must not leave requests behind for the next one (the engine is shared)."""
-    yield
-    if "embedded_llm" in request.fixturenames:
-        engine = request.getfixturevalue("embedded_llm").engine
-        for request_id in list(engine._requests):
-            engine.abort(request_id)
-
-
-def assert_idle(llm: LLM) -> None:
-    assert not llm.engine.has_unfinished()
-    assert llm.engine.block_pool.num_used == 0
-    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
-
-
-def drain(engine) -> dict[str, list]:
-    """Step until done; every RequestOutput per request id, in order."""
-    outputs: dict[str, list] = {}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            return outputs
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    raise AssertionError("engine did not finish within 1000 steps")
 
 
 # --- SamplingParams ---------------------------------------------------------------------------

@@ -7,38 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import assert_idle, clean_engine, drain  # noqa: F401 - clean_engine is an autouse fixture
 from kvforge.core import LLM, SamplingParams
 
 COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 STORY = "Once upon a time"
 LOGPROB_TOLERANCE = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _clean_engine(request):
-    """A failing test must not leave requests behind for the next one (the engine is shared)."""
-    yield
-    if "embedded_llm" in request.fixturenames:
-        engine = request.getfixturevalue("embedded_llm").engine
-        for request_id in list(engine._requests):
-            engine.abort(request_id)
-
-
-def assert_idle(llm: LLM) -> None:
-    assert not llm.engine.has_unfinished()
-    assert llm.engine.block_pool.num_used == 0
-
-
-def drain(engine, max_steps: int = 1000) -> dict[str, list]:
-    """Step until done; every RequestOutput per request id, in order."""
-    outputs: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return outputs
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    raise AssertionError(f"engine did not finish within {max_steps} steps")
 
 
 # --- stop strings --------------------------------------------------------------------------------
