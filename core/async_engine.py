@@ -97,11 +97,7 @@ class AsyncEngine:
         if self._stopped:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.engine.hf_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        self.engine.scheduler.check_admissible(len(prompt_ids), params.max_tokens)
+        prompt_ids = self.engine.validate_prompt(prompt, params)
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

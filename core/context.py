@@ -43,7 +43,6 @@ class StepContext:
     write_rows: torch.Tensor  # where each new token's K and V go
     prefills: list[PrefillSeq]
     decode_groups: list[DecodeGroup]
-    num_tokens: int
     # masks shared by all layers, built on first use, keyed by (kind, index, sliding window)
     masks: dict = field(default_factory=dict)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +29,6 @@ from kvforge.core.sampler import SamplingBatch, sample
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import Scheduler
 from kvforge.core.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,14 +72,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.hf_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        prompt_ids = self.validate_prompt(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.scheduler.check_admissible(len(prompt_ids), params.max_tokens)  # before anything is queued
         base_seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         arrival = next(self._arrivals)
@@ -100,6 +93,15 @@ class LLMEngine:
         self._requests[request_id] = samples
         self._totals["prompt_tokens_total"] += len(prompt_ids)
         return request_id
+
+    def validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of the prompt, or ValueError (RequestRejected included) before anything is queued."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        self.scheduler.check_admissible(len(prompt_ids), params.max_tokens)
+        return prompt_ids
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -33,7 +33,6 @@ class Sequence:
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    children_pending: int = 0  # n > 1: samples still to fork off this sequence at its first token
     # timings (time.monotonic)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

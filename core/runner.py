@@ -3,7 +3,6 @@ forward over the flat batch and returns the logits of every sequence whose chunk
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -15,8 +14,6 @@ from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.scheduler import ScheduledSeq
-
-log = logging.getLogger(__name__)
 
 DECODE_GROUP_SIZE = 8  # decode tokens attended together; similar lengths keep the padding small
 
@@ -107,7 +104,6 @@ class ModelRunner:
         context = StepContext(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             write_rows=write_rows.to(self.device), prefills=prefill_seqs, decode_groups=groups,
-            num_tokens=len(positions),
         )
         return torch.tensor(input_ids, dtype=torch.long, device=self.device), context, decodes + prefills
 

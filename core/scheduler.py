@@ -33,10 +33,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_model_len: int, max_num_seqs: int,
