@@ -36,7 +36,10 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody can read this any more
+            self.engine.abort(self.request_id)
 
     @property
     def finished(self) -> bool:

@@ -119,3 +119,16 @@ def test_n_samples_stream_every_index(async_engine):
     finished = asyncio.run(main())
     assert sorted(finished) == [0, 1, 2] and all(len(t) == 6 or t[-1] == 2 for t in finished.values())
     assert async_idle(async_engine)
+
+
+def test_a_consumer_loop_that_closes_early_does_not_stop_the_engine(async_engine):
+    async def abandon():
+        async_engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+
+    asyncio.run(abandon())  # its event loop is gone before any output can be delivered
+
+    async def later():
+        stream = async_engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        return (await collect(stream))[3], await until_idle(async_engine)
+
+    assert asyncio.run(later()) == ("length", True)
