@@ -129,6 +129,7 @@ class AsyncEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self.engine.close()
 
     # --- the engine thread --------------------------------------------------------------------
 

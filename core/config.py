@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True  # reuse the KV of equal prompt prefixes across requests
+    # Persisted KV tier (needs prefix caching): full prefix blocks also go to disk, indexed in the store,
+    # so a later request -- even after a restart -- loads them instead of recomputing.
+    persist_kv: bool = False
+    data_dir: str | None = None  # KV files (data_dir/kv) and the default SQLite store; None: the user data dir
+    db_url: str | None = None  # SQLAlchemy URL of the store; None: sqlite:///<data_dir>/kvforge.db
+    kv_disk_budget_bytes: int = 2 << 30  # least recently used blocks are evicted past this
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (decode tokens + prefill chunks)
     seed: int = 0  # seeds requests that give no seed of their own
@@ -35,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_disk_budget_bytes < 0:
+            raise ValueError(f"kv_disk_budget_bytes must be >= 0, got {self.kv_disk_budget_bytes}")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -48,6 +57,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def resolved_data_dir(self) -> Path:
+        from kvforge.core.store import default_data_dir
+
+        return Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
+
+    def resolved_db_url(self) -> str:
+        from kvforge.core.store import default_db_url
+
+        return self.db_url or default_db_url(self.resolved_data_dir())
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

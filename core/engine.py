@@ -20,6 +20,7 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.distributed import tp_size
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.manager import KVCacheManager
+from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, safetensors_files
 from kvforge.core.metrics import EngineStats, RateMeter, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
@@ -28,6 +29,7 @@ from kvforge.core.runner import ModelRunner
 from kvforge.core.sampler import SamplingBatch, sample
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import Scheduler
+from kvforge.core.store import Store
 from kvforge.core.tokenizer import Tokenizer
 
 
@@ -52,7 +54,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
         self.block_pool = BlockPool(self.runner.num_blocks, enable_caching=self.config.enable_prefix_caching)
         self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
-        self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint)
+        self.persisted = None
+        if self.config.persist_kv and self.config.enable_prefix_caching:
+            self.persisted = PersistedKV(Store.open(self.config.resolved_db_url()),
+                                         self.config.resolved_data_dir() / "kv", self.fingerprint,
+                                         self.runner.kv_cache, self.config.kv_disk_budget_bytes)
+        self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint, self.persisted)
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
         self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
@@ -230,15 +237,25 @@ class LLMEngine:
 
     # --- stats --------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Finish writing queued KV blocks to disk."""
+        if self.persisted is not None:
+            self.persisted.close()
+
     def stats(self) -> EngineStats:
         pool = self.block_pool
         cached = pool.num_cached_free
+        disk = {}
+        if self.persisted is not None:
+            p = self.persisted.stats()
+            disk = dict(kv_disk_blocks=p.blocks, kv_disk_bytes=p.bytes_total, kv_disk_pending=p.pending,
+                        kv_disk_loaded_blocks_total=p.loaded_blocks, kv_disk_load_failures_total=p.load_failures)
         return EngineStats(
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used, kv_blocks_cached=cached,
             kv_blocks_free=pool.num_free - cached, kv_cache_bytes=self.runner.kv_cache_bytes,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generation_tokens_per_s=self._generation_rate.rate(), prompt_tokens_per_s=self._prompt_rate.rate(),
-            preemptions_total=self.scheduler.num_preemptions, **self._totals)
+            preemptions_total=self.scheduler.num_preemptions, **self._totals, **disk)
 
 
 def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) -> bytes:

@@ -66,6 +66,12 @@ class EngineStats:
     cached_tokens_total: int
     generated_tokens_total: int
     preemptions_total: int
+    # the persisted KV tier (zeros when it is off)
+    kv_disk_blocks: int = 0  # this model's blocks on disk
+    kv_disk_bytes: int = 0  # every model's blocks in the KV directory
+    kv_disk_pending: int = 0  # blocks queued for writing
+    kv_disk_loaded_blocks_total: int = 0
+    kv_disk_load_failures_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -105,8 +105,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.kv.block_size, budget)
-            if not self.kv.admit(seq, hits, n):
+            n = self.kv.admit(seq, hits, budget, on_disk=self.kv.match_persisted(seq, len(hits)))
+            if n == 0:
                 break  # not enough KV right now; it stays first in line (FCFS, no overtaking)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = seq.num_computed_tokens

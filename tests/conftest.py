@@ -42,3 +42,47 @@ def embedded_llm(embedded_path):
 def _torch_threads():
     torch.manual_seed(0)
     yield
+
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "KVFORGE_TEST_POSTGRES_URL", "postgresql+psycopg://kvforge:kvforge@127.0.0.1:5432/postgres")
+
+
+def _postgres_database():
+    """A fresh database on the PostgreSQL server (dropped afterwards), or a skip with the reason."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except Exception as exc:  # any failure means "no server here"
+        admin.dispose()
+        require(False, f"no PostgreSQL server at {POSTGRES_ADMIN_URL} ({type(exc).__name__}); "
+                       "set KVFORGE_TEST_POSTGRES_URL to an admin URL")
+    name = f"kvforge_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield sa.engine.make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        from kvforge.core.store import Store
+
+        for url, store in list(Store._open.items()):
+            if name in url:
+                store.engine.dispose()
+                del Store._open[url]
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """Every store test runs on SQLite and on a real PostgreSQL server."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'kvforge.db'}"
+    else:
+        yield from _postgres_database()

@@ -104,14 +104,16 @@ class BlockPool:
             return None
         return block
 
-    def register(self, block: int, digest: bytes, token_ids: Sequence[int]) -> None:
-        """Mark a full, computed block as reusable under its hash (first writer wins)."""
+    def register(self, block: int, digest: bytes, token_ids: Sequence[int]) -> bool:
+        """Mark a full, computed block as reusable under its hash (first writer wins). True if this
+        call registered it."""
         if not self.enable_caching or self.hashes[block] is not None:
-            return
+            return False
         if digest in self.cached:
-            return  # the same prefix is cached in another block already
+            return False  # the same prefix is cached in another block already
         self.hashes[block], self.block_tokens[block] = digest, tuple(token_ids)
         self.cached[digest] = block
+        return True
 
     def reset_cache(self) -> int:
         """Forget every cached prefix in unused blocks; returns how many were dropped."""

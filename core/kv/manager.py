@@ -1,15 +1,19 @@
-"""KVCacheManager: a sequence's view of the block pool — prefix-cache lookups, slot allocation,
-registering computed blocks, forking samples, rolling back speculative positions."""
+"""KVCacheManager: a sequence's view of the block pool — prefix-cache lookups (in memory, then the
+persisted tier), slot allocation, registering computed blocks, forking samples, rolling back
+speculative positions."""
 
 from __future__ import annotations
 
 from kvforge.core.kv.blocks import BlockPool, block_hash
+from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.request import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, root_hash: bytes) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, root_hash: bytes,
+                 persisted: PersistedKV | None = None) -> None:
         self.pool, self.block_size, self.root_hash = pool, block_size, root_hash
+        self.persisted = persisted if pool.enable_caching else None
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The hash chain of the sequence's first `num_blocks` full blocks (extended lazily)."""
@@ -34,6 +38,18 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def match_persisted(self, seq: Sequence, num_hits: int) -> int:
+        """How many blocks after the first `num_hits` the persisted tier holds (same one-token rule)."""
+        if self.persisted is None:
+            return 0
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        found = 0
+        for digest in hashes[num_hits:]:
+            if not self.persisted.contains(digest):
+                break
+            found += 1
+        return found
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
@@ -46,16 +62,30 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate(needed))
         return True
 
-    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        """Take the prefix-cache hits and room for the first chunk, all or nothing."""
+    def admit(self, seq: Sequence, hits: list[int], budget: int, on_disk: int = 0) -> int:
+        """Take the in-memory hits, load the next `on_disk` blocks from the persisted tier, and make
+        room for a first chunk of at most `budget` tokens — all or nothing. Returns the chunk's
+        length, or 0 (nothing changed) if the pool has no room. A block that fails to load is
+        computed instead, with every block after it (the room for that was reserved)."""
+        size = self.block_size
         self.pool.share(hits)
-        seq.block_table = list(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        if self.allocate(seq, num_new_tokens):
-            return True
-        self.pool.free(hits)
-        seq.block_table, seq.num_computed_tokens = [], 0
-        return False
+        end = min(seq.num_tokens, (len(hits) + on_disk) * size + budget)
+        needed = -(-end // size) - len(hits)
+        if needed > self.pool.num_free:
+            self.pool.free(hits)
+            return 0
+        seq.block_table = list(hits) + self.pool.allocate(needed)
+        loaded = 0
+        if on_disk:
+            tokens, hashes = seq.token_ids, self._hashes(seq, len(hits) + on_disk)
+            for i in range(len(hits), len(hits) + on_disk):
+                block_tokens = tokens[i * size:(i + 1) * size]
+                if not self.persisted.load(hashes[i], block_tokens, seq.block_table[i]):
+                    break
+                self.pool.register(seq.block_table[i], hashes[i], block_tokens)
+                loaded += 1
+        seq.num_computed_tokens = (len(hits) + loaded) * size
+        return min(seq.num_tokens - seq.num_computed_tokens, budget)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register every full block whose K/V is now computed, so later requests can reuse it."""
@@ -63,8 +93,11 @@ class KVCacheManager:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         size, tokens = self.block_size, seq.token_ids
-        for i, digest in enumerate(self._hashes(seq, full)):
-            self.pool.register(seq.block_table[i], digest, tokens[i * size:(i + 1) * size])
+        hashes = self._hashes(seq, full)
+        for i, digest in enumerate(hashes):
+            block_tokens = tokens[i * size:(i + 1) * size]
+            if self.pool.register(seq.block_table[i], digest, block_tokens) and self.persisted is not None:
+                self.persisted.save(digest, hashes[i - 1] if i else self.root_hash, block_tokens, seq.block_table[i])
 
     def free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)

@@ -1,0 +1,287 @@
+"""PersistedKV: the disk tier of the prefix cache, so a conversation's KV outlives the process.
+
+A full, computed block is copied out of the KV pool on the engine thread (one memcpy) and handed
+to a background writer, which writes it atomically (temp file, fsync, rename) and then records it
+in the store's KV index with its checksum. When the in-memory prefix cache misses, the engine asks
+this tier for the blocks that follow and loads them into fresh pool blocks instead of recomputing
+them. A file that is missing, corrupt, or holds other tokens is dropped (logged) and the block is
+recomputed, so a bad file can never change an output. The directory keeps to a byte budget by
+evicting the least recently used blocks, across every model that shares it.
+
+Block hashes are rooted in the model fingerprint (see engine.model_fingerprint): a block written
+under another model, dtype, quant method, block size or tokenizer can never be found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kvforge.core.store import KVEntry, Store
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVFORGE-KV\x01"
+MAX_PENDING_BYTES = 256 << 20  # blocks copied but not yet written; past this, new blocks are not persisted
+
+
+class CorruptBlock(ValueError):
+    pass
+
+
+def token_digest(token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(array("q", token_ids).tobytes()).digest()[:16]
+
+
+def checksum(data: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+@dataclass
+class _Write:
+    digest: bytes
+    parent: bytes
+    token_ids: tuple[int, ...]
+    data: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim], a copy
+
+
+@dataclass
+class PersistStats:
+    blocks: int = 0  # this model's blocks on disk
+    bytes_total: int = 0  # every model's blocks in the directory
+    budget_bytes: int = 0
+    pending: int = 0
+    written_blocks: int = 0
+    loaded_blocks: int = 0
+    load_failures: int = 0
+    evicted_blocks: int = 0
+    dropped_writes: int = 0
+
+
+class PersistedKV:
+    def __init__(self, store: Store, directory: Path, fingerprint: bytes, kv_cache: torch.Tensor,
+                 budget_bytes: int = 2 << 30) -> None:
+        self.store, self.directory, self.fingerprint = store, Path(directory), fingerprint
+        self.budget_bytes = budget_bytes
+        self._kv_cache = kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+        self._block_shape = kv_cache[:, :, :, 0].shape
+        self._model_dir = self.directory / fingerprint.hex()
+        self._model_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # this model's blocks on disk, least recently used first
+        self._index: OrderedDict[bytes, KVEntry] = OrderedDict((e.hash, e) for e in store.kv_entries(fingerprint))
+        self._total_bytes = self._stored_bytes()
+        self._pending: dict[bytes, int] = {}  # queued for writing -> bytes
+        self._counters = PersistStats(budget_bytes=budget_bytes)
+        self._touched: list[bytes] = []  # loaded since the last index update (for LRU)
+        self._sweep_orphans()
+        self._queue: queue.Queue[_Write | tuple[str, object] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kvforge-kv-writer", daemon=True)
+        self._writer.start()
+
+    # --- engine thread ------------------------------------------------------------------------
+
+    def contains(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._index
+
+    def save(self, digest: bytes, parent: bytes, token_ids: Sequence[int], block: int) -> None:
+        """Queue a full, computed block for writing (a no-op if it is on disk or queued already)."""
+        nbytes = self._block_nbytes()
+        with self._lock:
+            if digest in self._index or digest in self._pending:
+                return
+            if sum(self._pending.values()) + nbytes > MAX_PENDING_BYTES:
+                self._counters.dropped_writes += 1  # the disk is behind: never stall the step loop
+                return
+            self._pending[digest] = nbytes
+        self._queue.put(_Write(digest, parent, tuple(token_ids), self._kv_cache[:, :, :, block].clone()))
+
+    def load(self, digest: bytes, token_ids: Sequence[int], block: int) -> bool:
+        """Fill pool block `block` from disk. False (and the file is dropped) if it cannot be trusted."""
+        with self._lock:
+            entry = self._index.get(digest)
+        if entry is None:
+            return False
+        try:
+            data = self._read(entry, token_ids)
+        except (OSError, CorruptBlock) as exc:
+            log.warning("persisted KV block %s dropped, it will be recomputed: %s", digest.hex(), exc)
+            with self._lock:
+                self._index.pop(digest, None)
+                self._counters.load_failures += 1
+            self._queue.put(("drop", entry))
+            return False
+        self._kv_cache[:, :, :, block].copy_(data)
+        with self._lock:
+            if digest in self._index:
+                self._index.move_to_end(digest)
+            self._counters.loaded_blocks += 1
+            self._touched.append(digest)
+        return True
+
+    def _read(self, entry: KVEntry, token_ids: Sequence[int]) -> torch.Tensor:
+        path = self.directory / entry.file
+        with open(path, "rb") as f:
+            raw = bytearray(os.fstat(f.fileno()).st_size)
+            f.readinto(raw)
+        if len(raw) != entry.nbytes or checksum(raw) != entry.checksum:
+            raise CorruptBlock(f"{path}: checksum mismatch")
+        if not raw.startswith(MAGIC):
+            raise CorruptBlock(f"{path}: not a kvforge KV block file")
+        (header_len,) = struct.unpack_from("<I", raw, len(MAGIC))
+        start = len(MAGIC) + 4
+        header = json.loads(raw[start:start + header_len])
+        if (header["hash"] != entry.hash.hex() or header["fingerprint"] != self.fingerprint.hex()
+                or header["tokens"] != list(token_ids)):
+            raise CorruptBlock(f"{path}: holds another block")
+        dtype = self._kv_cache.dtype
+        if header["dtype"] != str(dtype) or tuple(header["shape"]) != tuple(self._block_shape):
+            raise CorruptBlock(f"{path}: holds a block of another shape or dtype")
+        payload = torch.frombuffer(raw, dtype=torch.uint8, offset=start + header_len)
+        return payload.view(dtype).view(self._block_shape)
+
+    def _block_nbytes(self) -> int:
+        return self._kv_cache[:, :, :, 0].numel() * self._kv_cache.element_size()
+
+    # --- writer thread ------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while len(items) < 256:  # one index transaction per batch of blocks
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._process(items)
+            except Exception:  # the database is unreachable, the disk full...: keep the engine serving
+                log.exception("persisting KV blocks failed")
+                with self._lock:
+                    for item in items:
+                        if isinstance(item, _Write):
+                            self._pending.pop(item.digest, None)
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+            if any(item is None for item in items):
+                return
+
+    def _process(self, items: list) -> None:
+        written, dropped = [], []
+        for item in items:
+            if isinstance(item, _Write):
+                try:
+                    written.append(self._write_file(item))
+                except OSError as exc:
+                    log.warning("could not persist KV block %s: %s", item.digest.hex(), exc)
+                    with self._lock:
+                        self._pending.pop(item.digest, None)
+            elif isinstance(item, tuple) and item[0] == "drop":
+                dropped.append(item[1])
+        if written:
+            self.store.kv_add(written)  # the file is complete before the index names it
+            with self._lock:
+                for entry in written:
+                    self._index[entry.hash] = entry
+                    self._pending.pop(entry.hash, None)
+                self._counters.written_blocks += len(written)
+        if dropped:
+            self._remove(dropped)
+        with self._lock:
+            touched, self._touched = self._touched, []
+        self.store.kv_touch(set(touched))
+        if written:
+            self._evict_over_budget()
+
+    def _write_file(self, item: _Write) -> KVEntry:
+        data = item.data.cpu().contiguous()
+        header = json.dumps({
+            "hash": item.digest.hex(), "parent": item.parent.hex(), "fingerprint": self.fingerprint.hex(),
+            "tokens": list(item.token_ids), "dtype": str(data.dtype), "shape": list(data.shape),
+        }).encode()
+        blob = b"".join((MAGIC, struct.pack("<I", len(header)), header,
+                         data.view(torch.uint8).view(-1).numpy().tobytes()))
+        relative = Path(self.fingerprint.hex()) / item.digest.hex()[:2] / f"{item.digest.hex()}.kv"
+        path = self.directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old state or the whole file
+        return KVEntry(item.digest, item.parent, self.fingerprint, token_digest(item.token_ids),
+                       len(item.token_ids), relative.as_posix(), len(blob), checksum(blob), time.time())
+
+    def _remove(self, entries: list[KVEntry]) -> None:
+        """Index rows first, then files: a crash in between leaves an orphan file, never a dangling row
+        that would be trusted (and orphans are swept at the next start)."""
+        self.store.kv_remove(e.hash for e in entries)
+        for entry in entries:
+            (self.directory / entry.file).unlink(missing_ok=True)
+        with self._lock:
+            for entry in entries:
+                self._index.pop(entry.hash, None)
+
+    def _evict_over_budget(self) -> None:
+        total = self._stored_bytes()  # every process and model sharing the directory
+        while total > self.budget_bytes:
+            victims, excess = [], total - self.budget_bytes
+            for entry in self.store.kv_least_recent(256):
+                if excess <= 0:
+                    break
+                victims.append(entry)
+                excess -= entry.nbytes
+            if not victims:
+                break
+            self._remove(victims)
+            with self._lock:
+                self._counters.evicted_blocks += len(victims)
+            total = self._stored_bytes()
+        self._total_bytes = total
+
+    def _stored_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.store.kv_totals().values())
+
+    def _sweep_orphans(self) -> None:
+        """Delete this model's files the index does not name (a crash between write and index, or
+        between index removal and unlink) and leftover temp files."""
+        known = {e.file for e in self._index.values()}
+        for path in self._model_dir.glob("*/*"):
+            if path.relative_to(self.directory).as_posix() not in known:
+                path.unlink(missing_ok=True)
+
+    # --- control ------------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued block is written (or `timeout` passes); True if all were."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=60)
+
+    def stats(self) -> PersistStats:
+        with self._lock:
+            return replace(self._counters, blocks=len(self._index), bytes_total=self._total_bytes,
+                           pending=len(self._pending))
