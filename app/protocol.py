@@ -98,3 +98,45 @@ class LoadModelRequest(BaseModel):
     quant: str = "none"
     quant_options: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
+
+
+class SessionSettings(BaseModel):
+    """A conversation's own settings: its system prompt and sampling defaults (SamplingFields names)."""
+
+    model_config = ConfigDict(extra="forbid")
+    system_prompt: str | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("sampling")
+    @classmethod
+    def _known_valid_sampling(cls, sampling: dict[str, Any]) -> dict[str, Any]:
+        allowed = set(SamplingFields.model_fields) - {"model", "stream", "stream_options", "n"}
+        unknown = sorted(set(sampling) - allowed)
+        if unknown:
+            raise ValueError(f"unknown sampling settings {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+        SamplingFields.model_validate(sampling)  # the same bounds as a request's fields
+        return sampling
+
+
+class SessionCreateRequest(SessionSettings):
+    title: str = Field(default="New chat", min_length=1, max_length=200)
+
+
+class SessionUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    title: str | None = Field(default=None, min_length=1, max_length=200)
+    system_prompt: str | None = None
+    sampling: dict[str, Any] | None = None
+
+    @field_validator("sampling")
+    @classmethod
+    def _valid_sampling(cls, sampling: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if sampling is None else SessionSettings(sampling=sampling).sampling
+
+
+class SessionMessageRequest(SamplingFields):
+    """POST /v1/sessions/{id}/messages: the user's message; fields given here override the
+    conversation's sampling settings for this reply. Streams by default."""
+
+    content: str = Field(min_length=1)
+    stream: bool = True

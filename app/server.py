@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible REST API over one AsyncEngine.
 
 Routes: /v1/chat/completions, /v1/completions (streamed as server-sent events or whole),
+/v1/sessions (conversations kept server-side, see sessions.py),
 /v1/models, /health, /metrics (Prometheus). Errors come in OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 naming the bad field, 401 for a missing or wrong
 API key, 404 for an unknown model, 503 when the bounded queue is full. A client that disconnects
@@ -17,27 +18,18 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvforge.app.completion import finish_reason, format_logprobs, submit, timings, usage
+from kvforge.app.errors import APIError, error_response
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import ModelHost, ModelSpec, NoModelLoaded
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
+from kvforge.app.sessions import sessions_router
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.output import RequestOutput, TokenLogprob
-from kvforge.core.scheduler import RequestRejected
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+from kvforge.core.store import Store
 
 
 def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
@@ -49,8 +41,10 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
 
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
-               max_pending: int = 256, default_max_tokens: int = 512, models_dir=None) -> FastAPI:
-    """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`."""
+               max_pending: int = 256, default_max_tokens: int = 512, models_dir=None,
+               store: Store | None = None) -> FastAPI:
+    """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`. With a
+    `store`, the sessions API (/v1/sessions) keeps conversations in it."""
     if isinstance(host, AsyncEngine):
         host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name), host, models_dir)
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
@@ -94,24 +88,6 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         if body.model not in (None, "", host.name):
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {host.name!r}",
                            "model", "not_found_error", "model_not_found")
-
-    def submit(engine, prompt, body: SamplingFields, logprobs: int | None):
-        try:
-            params = body.sampling_params(default_max_tokens, logprobs)
-        except ValueError as exc:
-            raise APIError(400, str(exc), str(exc).split()[0]) from None
-        if params.max_tokens == default_max_tokens and body.requested_max_tokens() is None:
-            # no explicit limit: fit what is left of the context instead of rejecting the request
-            room = engine.engine.max_model_len - len(prompt)
-            params.max_tokens = max(1, min(params.max_tokens, room))
-        try:
-            stream = engine.add_request(prompt, params)
-        except RequestRejected as exc:
-            raise APIError(400, str(exc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), "prompt") from None
-        return stream, params
 
     @app.get("/health")
     async def health():
@@ -188,7 +164,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         except NoModelLoaded as exc:
             raise APIError(503, str(exc), None, "server_error", "no_model") from None
         try:
-            stream, params = submit(engine, prompt, body, logprobs)
+            stream, params = submit(engine, prompt, body, default_max_tokens, logprobs,
+                                    "messages" if chat else "prompt")
         except BaseException:
             host.release()
             raise
@@ -261,40 +238,6 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             host.release()
             stream.abort()  # the client disconnected mid-stream: stop it and free its KV blocks
 
+    if store is not None:
+        app.include_router(sessions_router(host, store, metrics, default_max_tokens))
     return app
-
-
-def finish_reason(out: RequestOutput) -> str:
-    return "length" if out.finish_reason == "length" else "stop"
-
-
-def usage(finals, prompt_tokens: int) -> dict:
-    finals = list(finals)
-    completion = sum(len(o.token_ids) for o in finals)
-    cached = max((o.num_cached_tokens for o in finals), default=0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def timings(out: RequestOutput) -> dict:
-    m = out.metrics or {}
-    tpot = m.get("tpot")
-    return {"ttft_ms": None if m.get("ttft") is None else round(m["ttft"] * 1000, 2),
-            "tpot_ms": None if tpot is None else round(tpot * 1000, 2),
-            "tokens_per_second": None if not tpot else round(1 / tpot, 2),
-            "queue_ms": None if m.get("queue_time") is None else round(m["queue_time"] * 1000, 2)}
-
-
-def format_logprobs(items: list[TokenLogprob], chat: bool, tokenizer) -> dict:
-    """OpenAI's logprobs objects: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
-
-    def entry(token_id: int, logprob: float) -> dict:
-        piece = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "id": token_id}
-
-    if chat:
-        return {"content": [entry(i.token_id, i.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in i.top]}
-                            for i in items]}
-    return {"tokens": [entry(i.token_id, i.logprob)["token"] for i in items],
-            "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{entry(t, lp)["token"]: lp for t, lp in i.top} for i in items]}

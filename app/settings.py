@@ -34,6 +34,10 @@ class ServeSettings:
     block_size: int = 16
     threads: int | None = None
     no_prefix_caching: bool = False
+    data_dir: str | None = None  # conversations + persisted KV; default: the user data dir
+    db: str | None = None  # SQLAlchemy URL of the store; default: sqlite in data_dir
+    no_persist_kv: bool = False
+    kv_disk_gb: float = 2.0
     max_pending: int = 256
     default_max_tokens: int = 512
     log_level: str = "info"

@@ -8,6 +8,7 @@ consistent (SQLite runs in WAL mode). Timestamps are Unix seconds, like the Open
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -41,7 +42,9 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 def default_data_dir() -> Path:
-    return Path(platformdirs.user_data_dir("kvforge", appauthor=False))
+    """$KVFORGE_DATA_DIR, else the user's data directory (~/.local/share/kvforge on Linux)."""
+    env = os.environ.get("KVFORGE_DATA_DIR")
+    return Path(env).expanduser() if env else Path(platformdirs.user_data_dir("kvforge", appauthor=False))
 
 
 def default_db_url(data_dir: Path) -> str:
@@ -229,11 +232,16 @@ class Store:
             conv = s.get(Conversation, conversation_id, with_for_update=True)
             if conv is None:
                 raise NotFound(f"session {conversation_id!r} not found")
-            last = s.scalar(select(func.max(Message.position)).where(Message.conversation_id == conversation_id))
-            message = Message(conversation_id=conversation_id, position=(last or 0) + 1, role=role,
+            # The INSERT computes the position itself: SQLite ignores FOR UPDATE and runs a separate
+            # SELECT before taking the write lock, so two appends could both read the same max.
+            position = (select(func.coalesce(func.max(Message.position), 0) + 1)
+                        .where(Message.conversation_id == conversation_id).scalar_subquery())
+            message = Message(conversation_id=conversation_id, position=position, role=role,
                               content=content, **stats)
             s.add(message)
             conv.updated_at = message.created_at = time.time()
+            s.flush()
+            message.position  # noqa: B018 - load the computed position before the session closes
         return message
 
     def truncate_messages(self, conversation_id: str, keep: int) -> None:

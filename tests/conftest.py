@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# conversations and persisted KV of servers started by tests never land in the user's data dir
+os.environ.setdefault("KVFORGE_DATA_DIR", tempfile.mkdtemp(prefix="kvforge-test-data-"))
 REQUIRE_ALL = os.environ.get("KVFORGE_REQUIRE_ALL") == "1"
 
 

@@ -1,0 +1,69 @@
+"""Between the API and the engine: a request body becomes an engine request (validated sampling
+parameters, a max_tokens that fits the context), and engine outputs become OpenAI's response fields
+(finish reason, usage, timings, logprobs)."""
+
+from __future__ import annotations
+
+from kvforge.app.errors import APIError
+from kvforge.app.protocol import SamplingFields
+from kvforge.core.async_engine import AsyncEngine, RequestStream
+from kvforge.core.output import RequestOutput, TokenLogprob
+from kvforge.core.sampling import SamplingParams
+from kvforge.core.scheduler import RequestRejected
+
+
+def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default_max_tokens: int,
+           logprobs: int | None, prompt_field: str) -> tuple[RequestStream, SamplingParams]:
+    """Queue the request; APIError 400 naming the field for bad sampling values or a prompt that
+    cannot fit (`prompt_field` names where the prompt came from)."""
+    try:
+        params = body.sampling_params(default_max_tokens, logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), str(exc).split()[0]) from None
+    if params.max_tokens == default_max_tokens and body.requested_max_tokens() is None:
+        # no explicit limit: fit what is left of the context instead of rejecting the request
+        room = engine.engine.max_model_len - len(prompt)
+        params.max_tokens = max(1, min(params.max_tokens, room))
+    try:
+        stream = engine.add_request(prompt, params)
+    except RequestRejected as exc:
+        raise APIError(400, str(exc), prompt_field, code="context_length_exceeded") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), prompt_field) from None
+    return stream, params
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def usage(finals, prompt_tokens: int) -> dict:
+    finals = list(finals)
+    completion = sum(len(o.token_ids) for o in finals)
+    cached = max((o.num_cached_tokens for o in finals), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def timings(out: RequestOutput) -> dict:
+    m = out.metrics or {}
+    tpot = m.get("tpot")
+    return {"ttft_ms": None if m.get("ttft") is None else round(m["ttft"] * 1000, 2),
+            "tpot_ms": None if tpot is None else round(tpot * 1000, 2),
+            "tokens_per_second": None if not tpot else round(1 / tpot, 2),
+            "queue_ms": None if m.get("queue_time") is None else round(m["queue_time"] * 1000, 2)}
+
+
+def format_logprobs(items: list[TokenLogprob], chat: bool, tokenizer) -> dict:
+    """OpenAI's logprobs objects: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "id": token_id}
+
+    if chat:
+        return {"content": [entry(i.token_id, i.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in i.top]}
+                            for i in items]}
+    return {"tokens": [entry(i.token_id, i.logprob)["token"] for i in items],
+            "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{entry(t, lp)["token"]: lp for t, lp in i.top} for i in items]}
