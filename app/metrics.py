@@ -26,6 +26,10 @@ class ServerMetrics:
             "kv_blocks_used": "KV blocks in use", "kv_blocks_cached": "Unused KV blocks holding a cached prefix",
             "kv_blocks_free": "KV blocks holding nothing", "requests_running": "Sequences running",
             "requests_waiting": "Sequences waiting", "generation_tokens_per_second": "Generated tokens/s (10 s)",
+            "kv_disk_blocks": "Persisted KV blocks of this model", "kv_disk_bytes": "Bytes of persisted KV on disk",
+            "kv_disk_pending": "KV blocks queued for writing to disk",
+            "kv_disk_loaded_blocks": "KV blocks loaded from disk since start",
+            "kv_disk_load_failures": "Persisted KV blocks dropped as missing or corrupt since start",
         }.items()}
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -46,7 +50,10 @@ class ServerMetrics:
         stats = self.host.engine.stats()
         values = {"kv_blocks_used": stats.kv_blocks_used, "kv_blocks_cached": stats.kv_blocks_cached,
                   "kv_blocks_free": stats.kv_blocks_free, "requests_running": stats.running,
-                  "requests_waiting": stats.waiting, "generation_tokens_per_second": stats.generation_tokens_per_s}
+                  "requests_waiting": stats.waiting, "generation_tokens_per_second": stats.generation_tokens_per_s,
+                  "kv_disk_blocks": stats.kv_disk_blocks, "kv_disk_bytes": stats.kv_disk_bytes,
+                  "kv_disk_pending": stats.kv_disk_pending, "kv_disk_loaded_blocks": stats.kv_disk_loaded_blocks_total,
+                  "kv_disk_load_failures": stats.kv_disk_load_failures_total}
         for name, value in values.items():
             self.gauges[name].set(value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

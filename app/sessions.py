@@ -10,7 +10,7 @@ turn's prompt plus its reply, and the prefix cache — in memory, or the persist
 restart — serves all of it: only the new message is computed.
 
 A reply streams as server-sent events: `{"type": "user", "message"}` (the stored user message),
-`{"type": "delta", "content"}`..., then `{"type": "done", "message", "usage", "timings"}` and
+`{"type": "delta", "content"}`..., then `{"type": "done", "message", "usage", "timings", "token_ids"}` and
 `[DONE]`. A client that disconnects aborts the reply; what was generated so far is kept with
 finish_reason "abort", like a chat app's stop button.
 """
@@ -165,7 +165,7 @@ def sessions_router(host: ModelHost, store: Store, metrics: ServerMetrics, defau
             message = await run_in_threadpool(store.add_message, session_id, "assistant", final.text,
                                               **reply_stats(final, len(prompt)))
             yield {"type": "done", "message": message.to_dict(), "usage": usage([final], len(prompt)),
-                   "timings": timings(final)}
+                   "timings": timings(final), "token_ids": final.token_ids}
 
         if not body.stream:
             done = [event async for event in reply() if event["type"] == "done"][0]

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kvforge.core.engine import LLMEngine
@@ -122,8 +123,11 @@ class AsyncEngine:
             self.abort(request_id)
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (safe to read from any thread)."""
-        return self._stats
+        """The snapshot taken after the latest step (safe to read from any thread), with the persisted
+        tier's figures read live (its writer works while the engine is idle)."""
+        if self.engine.persisted is None:
+            return self._stats
+        return replace(self._stats, **self.engine.disk_stats())
 
     def close(self) -> None:
         self._stopped = True

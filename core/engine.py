@@ -245,17 +245,20 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool = self.block_pool
         cached = pool.num_cached_free
-        disk = {}
-        if self.persisted is not None:
-            p = self.persisted.stats()
-            disk = dict(kv_disk_blocks=p.blocks, kv_disk_bytes=p.bytes_total, kv_disk_pending=p.pending,
-                        kv_disk_loaded_blocks_total=p.loaded_blocks, kv_disk_load_failures_total=p.load_failures)
         return EngineStats(
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used, kv_blocks_cached=cached,
             kv_blocks_free=pool.num_free - cached, kv_cache_bytes=self.runner.kv_cache_bytes,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generation_tokens_per_s=self._generation_rate.rate(), prompt_tokens_per_s=self._prompt_rate.rate(),
-            preemptions_total=self.scheduler.num_preemptions, **self._totals, **disk)
+            preemptions_total=self.scheduler.num_preemptions, **self._totals, **self.disk_stats())
+
+    def disk_stats(self) -> dict[str, int]:
+        """The persisted tier's EngineStats fields (none when it is off)."""
+        if self.persisted is None:
+            return {}
+        p = self.persisted.stats()
+        return dict(kv_disk_blocks=p.blocks, kv_disk_bytes=p.bytes_total, kv_disk_pending=p.pending,
+                    kv_disk_loaded_blocks_total=p.loaded_blocks, kv_disk_load_failures_total=p.load_failures)
 
 
 def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) -> bytes:
