@@ -114,7 +114,10 @@ class SessionSettings(BaseModel):
         unknown = sorted(set(sampling) - allowed)
         if unknown:
             raise ValueError(f"unknown sampling settings {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
-        SamplingFields.model_validate(sampling)  # the same bounds as a request's fields
+        fields = SamplingFields.model_validate(sampling)  # the same bounds as a request's fields
+        # and SamplingParams' own checks (non-empty stop strings, min_tokens <= max_tokens), or every message
+        # of the session would be rejected; a max_tokens left to each reply's default is not checked here
+        fields.sampling_params(max(1, fields.min_tokens), None)
         return sampling
 
 

@@ -160,10 +160,17 @@ def sessions_router(host: ModelHost, store: Store, metrics: ServerMetrics, defau
                 host.release()
                 stream.abort()  # no-op once finished; frees the KV blocks if the client went away
                 if final is None and text:  # cut short: keep the partial reply, like a chat app's stop
-                    store.add_message(session_id, "assistant", text, finish_reason="abort",
-                                      prompt_tokens=len(prompt))
-            message = await run_in_threadpool(store.add_message, session_id, "assistant", final.text,
-                                              **reply_stats(final, len(prompt)))
+                    try:
+                        store.add_message(session_id, "assistant", text, finish_reason="abort",
+                                          prompt_tokens=len(prompt))
+                    except NotFound:
+                        pass  # the conversation was deleted meanwhile
+            try:
+                message = await run_in_threadpool(store.add_message, session_id, "assistant", final.text,
+                                                  **reply_stats(final, len(prompt)))
+            except NotFound as exc:
+                raise APIError(404, f"{exc} (deleted during the reply)", "session_id", "not_found_error",
+                               "session_not_found") from None
             yield {"type": "done", "message": message.to_dict(), "usage": usage([final], len(prompt)),
                    "timings": timings(final), "token_ids": final.token_ids}
 

@@ -1,0 +1,465 @@
+"""The sessions API (/v1/sessions) over real HTTP (uvicorn on 127.0.0.1) with the real embedded model and a
+real store, SQLite and PostgreSQL: CRUD, validation (nothing rejected is stored), the streamed reply's events,
+multi-turn history kept server-side (the same prompt as /v1/chat/completions with the whole history, prefix
+cache hits from turn 2), the chat template's prefix stability that those cache hits rest on, sampling
+settings and their per-message overrides, a client hanging up mid-reply, and a burst of sessions at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from engine_helpers import assert_idle, wait_idle
+from kvforge.app.server import create_app
+from kvforge.app.threaded_server import serve_in_thread
+from kvforge.core import AsyncEngine
+from kvforge.core.async_engine import build_off_main_thread
+from kvforge.core.config import EngineConfig
+from kvforge.core.engine import LLMEngine
+from kvforge.core.sampling import SamplingParams
+from kvforge.core.store import Store
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512  # small, so that a long message cannot fit
+DEFAULT_MAX_TOKENS = 16  # what a reply without any max_tokens gets
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_path):
+    """One engine for the module (the model is expensive; stores and apps are cheap)."""
+    config = EngineConfig(model=str(embedded_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=128)
+    engine = AsyncEngine(build_off_main_thread(lambda: LLMEngine(config, progress=False)))
+    yield engine
+    engine.close()
+
+
+@contextmanager
+def serve(engine: AsyncEngine, db_url: str) -> Iterator[tuple[httpx.Client, object]]:
+    """An app on its own store sharing the module's engine, served by uvicorn; a client for it and the app."""
+    store = Store.open(db_url)
+    app = create_app(engine, MODEL, store=store, default_max_tokens=DEFAULT_MAX_TOKENS)
+    try:
+        with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=120) as http:
+            yield http, app
+    finally:
+        Store._open.pop(db_url, None)
+        store.engine.dispose()
+
+
+@pytest.fixture()
+def server(engine, db_url):
+    """The sessions API on SQLite and on PostgreSQL."""
+    with serve(engine, db_url) as (http, app):
+        yield http, app
+    assert wait_idle(engine), "a test left a request running"
+
+
+@pytest.fixture()
+def sqlite_server(engine, tmp_path):
+    """For tests whose subject is the engine side (one database is enough)."""
+    with serve(engine, f"sqlite:///{tmp_path / 'kvforge.db'}") as (http, app):
+        yield http, app
+    assert wait_idle(engine), "a test left a request running"
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+def create(http: httpx.Client, **body) -> dict:
+    r = http.post("/v1/sessions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def get(http: httpx.Client, session_id: str) -> dict:
+    r = http.get(f"/v1/sessions/{session_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def parse_sse(lines) -> list:
+    """The events of a server-sent-events stream: dicts, and the final "[DONE]"."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def post_stream(http: httpx.Client, session_id: str, **body) -> list:
+    with http.stream("POST", f"/v1/sessions/{session_id}/messages", json=body) as r:
+        assert r.status_code == 200, r.read().decode()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return parse_sse(r.iter_lines())
+
+
+def post_whole(http: httpx.Client, session_id: str, **body) -> dict:
+    r = http.post(f"/v1/sessions/{session_id}/messages", json={**body, "stream": False})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_reply_events(events: list, content: str) -> dict:
+    """user, delta..., done, [DONE]; returns the done event."""
+    assert [e if isinstance(e, str) else e["type"] for e in (events[0], events[-2], events[-1])] == [
+        "user", "done", "[DONE]"], events
+    assert all(e["type"] == "delta" for e in events[1:-2]), events
+    deltas = [e["content"] for e in events[1:-2]]
+    assert deltas and all(deltas), "no partial reply before the final one"
+    user, done = events[0]["message"], events[-2]
+    assert user["role"] == "user" and user["content"] == content
+    assert done["message"]["role"] == "assistant"
+    assert done["message"]["content"] == "".join(deltas)
+    assert done["message"]["id"] > user["id"]
+    return done
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"]
+    return error
+
+
+def wait_for(predicate, timeout: float = 30):
+    """Poll until `predicate()` is truthy (returns it) or `timeout` passes (returns the last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+# --- CRUD -----------------------------------------------------------------------------------------------
+
+def test_crud(server):
+    http, _ = server
+    assert http.get("/v1/sessions").json() == {"object": "list", "data": []}
+
+    plain = create(http)
+    assert len(plain["id"]) == 32 and plain["object"] == "session"
+    assert plain["title"] == "New chat" and plain["model"] == MODEL and plain["messages"] == []
+    assert plain["settings"] == {"system_prompt": None, "sampling": {}}
+
+    sampling = {"temperature": 0.3, "top_p": 0.9, "max_tokens": 7, "stop": ["\n\n"], "seed": 5}
+    full = create(http, title="Trip planning", system_prompt="You are terse.", sampling=sampling)
+    assert full["title"] == "Trip planning"
+    assert full["settings"] == {"system_prompt": "You are terse.", "sampling": sampling}
+    third = create(http, title="Third")
+
+    listed = http.get("/v1/sessions").json()
+    assert listed["object"] == "list"
+    assert [s["id"] for s in listed["data"]] == [third["id"], full["id"], plain["id"]]  # newest first
+    assert all("messages" not in s for s in listed["data"])
+
+    got = get(http, full["id"])
+    assert got == full  # settings round-trip through the database unchanged
+    assert http.get(f"/v1/sessions/{full['id']}/messages").json() == {"object": "list", "data": []}
+
+    # rename: the settings stay; the renamed session is now the most recently updated
+    renamed = http.patch(f"/v1/sessions/{plain['id']}", json={"title": "Renamed"}).json()
+    assert renamed["title"] == "Renamed" and renamed["settings"] == plain["settings"]
+    assert renamed["updated_at"] >= plain["updated_at"]
+    assert [s["id"] for s in http.get("/v1/sessions").json()["data"]][0] == plain["id"]
+
+    # system prompt: the sampling stays
+    changed = http.patch(f"/v1/sessions/{full['id']}", json={"system_prompt": "You are verbose."}).json()
+    assert changed["settings"] == {"system_prompt": "You are verbose.", "sampling": sampling}
+    assert changed["title"] == "Trip planning"
+    # sampling: replaced as a whole, the system prompt stays
+    changed = http.patch(f"/v1/sessions/{full['id']}", json={"sampling": {"temperature": 0}}).json()
+    assert changed["settings"] == {"system_prompt": "You are verbose.", "sampling": {"temperature": 0}}
+    # an explicit null clears the system prompt
+    changed = http.patch(f"/v1/sessions/{full['id']}", json={"system_prompt": None}).json()
+    assert changed["settings"] == {"system_prompt": None, "sampling": {"temperature": 0}}
+    assert get(http, full["id"]) == changed  # persisted, not just echoed
+    assert get(http, plain["id"])["title"] == "Renamed"
+
+    r = http.delete(f"/v1/sessions/{full['id']}")
+    assert r.status_code == 200 and r.json() == {"id": full["id"], "object": "session.deleted", "deleted": True}
+    assert {s["id"] for s in http.get("/v1/sessions").json()["data"]} == {plain["id"], third["id"]}
+    for r in (http.get(f"/v1/sessions/{full['id']}"),
+              http.get(f"/v1/sessions/{full['id']}/messages"),
+              http.patch(f"/v1/sessions/{full['id']}", json={"title": "x"}),
+              http.delete(f"/v1/sessions/{full['id']}"),
+              http.post(f"/v1/sessions/{full['id']}/messages", json={"content": "Hello?", "max_tokens": 2})):
+        error = assert_error(r, 404, "session_id")
+        assert error["type"] == "not_found_error" and error["code"] == "session_not_found"
+
+
+def test_unknown_session_is_404(server):
+    http, _ = server
+    for r in (http.get("/v1/sessions/nope"), http.get("/v1/sessions/0123456789abcdef0123456789abcdef"),
+              http.post("/v1/sessions/nope/messages", json={"content": "hi"}),
+              http.patch("/v1/sessions/nope", json={"title": "t"}), http.delete("/v1/sessions/nope")):
+        error = assert_error(r, 404, "session_id")
+        assert error["type"] == "not_found_error"
+
+
+# --- validation -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param, mentions", [
+    ({"sampling": {"temperature": 5}}, "sampling", "temperature"),
+    ({"sampling": {"temprature": 0.5}}, "sampling", "temprature"),
+    ({"sampling": {"n": 2}}, "sampling", "n"),
+    ({"sampling": {"max_tokens": 0}}, "sampling", "max_tokens"),
+    # what only SamplingParams checks: a session must not accept settings that fail every message
+    ({"sampling": {"stop": [""]}}, "sampling", "stop"),
+    ({"sampling": {"max_tokens": 3, "min_tokens": 5}}, "sampling", "min_tokens"),
+    ({"title": ""}, "title", "title"),
+    ({"bogus": 1}, "bogus", "bogus"),
+])
+def test_bad_session_settings_are_400(server, body, param, mentions):
+    http, _ = server
+    assert mentions in assert_error(http.post("/v1/sessions", json=body), 400, param)["message"]
+    session = create(http, sampling={"temperature": 0})
+    if "sampling" in body:
+        assert mentions in assert_error(http.patch(f"/v1/sessions/{session['id']}", json=body), 400, param)["message"]
+    assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == [session["id"]]  # nothing else created
+    assert get(http, session["id"])["settings"] == {"system_prompt": None, "sampling": {"temperature": 0}}
+
+
+def test_bad_messages_are_400_and_not_stored(server, engine):
+    http, _ = server
+    session = create(http)
+    url = f"/v1/sessions/{session['id']}/messages"
+    long_message = "hello " * 600  # ~600 tokens: beyond the engine's 512-token context
+    medium_message = "hello " * 300  # fits, but not with 300 tokens of reply
+    for body, param in [({"content": ""}, "content"),
+                        ({}, "content"),
+                        ({"content": "Hi", "temperature": 9}, "temperature"),
+                        ({"content": "Hi", "n": 2}, "n"),
+                        ({"content": "Hi", "max_tokens": 0}, "max_tokens"),
+                        ({"content": "Hi", "top_p": 0}, "top_p"),
+                        ({"content": long_message}, "content"),
+                        ({"content": long_message, "stream": False}, "content"),
+                        ({"content": medium_message, "max_tokens": 300}, "content")]:
+        error = assert_error(http.post(url, json=body), 400, param)
+        if body.get("content") in (long_message, medium_message):
+            assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
+    after = get(http, session["id"])
+    assert after["messages"] == [] and http.get(url).json()["data"] == []  # no rejected message was stored
+    assert after["title"] == "New chat"  # nor did one name the session
+    assert wait_idle(engine)
+
+    # the session still works, and its first accepted message is the first one in the history
+    reply = post_whole(http, session["id"], content="Hi", max_tokens=2)
+    assert [m["content"] for m in get(http, session["id"])["messages"]] == ["Hi", reply["message"]["content"]]
+
+
+# --- streaming --------------------------------------------------------------------------------------------
+
+def test_streamed_reply_events_and_whole_reply(server, engine):
+    http, _ = server
+    session = create(http, sampling={"temperature": 0})
+    question = "What is the capital of France?"
+    events = post_stream(http, session["id"], content=question, max_tokens=8, ignore_eos=True)
+    done = check_reply_events(events, question)
+    user, message = events[0]["message"], done["message"]
+    assert {"type", "message", "usage", "timings"} <= set(done)
+    usage = done["usage"]
+    assert usage["completion_tokens"] == 8 and message["finish_reason"] == "length"  # ignore_eos: all 8
+    assert usage["prompt_tokens"] == user["prompt_tokens"] == message["prompt_tokens"] > 10
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert isinstance(usage["prompt_tokens_details"]["cached_tokens"], int)
+    assert message["completion_tokens"] == 8
+    assert message["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert done["timings"]["ttft_ms"] > 0 and done["timings"]["tokens_per_second"] > 0
+    assert {"ttft_ms", "tpot_ms", "tokens_per_second", "queue_ms"} <= set(done["timings"])
+
+    # the history holds exactly what the events said
+    stored = get(http, session["id"])
+    assert stored["messages"] == [user, message]
+    assert stored["title"] == question
+    assert http.get(f"/v1/sessions/{session['id']}/messages").json()["data"] == [user, message]
+
+    # stream=false: one JSON body with the same parts
+    whole = post_whole(http, session["id"], content="Thanks! And Germany?", max_tokens=6)
+    assert {"user", "message", "usage", "timings"} <= set(whole) and "type" not in whole
+    assert whole["user"]["content"] == "Thanks! And Germany?" and whole["message"]["role"] == "assistant"
+    assert 0 < whole["usage"]["completion_tokens"] <= 6
+    assert whole["usage"]["completion_tokens"] == whole["message"]["completion_tokens"]
+    assert whole["usage"]["prompt_tokens"] > usage["prompt_tokens"] + usage["completion_tokens"]
+    assert get(http, session["id"])["messages"] == [user, message, whole["user"], whole["message"]]
+    assert wait_idle(engine)
+
+
+# --- multi-turn -------------------------------------------------------------------------------------------
+
+def test_multi_turn_history_is_kept_and_renders_the_same_prompt(server, engine):
+    http, _ = server
+    system = "You are a helpful geography assistant. Answer in one sentence."
+    session = create(http, system_prompt=system, sampling=GREEDY)
+    block_size = engine.engine.config.block_size
+    questions = ["What is the capital of France?", "And the capital of Japan?", "Which of the two is larger?"]
+    history = [{"role": "system", "content": system}]
+    previous = None
+    for turn, question in enumerate(questions, start=1):
+        done = check_reply_events(post_stream(http, session["id"], content=question), question)
+        reply, usage = done["message"]["content"], done["usage"]
+        history.append({"role": "user", "content": question})
+
+        # the same conversation sent whole to /v1/chat/completions gives the same prompt and the same reply
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history, **GREEDY})
+        assert r.status_code == 200, r.text
+        reference = r.json()
+        assert reference["usage"]["prompt_tokens"] == usage["prompt_tokens"], f"turn {turn}: another prompt"
+        assert reference["choices"][0]["message"]["content"] == reply, f"turn {turn}"
+        assert reference["usage"]["completion_tokens"] == usage["completion_tokens"]
+        history.append({"role": "assistant", "content": reply})
+
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if previous is not None:
+            # the previous turn's prompt and reply (all but the last sampled token, whose KV is never
+            # computed) are the prefix of this prompt: every full block of them comes from the cache
+            assert cached >= (previous["prompt_tokens"] + previous["completion_tokens"] - 1) // block_size * block_size
+            assert cached > 0
+            assert usage["prompt_tokens"] > previous["prompt_tokens"] + previous["completion_tokens"]
+        previous = usage
+
+    stored = get(http, session["id"])
+    assert stored["title"] == questions[0]  # the first message named the session
+    assert [(m["role"], m["content"]) for m in stored["messages"]] == [
+        (m["role"], m["content"]) for m in history[1:]]
+    assert len(stored["messages"]) == 6
+    ids = [m["id"] for m in stored["messages"]]
+    assert ids == sorted(ids)
+    assert wait_idle(engine)
+
+
+def test_chat_template_renders_stable_prefixes(engine):
+    """What makes turn N+1's cache hit possible: turn N's prompt followed by its reply, as generated, is
+    a prefix of turn N+1's prompt, as text (byte for byte) and as token ids."""
+    tokenizer = engine.tokenizer
+
+    async def generate(prompt_ids: list[int]):
+        stream = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=8))
+        async for out in stream:
+            final = out
+        return final
+
+    messages: list[dict] = []
+    turns = []
+    for question in ["Hi! Who are you?", "What is 2+2?", "Name a color."]:
+        messages.append({"role": "user", "content": question})
+        text = tokenizer.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.apply_chat_template(messages)
+        assert ids == tokenizer.hf.encode(text, add_special_tokens=False)
+        out = asyncio.run(generate(ids))
+        assert out.finish_reason in ("stop", "length") and out.token_ids
+        turns.append((text, ids, out))
+        messages.append({"role": "assistant", "content": out.text})
+
+    # the history with each reply, rendered without a generation prompt, is a prefix of the next prompt too
+    for n in range(len(turns) - 1):
+        history = tokenizer.hf.apply_chat_template(messages[:2 * n + 2], add_generation_prompt=False, tokenize=False)
+        assert turns[n + 1][0].encode().startswith(history.encode())
+
+    eos, block_size = tokenizer.eos_token_ids, engine.engine.config.block_size
+    for (text, ids, out), (next_text, next_ids, next_out) in zip(turns, turns[1:]):
+        assert next_text.encode().startswith((text + out.text).encode())
+        reply_ids = list(out.token_ids)
+        assert (reply_ids[-1] in eos) == (out.finish_reason == "stop")  # a stopped reply ends with its EOS
+        assert next_ids[:len(ids) + len(reply_ids)] == ids + reply_ids
+        assert next_out.num_cached_tokens >= (len(ids) + len(reply_ids) - 1) // block_size * block_size
+    assert wait_idle(engine)
+
+
+# --- sampling settings ------------------------------------------------------------------------------------
+
+def test_message_fields_override_the_session_sampling(sqlite_server, engine):
+    http, _ = sqlite_server
+    # ignore_eos makes the reply run to its limit, so the limit in force is visible exactly
+    session = create(http, sampling={"temperature": 0, "max_tokens": 5, "ignore_eos": True})
+    first = post_whole(http, session["id"], content="Tell me a long story about a dragon.")
+    assert first["usage"]["completion_tokens"] == 5 and first["message"]["finish_reason"] == "length"
+    # max_tokens 3 from the message; the session's other settings (ignore_eos, temperature) still apply
+    second = post_whole(http, session["id"], content="Go on.", max_tokens=3)
+    assert second["usage"]["completion_tokens"] == 3 and second["message"]["finish_reason"] == "length"
+    # the override was for that message only: the session's settings are unchanged
+    assert get(http, session["id"])["settings"]["sampling"] == {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+    # a changed setting applies to the next message (streamed this time)
+    r = http.patch(f"/v1/sessions/{session['id']}", json={"sampling": {"temperature": 0, "max_tokens": 2,
+                                                                       "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    done = check_reply_events(post_stream(http, session["id"], content="Again."), "Again.")
+    assert done["usage"]["completion_tokens"] == 2
+    assert len(get(http, session["id"])["messages"]) == 6
+    assert wait_idle(engine)
+
+
+# --- disconnect -------------------------------------------------------------------------------------------
+
+def test_disconnect_mid_reply_keeps_the_partial_reply(server, engine):
+    http, app = server
+    session = create(http, sampling={"temperature": 0})
+    question = "Write a long story about a dragon."
+    body = {"content": question, "max_tokens": 200, "ignore_eos": True}
+    with httpx.Client(base_url=str(http.base_url), timeout=60) as own_connection:
+        with own_connection.stream("POST", f"/v1/sessions/{session['id']}/messages", json=body) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                events += parse_sse([line])
+                if events and events[-1]["type"] == "delta":
+                    break  # hang up after the first piece of the reply
+    user, first_delta = events[0]["message"], events[-1]["content"]
+    assert [e["type"] for e in events] == ["user", "delta"]
+
+    assert wait_idle(engine), f"the abandoned reply still runs or holds {engine.engine.block_pool.num_used} blocks"
+    assert_idle(engine)  # every KV block back in the pool
+    messages = wait_for(lambda: len(m := get(http, session["id"])["messages"]) == 2 and m)
+    assert messages, "the partial reply was not stored"
+    assert messages[0] == user
+    partial = messages[1]
+    assert partial["role"] == "assistant" and partial["finish_reason"] == "abort"
+    assert partial["content"].startswith(first_delta) and partial["content"]
+    assert len(engine.tokenizer.encode(partial["content"])) < 200
+    assert wait_for(lambda: app.state.host.in_flight == 0), "the aborted reply still holds the model"
+
+    # the conversation goes on after the partial reply, which is part of the next prompt
+    follow_up = post_whole(http, session["id"], content="Please finish it.", max_tokens=2)
+    assert follow_up["user"]["prompt_tokens"] > user["prompt_tokens"] + len(engine.tokenizer.encode(partial["content"]))
+    assert [m["id"] for m in get(http, session["id"])["messages"]] == [
+        user["id"], partial["id"], follow_up["user"]["id"], follow_up["message"]["id"]]
+
+
+# --- concurrency ------------------------------------------------------------------------------------------
+
+COUNTRIES = ["France", "Germany", "Japan", "Egypt"]
+
+
+def test_concurrent_sessions_burst(server, engine):
+    http, _ = server
+    sessions = [create(http, sampling=GREEDY)["id"] for _ in COUNTRIES]
+
+    async def post(client: httpx.AsyncClient, session_id: str, question: str) -> list:
+        async with client.stream("POST", f"/v1/sessions/{session_id}/messages", json={"content": question}) as r:
+            assert r.status_code == 200
+            return parse_sse([line async for line in r.aiter_lines()])
+
+    async def burst() -> list[list]:
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=120) as client:
+            return await asyncio.gather(*(post(client, s, f"What is the capital of {c}?")
+                                          for s, c in zip(sessions, COUNTRIES)))
+
+    results = asyncio.run(burst())
+    for session_id, country, events in zip(sessions, COUNTRIES, results):
+        question = f"What is the capital of {country}?"
+        done = check_reply_events(events, question)
+        reply = done["message"]["content"]
+        assert country in reply and not any(other in reply for other in COUNTRIES if other != country), reply
+        assert done["message"]["finish_reason"] in ("stop", "length")
+        stored = get(http, session_id)
+        assert stored["messages"] == [events[0]["message"], done["message"]]
+        assert stored["title"] == question
+    assert wait_idle(engine)
