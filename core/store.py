@@ -270,11 +270,22 @@ class Store:
                                    nbytes=e.nbytes, checksum=e.checksum, last_access=e.last_access))
 
     def kv_touch(self, hashes: Iterable[bytes], when: float | None = None) -> None:
-        hashes = list(hashes)
-        if hashes:
+        when = when or time.time()
+        self.kv_set_access(dict.fromkeys(hashes, when))
+
+    def kv_set_access(self, times: dict[bytes, float]) -> None:
+        """Record access times (hash -> Unix seconds) of indexed blocks; unknown hashes are ignored."""
+        if times:
             with self.session() as s, s.begin():
-                s.execute(update(KVBlockRow).where(KVBlockRow.hash.in_(hashes))
-                          .values(last_access=when or time.time()))
+                known = set(s.scalars(select(KVBlockRow.hash).where(KVBlockRow.hash.in_(list(times)))))
+                rows = [{"hash": h, "last_access": t} for h, t in times.items() if h in known]
+                if rows:
+                    s.execute(update(KVBlockRow), rows)
+
+    def kv_children(self, parents: Iterable[bytes]) -> list[KVEntry]:
+        with self.session() as s:
+            rows = s.scalars(select(KVBlockRow).where(KVBlockRow.parent_hash.in_(list(parents))))
+            return [KVEntry.from_row(r) for r in rows]
 
     def kv_remove(self, hashes: Iterable[bytes]) -> None:
         hashes = list(hashes)

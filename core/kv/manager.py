@@ -4,6 +4,8 @@ speculative positions."""
 
 from __future__ import annotations
 
+import time
+
 from kvforge.core.kv.blocks import BlockPool, block_hash
 from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.request import Sequence
@@ -76,11 +78,13 @@ class KVCacheManager:
             return 0
         seq.block_table = list(hits) + self.pool.allocate(needed)
         loaded = 0
-        if on_disk:
-            tokens, hashes = seq.token_ids, self._hashes(seq, len(hits) + on_disk)
+        if self.persisted is not None:
+            tokens, hashes, now = seq.token_ids, self._hashes(seq, len(hits) + on_disk), time.time()
+            for i in range(len(hits)):
+                self.persisted.touch(hashes[i], i, now)
             for i in range(len(hits), len(hits) + on_disk):
                 block_tokens = tokens[i * size:(i + 1) * size]
-                if not self.persisted.load(hashes[i], block_tokens, seq.block_table[i]):
+                if not self.persisted.load(hashes[i], block_tokens, seq.block_table[i], i, now):
                     break
                 self.pool.register(seq.block_table[i], hashes[i], block_tokens)
                 loaded += 1
@@ -93,11 +97,16 @@ class KVCacheManager:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         size, tokens = self.block_size, seq.token_ids
-        hashes = self._hashes(seq, full)
+        hashes, now, first_new = self._hashes(seq, full), time.time(), None
         for i, digest in enumerate(hashes):
             block_tokens = tokens[i * size:(i + 1) * size]
             if self.pool.register(seq.block_table[i], digest, block_tokens) and self.persisted is not None:
-                self.persisted.save(digest, hashes[i - 1] if i else self.root_hash, block_tokens, seq.block_table[i])
+                parent = hashes[i - 1] if i else self.root_hash
+                self.persisted.save(digest, parent, block_tokens, seq.block_table[i], i, now)
+                first_new = i if first_new is None else first_new
+        if first_new:  # the chain grew: its earlier blocks on disk were just used too (LRU, deepest oldest)
+            for i in range(first_new):
+                self.persisted.touch(hashes[i], i, now)
 
     def free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)

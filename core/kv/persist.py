@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KVFORGE-KV\x01"
 MAX_PENDING_BYTES = 256 << 20  # blocks copied but not yet written; past this, new blocks are not persisted
+# A block's access time is stamped `depth` steps earlier than its chain's: among blocks used together,
+# eviction takes a conversation's tail before its head, so what remains is still a reachable prefix.
+DEPTH_STEP_S = 1e-3
+SWEEP_MIN_AGE_S = 600  # younger unindexed files may belong to another process's write in progress
 
 
 class CorruptBlock(ValueError):
@@ -56,6 +60,7 @@ class _Write:
     parent: bytes
     token_ids: tuple[int, ...]
     data: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim], a copy
+    last_access: float
 
 
 @dataclass
@@ -86,7 +91,7 @@ class PersistedKV:
         self._total_bytes = self._stored_bytes()
         self._pending: dict[bytes, int] = {}  # queued for writing -> bytes
         self._counters = PersistStats(budget_bytes=budget_bytes)
-        self._touched: list[bytes] = []  # loaded since the last index update (for LRU)
+        self._touched: dict[bytes, float] = {}  # hash -> access time not yet in the index (LRU)
         self._sweep_orphans()
         self._queue: queue.Queue[_Write | tuple[str, object] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvforge-kv-writer", daemon=True)
@@ -98,7 +103,16 @@ class PersistedKV:
         with self._lock:
             return digest in self._index
 
-    def save(self, digest: bytes, parent: bytes, token_ids: Sequence[int], block: int) -> None:
+    def touch(self, digest: bytes, depth: int = 0, when: float | None = None) -> None:
+        """The block (at index `depth` of a sequence) was used at `when`: keep its disk copy from
+        looking old. Pass one `when` for a whole chain so its blocks order by depth."""
+        with self._lock:
+            if digest in self._index:
+                self._index.move_to_end(digest)
+                self._touched[digest] = (when or time.time()) - depth * DEPTH_STEP_S
+
+    def save(self, digest: bytes, parent: bytes, token_ids: Sequence[int], block: int, depth: int = 0,
+             when: float | None = None) -> None:
         """Queue a full, computed block for writing (a no-op if it is on disk or queued already)."""
         nbytes = self._block_nbytes()
         with self._lock:
@@ -108,9 +122,11 @@ class PersistedKV:
                 self._counters.dropped_writes += 1  # the disk is behind: never stall the step loop
                 return
             self._pending[digest] = nbytes
-        self._queue.put(_Write(digest, parent, tuple(token_ids), self._kv_cache[:, :, :, block].clone()))
+        self._queue.put(_Write(digest, parent, tuple(token_ids), self._kv_cache[:, :, :, block].clone(),
+                               (when or time.time()) - depth * DEPTH_STEP_S))
 
-    def load(self, digest: bytes, token_ids: Sequence[int], block: int) -> bool:
+    def load(self, digest: bytes, token_ids: Sequence[int], block: int, depth: int = 0,
+             when: float | None = None) -> bool:
         """Fill pool block `block` from disk. False (and the file is dropped) if it cannot be trusted."""
         with self._lock:
             entry = self._index.get(digest)
@@ -127,10 +143,8 @@ class PersistedKV:
             return False
         self._kv_cache[:, :, :, block].copy_(data)
         with self._lock:
-            if digest in self._index:
-                self._index.move_to_end(digest)
             self._counters.loaded_blocks += 1
-            self._touched.append(digest)
+        self.touch(digest, depth, when)
         return True
 
     def _read(self, entry: KVEntry, token_ids: Sequence[int]) -> torch.Tensor:
@@ -182,7 +196,12 @@ class PersistedKV:
                 return
 
     def _process(self, items: list) -> None:
-        written, dropped = [], []
+        # Drops first: a dropped block is recomputed and saved again, so a write of it in this batch
+        # is always newer, and removing the old entry after it would delete the fresh file and row.
+        dropped = [item[1] for item in items if isinstance(item, tuple) and item[0] == "drop"]
+        if dropped:
+            self._remove(dropped)
+        written = []
         for item in items:
             if isinstance(item, _Write):
                 try:
@@ -191,8 +210,6 @@ class PersistedKV:
                     log.warning("could not persist KV block %s: %s", item.digest.hex(), exc)
                     with self._lock:
                         self._pending.pop(item.digest, None)
-            elif isinstance(item, tuple) and item[0] == "drop":
-                dropped.append(item[1])
         if written:
             self.store.kv_add(written)  # the file is complete before the index names it
             with self._lock:
@@ -200,11 +217,9 @@ class PersistedKV:
                     self._index[entry.hash] = entry
                     self._pending.pop(entry.hash, None)
                 self._counters.written_blocks += len(written)
-        if dropped:
-            self._remove(dropped)
         with self._lock:
-            touched, self._touched = self._touched, []
-        self.store.kv_touch(set(touched))
+            touched, self._touched = self._touched, {}
+        self.store.kv_set_access(touched)
         if written:
             self._evict_over_budget()
 
@@ -226,7 +241,7 @@ class PersistedKV:
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old state or the whole file
         return KVEntry(item.digest, item.parent, self.fingerprint, token_digest(item.token_ids),
-                       len(item.token_ids), relative.as_posix(), len(blob), checksum(blob), time.time())
+                       len(item.token_ids), relative.as_posix(), len(blob), checksum(blob), item.last_access)
 
     def _remove(self, entries: list[KVEntry]) -> None:
         """Index rows first, then files: a crash in between leaves an orphan file, never a dangling row
@@ -249,11 +264,22 @@ class PersistedKV:
                 excess -= entry.nbytes
             if not victims:
                 break
+            victims += self._descendants(victims)
             self._remove(victims)
             with self._lock:
                 self._counters.evicted_blocks += len(victims)
             total = self._stored_bytes()
         self._total_bytes = total
+
+    def _descendants(self, entries: list[KVEntry]) -> list[KVEntry]:
+        """Blocks whose chain runs through these: unreachable once they go, so they go too."""
+        found, seen, frontier = [], {e.hash for e in entries}, [e.hash for e in entries]
+        while frontier:
+            children = [c for c in self.store.kv_children(frontier) if c.hash not in seen]
+            seen.update(c.hash for c in children)
+            found += children
+            frontier = [c.hash for c in children]
+        return found
 
     def _stored_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.store.kv_totals().values())
@@ -262,14 +288,20 @@ class PersistedKV:
         """Delete this model's files the index does not name (a crash between write and index, or
         between index removal and unlink) and leftover temp files."""
         known = {e.file for e in self._index.values()}
+        cutoff = time.time() - SWEEP_MIN_AGE_S
         for path in self._model_dir.glob("*/*"):
-            if path.relative_to(self.directory).as_posix() not in known:
-                path.unlink(missing_ok=True)
+            try:
+                if (path.is_file() and path.relative_to(self.directory).as_posix() not in known
+                        and path.stat().st_mtime < cutoff):
+                    path.unlink()
+            except OSError:
+                pass  # gone meanwhile, or not ours to delete: never fail the engine's start
 
     # --- control ------------------------------------------------------------------------------
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block is written (or `timeout` passes); True if all were."""
+        self._queue.put(("sync", None))  # also records pending access times
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
