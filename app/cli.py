@@ -30,14 +30,14 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _engine(args: argparse.Namespace, quant: str = "none", quant_options: dict | None = None):
+def _engine(args: argparse.Namespace, quant: str = "none", quant_options: dict | None = None, **persist: Any):
     from kvforge.core import LLMEngine
     from kvforge.core.config import EngineConfig
 
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
                                   quant_options=quant_options or {},
                                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
-                                  enable_prefix_caching=not args.no_prefix_caching))
+                                  enable_prefix_caching=not args.no_prefix_caching, **persist))
 
 
 def _params(args: argparse.Namespace):
@@ -136,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not is_loopback(settings.host) and not settings.api_key:
         raise ValueError(f"refusing to bind {settings.host} without an API key: pass --api-key or set "
                          "KVFORGE_API_KEY, or bind 127.0.0.1")
+    import asyncio
     from pathlib import Path
 
     import uvicorn
@@ -144,16 +145,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
     from kvforge.core.async_engine import build_off_main_thread
+    from kvforge.core.store import Store, default_data_dir, default_db_url
+
+    data_dir = Path(settings.data_dir).expanduser() if settings.data_dir else default_data_dir()
+    db_url = settings.db or default_db_url(data_dir)
+    store = Store.open(db_url)  # created (or upgraded) on first start
+    persist = dict(persist_kv=not settings.no_persist_kv, data_dir=str(data_dir), db_url=db_url,
+                   kv_disk_budget_bytes=int(settings.kv_disk_gb * (1 << 30)))
 
     def factory(spec: ModelSpec) -> AsyncEngine:
         args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype})
-        return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options))
+        return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options, **persist))
 
     spec = ModelSpec(args.model, args.dtype, served_name=served_model_name(args))
     first = build_off_main_thread(lambda: factory(spec))
     host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
     app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
-                     default_max_tokens=settings.default_max_tokens)
+                     default_max_tokens=settings.default_max_tokens, store=store)
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -162,9 +170,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 host.engine.abort_all()
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            # Close engines (writing queued KV blocks to disk) here: uvicorn re-raises the signal after
+            # serving, which would end the process before any code after server.run().
+            await asyncio.to_thread(host.close)
+
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            timeout_graceful_shutdown=5))
-    print(f"kvforge: serving {spec.name} on http://{settings.host}:{settings.port}/v1", flush=True)
+    print(f"kvforge: serving {spec.name} on http://{settings.host}:{settings.port}/v1 "
+          f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "
+          f"{'off' if settings.no_persist_kv else data_dir / 'kv'})", flush=True)
     try:
         server.run()
     finally:
@@ -227,7 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
     serve.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     serve.add_argument("--no-prefix-caching", action="store_true", default=None,
-                       help="do not reuse KV of equal prefixes")
+                       help="do not reuse KV of equal prefixes (turns the persisted tier off too)")
+    serve.add_argument("--data-dir", default=None,
+                       help="conversations (SQLite) and persisted KV files (default: the user data dir, "
+                       "e.g. ~/.local/share/kvforge)")
+    serve.add_argument("--db", default=None, help="SQLAlchemy URL of the session store, e.g. "
+                       "postgresql+psycopg://user:pw@host/db (default: sqlite in --data-dir)")
+    serve.add_argument("--no-persist-kv", action="store_true", default=None,
+                       help="keep prefix KV in memory only (no disk tier)")
+    serve.add_argument("--kv-disk-gb", type=float, default=None,
+                       help="disk budget of the persisted KV in GiB, least recently used evicted (default: 2)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and stream the text")
@@ -274,9 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     throughput.add_argument("--threads", type=int, default=None)
     throughput.set_defaults(func=cmd_bench_throughput)
+    from kvforge.app.bench_chat import add_parser as add_chat_bench
     from kvforge.app.bench_serve import add_parser as add_serve_bench
+    from kvforge.app.cache import add_parser as add_cache
 
     add_serve_bench(bench_sub)
+    add_chat_bench(bench_sub)
+    add_cache(sub)
 
     plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
     plugins.set_defaults(func=cmd_plugins)

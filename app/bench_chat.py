@@ -1,0 +1,281 @@
+"""`kvforge bench chat`: time to first token, turn by turn, of one multi-turn conversation, in three modes
+measured in the same run on identical prompts:
+
+  no cache   enable_prefix_caching=False: every turn prefills its whole chat prompt;
+  memory     the in-memory prefix cache (persistence off): a turn reuses the KV of the turns before it;
+  persisted  a restart before every turn: persist_kv on a fresh temporary data directory and SQLite
+             store; each turn runs on a newly built engine (empty in-memory cache) whose disk tier holds
+             the earlier turns, written while they ran. The turn's new message is computed; the history
+             is loaded from disk.
+
+The replies generated without a cache build the history of every mode (greedy), so all modes time the
+same token ids; the replies of the other modes are checked against them token for token. TTFT is the
+time from add_request to the first step output carrying a token, driving engine.step() directly."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+TARGET_RATIO = 0.2  # persisted-after-restart TTFT / no-cache TTFT at the last turn
+
+TASKS = [
+    "Please read this carefully and tell me what you think the key point is.",
+    "Can you summarize the following in plain words?",
+    "I found this text. What questions would you ask the author?",
+    "Explain the following to a friend who has never heard of it.",
+    "What is surprising or unusual in the text below?",
+    "Give me one sentence that captures this, then one that criticises it.",
+    "Rewrite the main idea below as advice for a beginner.",
+    "What would be a good title for this, and why?",
+]
+
+
+def user_messages(tokenizer, turns: int, user_tokens: int) -> list[str]:
+    """Deterministic, varied user messages of about `user_tokens` tokens each: a task and a question from
+    the built-in pools, then sentences of the built-in passages from a different place each turn."""
+    from kvforge.app.bench import PASSAGES, QUESTIONS
+
+    sentences = [s.strip() + "." for p in PASSAGES if "def " not in p for s in p.split(". ") if s.strip()]
+    messages = []
+    for t in range(turns):
+        start = (t * 7) % len(sentences)
+        body = " ".join((sentences[start:] + sentences[:start]) * 4)
+        text = f"{TASKS[t % len(TASKS)]} Also: {QUESTIONS[(t * 5) % len(QUESTIONS)]}\n\n{body}"
+        messages.append(tokenizer.decode(tokenizer.encode(text)[:user_tokens]).strip())
+    return messages
+
+
+def _turn(engine, prompt: list[int], params, request_id: str, stop: threading.Event) -> dict:
+    """Run one turn to the end; TTFT from add_request to the first output that carries a token."""
+    start = time.perf_counter()
+    engine.add_request(prompt, params, request_id=request_id)
+    ttft, final = None, None
+    while engine.has_unfinished():
+        if stop.is_set():
+            raise KeyboardInterrupt
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if ttft is None and out.token_ids:
+                ttft = time.perf_counter() - start
+            if out.finished:
+                final = out
+    return {"ttft_s": ttft, "cached_tokens": final.num_cached_tokens, "token_ids": list(final.token_ids),
+            "text": final.text}
+
+
+def _warm_up(engine, prompt: list[int]) -> None:
+    """One tiny request outside the measurement: under one block, so nothing is cached or persisted."""
+    from kvforge.core import SamplingParams
+
+    engine.add_request(prompt[-(engine.config.block_size // 2):], SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dict:
+    """Everything that touches torch, on one thread that is not the main thread (see build_off_main_thread)."""
+    import torch
+
+    from kvforge.core import LLMEngine, SamplingParams
+    from kvforge.core.config import EngineConfig
+    from kvforge.core.store import Store
+
+    base = dict(model=str(path), dtype=args.dtype, num_threads=args.threads)
+    phases, clock = {}, time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name], clock = now - clock, now
+
+    params = SamplingParams(temperature=0, max_tokens=args.reply_tokens)
+
+    # (a) no prefix cache: its replies make the conversation every mode replays
+    engine = LLMEngine(EngineConfig(**base, enable_prefix_caching=False), progress=False)
+    threads = torch.get_num_threads()
+    messages = user_messages(engine.tokenizer, args.turns, args.user_tokens)
+    history: list[dict] = []
+    prompts, no_cache = [], []
+    for t, message in enumerate(messages):
+        history.append({"role": "user", "content": message})
+        prompts.append(engine.tokenizer.apply_chat_template(history))
+        if t == 0:
+            _warm_up(engine, prompts[0])
+        no_cache.append(_turn(engine, prompts[t], params, f"none-{t}", stop))
+        history.append({"role": "assistant", "content": no_cache[t]["text"]})
+    block_size = engine.config.block_size
+    del engine
+    gc.collect()
+    phase("no_cache")
+
+    # (b) the in-memory prefix cache
+    engine = LLMEngine(EngineConfig(**base), progress=False)
+    _warm_up(engine, prompts[0])
+    memory = [_turn(engine, prompt, params, f"memory-{t}", stop) for t, prompt in enumerate(prompts)]
+    del engine
+    gc.collect()
+    phase("memory")
+
+    # (c) the persisted tier after a restart: before each turn the server restarts (a new engine, an
+    # empty in-memory cache) and only the disk holds the earlier turns (written while they ran)
+    with tempfile.TemporaryDirectory(prefix="kvforge-bench-chat-") as data_dir:
+        url = f"sqlite:///{Path(data_dir) / 'kvforge.db'}"
+        persist = EngineConfig(**base, persist_kv=True, data_dir=data_dir, db_url=url)
+        persisted, flushed, written, loaded, failures = [], True, 0, 0, 0
+        try:
+            for t, prompt in enumerate(prompts):
+                engine = LLMEngine(persist, progress=False)
+                _warm_up(engine, prompts[0])
+                persisted.append(_turn(engine, prompt, params, f"persisted-{t}", stop))
+                flushed = engine.persisted.flush(timeout=120) and flushed
+                engine.close()
+                stats = engine.persisted.stats()
+                written, loaded, failures = (written + stats.written_blocks, loaded + stats.loaded_blocks,
+                                             failures + stats.load_failures)
+                disk_bytes = stats.bytes_total
+                del engine
+                gc.collect()
+            phase("persisted")
+        finally:
+            store = Store._open.pop(url, None)  # release the temporary database before its directory goes
+            if store is not None:
+                store.engine.dispose()
+
+    return {"threads": threads, "block_size": block_size, "messages": messages, "prompts": prompts,
+            "no_cache": no_cache, "memory": memory, "persisted": persisted, "phases": phases,
+            "disk": {"flushed": flushed, "written_blocks": written, "bytes": disk_bytes,
+                     "loaded_blocks": loaded, "load_failures": failures}}
+
+
+def _mismatches(runs: list[dict], reference: list[dict]) -> list[int]:
+    """1-based turns whose reply differs from the reference reply."""
+    return [t + 1 for t, (r, ref) in enumerate(zip(runs, reference)) if r["token_ids"] != ref["token_ids"]]
+
+
+def _report(args: argparse.Namespace, path: Path, m: dict, wall: float) -> dict:
+    per_turn = []
+    for t in range(args.turns):
+        a, b, c = m["no_cache"][t], m["memory"][t], m["persisted"][t]
+        per_turn.append({
+            "turn": t + 1, "prompt_tokens": len(m["prompts"][t]), "reply_tokens": len(a["token_ids"]),
+            "ttft_s": {"no_cache": a["ttft_s"], "memory": b["ttft_s"], "persisted": c["ttft_s"]},
+            "cached_tokens": {"no_cache": a["cached_tokens"], "memory": b["cached_tokens"],
+                              "persisted": c["cached_tokens"]},
+            "ratio_memory": b["ttft_s"] / a["ttft_s"], "ratio_persisted": c["ttft_s"] / a["ttft_s"],
+        })
+    mismatches = {mode: _mismatches(m[mode], m["no_cache"]) for mode in ("memory", "persisted")}
+    last = per_turn[-1]
+    return {
+        "model": path.name, "dtype": args.dtype, "threads": m["threads"], "block_size": m["block_size"],
+        "turns": args.turns, "user_tokens": args.user_tokens, "reply_tokens": args.reply_tokens,
+        "per_turn": per_turn,
+        "replies_identical": not any(mismatches.values()),
+        "replies_identical_by_mode": {"memory": not mismatches["memory"], "persisted": not mismatches["persisted"]},
+        "reply_mismatch_turns": mismatches,
+        "disk": m["disk"],
+        "target": {"turn": last["turn"], "ratio_persisted": last["ratio_persisted"], "max_ratio": TARGET_RATIO,
+                   "met": last["ratio_persisted"] <= TARGET_RATIO},
+        "wall_s": wall,
+        "phase_wall_s": m["phases"],  # each mode's engine build, warm-up and turns
+    }
+
+
+def _print_table(r: dict) -> None:
+    from kvforge.app.cache import human_bytes
+
+    print(f"model {r['model']}; dtype {r['dtype']}; {r['threads']} threads; block size {r['block_size']}; "
+          f"{r['turns']} turns: user messages of ~{r['user_tokens']} tokens, greedy replies of <= "
+          f"{r['reply_tokens']} tokens")
+    print("TTFT in ms: add_request until the first token, the turn's whole chat prompt; (n) = prompt tokens "
+          "served from a cache")
+    header = (f"{'turn':>4}  {'prompt':>6}  {'no cache':>9}  {'memory':>9} {'(cached)':>8}  "
+              f"{'persisted':>9} {'(cached)':>8}  {'persisted/no cache':>18}")
+    print(header)
+    print("-" * len(header))
+    for p in r["per_turn"]:
+        ttft, cached = p["ttft_s"], p["cached_tokens"]
+        print(f"{p['turn']:>4}  {p['prompt_tokens']:>6}  {ttft['no_cache'] * 1000:>9.1f}  "
+              f"{ttft['memory'] * 1000:>9.1f} {'(' + str(cached['memory']) + ')':>8}  "
+              f"{ttft['persisted'] * 1000:>9.1f} {'(' + str(cached['persisted']) + ')':>8}  "
+              f"{p['ratio_persisted']:>17.2f}x")
+    by_mode, bad = r["replies_identical_by_mode"], r["reply_mismatch_turns"]
+    names = {"memory": "memory", "persisted": "persisted after restart"}
+    checks = ", ".join(f"{names[k]} {'yes' if ok else 'NO (turns ' + ','.join(map(str, bad[k])) + ')'}"
+                       for k, ok in by_mode.items())
+    print(f"replies equal to the no-cache replies, token for token: {checks}")
+    d = r["disk"]
+    print(f"disk tier: {d['written_blocks']} blocks written ({human_bytes(d['bytes'])}), {d['loaded_blocks']} "
+          f"loaded after the restarts, {d['load_failures']} load failures")
+    t = r["target"]
+    print(f"turn {t['turn']}: persisted after restart {t['ratio_persisted']:.2f}x the no-cache TTFT "
+          f"(target <= {t['max_ratio']}x): {'met' if t['met'] else 'NOT met'}")
+
+
+@contextmanager
+def _stop_on_interrupt(stop: threading.Event):
+    """Ctrl-C also tells the measuring thread to stop at its next step (it then removes its temporary
+    data directory); otherwise the main thread would wait for the whole run before exiting."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        stop.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_chat_bench(args: argparse.Namespace) -> dict:
+    from kvforge.core.async_engine import build_off_main_thread
+    from kvforge.core.config import EngineConfig
+    from kvforge.core.loader import resolve_model
+
+    for name in ("turns", "reply_tokens", "user_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    EngineConfig(dtype=args.dtype)  # a bad dtype fails before anything loads
+    path = resolve_model(args.model)
+    stop = threading.Event()
+    start = time.perf_counter()
+    with _stop_on_interrupt(stop):
+        measured = build_off_main_thread(lambda: _measure(args, path, stop))
+    report = _report(args, path, measured, time.perf_counter() - start)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report)
+    return report
+
+
+def cmd_bench_chat(args: argparse.Namespace) -> int:
+    run_chat_bench(args)
+    return 0
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    """Register `chat` on the `kvforge bench` subcommands."""
+    chat = bench_sub.add_parser(
+        "chat", help="TTFT per turn of a multi-turn chat: no prefix cache, in-memory cache, persisted after a restart")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
+    chat.add_argument("--turns", type=int, default=10, help="turns of the conversation (default: 10)")
+    chat.add_argument("--user-tokens", type=int, default=100, help="tokens per user message (default: ~100)")
+    chat.add_argument("--reply-tokens", type=int, default=48, help="greedy reply length cap (default: 48)")
+    chat.add_argument("--threads", type=int, default=None)
+    chat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    chat.set_defaults(func=cmd_bench_chat)
+    return chat

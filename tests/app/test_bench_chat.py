@@ -1,0 +1,73 @@
+"""`kvforge bench chat --json`, run as a real subprocess on the embedded model with small settings (no timing
+assertions: only the shape of the report, the cache hits and the token-for-token reply check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TURNS = 3
+
+
+@pytest.fixture(scope="module")
+def report(embedded_path, tmp_path_factory) -> dict:
+    """The GGUF conversion happens (through embedded_path) before the subprocess starts. TMPDIR is private,
+    so the test can check that the temporary data directory of the persisted mode is removed."""
+    tmp = tmp_path_factory.mktemp("bench-chat-tmp")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TMPDIR=str(tmp))
+    result = subprocess.run(
+        [sys.executable, "-m", "kvforge.app.cli", "bench", "chat", "--turns", str(TURNS), "--reply-tokens", "8",
+         "--user-tokens", "40", "--json"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp.iterdir()) == []
+    return json.loads(result.stdout)  # stdout is exactly one JSON object
+
+
+def test_report_shape(report):
+    assert {"model", "dtype", "threads", "block_size", "turns", "user_tokens", "reply_tokens", "per_turn",
+            "replies_identical", "replies_identical_by_mode", "disk", "target", "wall_s"} <= set(report)
+    assert report["turns"] == TURNS and report["reply_tokens"] == 8 and report["user_tokens"] == 40
+    assert [t["turn"] for t in report["per_turn"]] == list(range(1, TURNS + 1))
+    for t in report["per_turn"]:
+        assert set(t["ttft_s"]) == set(t["cached_tokens"]) == {"no_cache", "memory", "persisted"}
+        assert all(v > 0 for v in t["ttft_s"].values())
+        assert t["ratio_memory"] > 0 and t["ratio_persisted"] > 0
+        assert t["ratio_persisted"] == pytest.approx(t["ttft_s"]["persisted"] / t["ttft_s"]["no_cache"])
+        assert 1 <= t["reply_tokens"] <= 8
+    prompts = [t["prompt_tokens"] for t in report["per_turn"]]
+    assert prompts == sorted(prompts) and prompts[-1] - prompts[0] >= 2 * 40  # each turn adds its message
+    target = report["target"]
+    assert target["turn"] == TURNS and target["max_ratio"] == 0.2
+    assert target["ratio_persisted"] == report["per_turn"][-1]["ratio_persisted"]
+    assert target["met"] == (target["ratio_persisted"] <= 0.2)
+
+
+def test_replies_identical_in_every_mode(report):
+    assert report["replies_identical"] is True
+    assert report["replies_identical_by_mode"] == {"memory": True, "persisted": True}
+
+
+def test_cache_hits(report):
+    block = report["block_size"]
+    for t in report["per_turn"]:
+        cached = t["cached_tokens"]
+        assert cached["no_cache"] == 0
+        # after a restart the disk holds exactly what the in-memory cache held: the earlier turns
+        assert cached["persisted"] == cached["memory"]
+        if t["turn"] >= 2:
+            assert cached["memory"] > 0
+    disk = report["disk"]
+    assert disk["flushed"] and disk["written_blocks"] > 0 and disk["bytes"] > 0 and disk["load_failures"] == 0
+    assert disk["loaded_blocks"] == sum(t["cached_tokens"]["persisted"] for t in report["per_turn"]) // block
+
+
+def test_bad_arguments_are_a_clear_error():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-m", "kvforge.app.cli", "bench", "chat", "--turns", "0"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "--turns" in result.stderr and "Traceback" not in result.stderr
