@@ -89,7 +89,7 @@ class PersistedKV:
         # this model's blocks on disk, least recently used first
         self._index: OrderedDict[bytes, KVEntry] = OrderedDict((e.hash, e) for e in store.kv_entries(fingerprint))
         self._total_bytes = self._stored_bytes()
-        self._pending: dict[bytes, int] = {}  # queued for writing -> bytes
+        self._pending: set[bytes] = set()  # queued for writing
         self._counters = PersistStats(budget_bytes=budget_bytes)
         self._touched: dict[bytes, float] = {}  # hash -> access time not yet in the index (LRU)
         self._sweep_orphans()
@@ -118,10 +118,10 @@ class PersistedKV:
         with self._lock:
             if digest in self._index or digest in self._pending:
                 return
-            if sum(self._pending.values()) + nbytes > MAX_PENDING_BYTES:
+            if (len(self._pending) + 1) * nbytes > MAX_PENDING_BYTES:
                 self._counters.dropped_writes += 1  # the disk is behind: never stall the step loop
                 return
-            self._pending[digest] = nbytes
+            self._pending.add(digest)
         self._queue.put(_Write(digest, parent, tuple(token_ids), self._kv_cache[:, :, :, block].clone(),
                                (when or time.time()) - depth * DEPTH_STEP_S))
 
@@ -188,7 +188,7 @@ class PersistedKV:
                 with self._lock:
                     for item in items:
                         if isinstance(item, _Write):
-                            self._pending.pop(item.digest, None)
+                            self._pending.discard(item.digest)
             finally:
                 for _ in items:
                     self._queue.task_done()
@@ -209,13 +209,13 @@ class PersistedKV:
                 except OSError as exc:
                     log.warning("could not persist KV block %s: %s", item.digest.hex(), exc)
                     with self._lock:
-                        self._pending.pop(item.digest, None)
+                        self._pending.discard(item.digest)
         if written:
             self.store.kv_add(written)  # the file is complete before the index names it
             with self._lock:
                 for entry in written:
                     self._index[entry.hash] = entry
-                    self._pending.pop(entry.hash, None)
+                    self._pending.discard(entry.hash)
                 self._counters.written_blocks += len(written)
         with self._lock:
             touched, self._touched = self._touched, {}
