@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvforge.app.chat_service import ChatService
 from kvforge.app.completion import finish_reason, format_logprobs, submit, timings, usage
 from kvforge.app.errors import APIError, error_response
 from kvforge.app.metrics import ServerMetrics
@@ -239,5 +240,6 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             stream.abort()  # the client disconnected mid-stream: stop it and free its KV blocks
 
     if store is not None:
-        app.include_router(sessions_router(host, store, metrics, default_max_tokens))
+        app.state.chat = ChatService(host, store, metrics, default_max_tokens)
+        app.include_router(sessions_router(app.state.chat))
     return app

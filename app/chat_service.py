@@ -1,0 +1,140 @@
+"""ChatService: one turn of a stored conversation, shared by the sessions API and the browser UI.
+
+A turn renders the whole history with the chat template (earlier turns render byte-identically, and
+replies are stored exactly as generated, so the prefix cache serves the history), queues the request,
+stores the user message, then streams the reply and stores it when it ends — however it ends: a reply
+cut short (stop button, disconnect) is kept with finish_reason "abort", like a chat app's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from kvforge.app.completion import submit, timings, usage
+from kvforge.app.errors import APIError
+from kvforge.app.metrics import ServerMetrics
+from kvforge.app.models import ModelHost, NoModelLoaded
+from kvforge.app.protocol import SamplingFields
+from kvforge.core.async_engine import RequestStream
+from kvforge.core.output import RequestOutput
+from kvforge.core.store import Conversation, Message, NotFound, Store
+
+DEFAULT_TITLE = "New chat"
+
+
+def chat_messages(conv: Conversation, new_user_message: str | None = None) -> list[dict[str, str]]:
+    """What the chat template renders: the system prompt, the history, the new message."""
+    system = (conv.settings or {}).get("system_prompt")
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": m.role, "content": m.content} for m in conv.messages]
+    if new_user_message is not None:
+        messages.append({"role": "user", "content": new_user_message})
+    return messages
+
+
+def reply_stats(out: RequestOutput, prompt_tokens: int) -> dict:
+    m = out.metrics or {}
+    tpot = m.get("tpot")
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+            "cached_tokens": out.num_cached_tokens, "finish_reason": out.finish_reason,
+            "ttft_s": m.get("ttft"), "tokens_per_s": (1 / tpot) if tpot else None}
+
+
+def title_from(content: str, limit: int = 60) -> str:
+    """A new conversation is named after its first message."""
+    line = " ".join(content.split())
+    return line if len(line) <= limit else line[:limit - 1].rstrip() + "…"
+
+
+def not_found(exc: NotFound, suffix: str = "") -> APIError:
+    return APIError(404, f"{exc}{suffix}", "session_id", "not_found_error", "session_not_found")
+
+
+@dataclass
+class Turn:
+    """A queued reply: `user` is the stored user message; iterate `events()` exactly once (or call
+    `abort()`): {"type": "delta", "content"}..., then {"type": "done", "message", "usage", ...}."""
+    service: ChatService
+    session_id: str
+    user: Message
+    prompt_tokens: int
+    stream: RequestStream
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        store, text, final = self.service.store, "", None
+        try:
+            async for out in self.stream:
+                text = out.text
+                if out.delta_text:
+                    yield {"type": "delta", "content": out.delta_text}
+                if out.finished:
+                    final = out
+                    self.service.metrics.observe_finished(out)
+        finally:
+            self.service.host.release()
+            self.stream.abort()  # no-op once finished; frees the KV blocks if the client went away
+            if final is None and text:  # the consumer went away (a disconnect): keep what was generated
+                try:
+                    store.add_message(self.session_id, "assistant", text, finish_reason="abort",
+                                      prompt_tokens=self.prompt_tokens)
+                except NotFound:
+                    pass  # the conversation was deleted meanwhile
+        if final.finish_reason == "abort" and not final.text:
+            return  # stopped before any text: nothing to keep
+        try:
+            message = await run_in_threadpool(store.add_message, self.session_id, "assistant", final.text,
+                                              **reply_stats(final, self.prompt_tokens))
+        except NotFound as exc:
+            raise not_found(exc, " (deleted during the reply)") from None
+        yield {"type": "done", "message": message.to_dict(), "usage": usage([final], self.prompt_tokens),
+               "timings": timings(final), "token_ids": final.token_ids}
+
+
+class ChatService:
+    def __init__(self, host: ModelHost, store: Store, metrics: ServerMetrics, default_max_tokens: int) -> None:
+        self.host, self.store, self.metrics = host, store, metrics
+        self.default_max_tokens = default_max_tokens
+
+    def get(self, session_id: str) -> Conversation:
+        try:
+            return self.store.get_conversation(session_id)
+        except NotFound as exc:
+            raise not_found(exc) from None
+
+    async def start_turn(self, session_id: str, content: str, overrides: dict[str, Any] | None = None) -> Turn:
+        """Validate and queue the reply to `content`, then store `content`; APIError (nothing stored)
+        for an unknown session, bad sampling fields, or a conversation too long for the model."""
+        conv = await run_in_threadpool(self.get, session_id)
+        fields = SamplingFields.model_validate({**(conv.settings or {}).get("sampling", {}), **(overrides or {})})
+        try:
+            engine = await self.host.acquire()  # waits while a model swap is in progress
+        except NoModelLoaded as exc:
+            raise APIError(503, str(exc), None, "server_error", "no_model") from None
+        try:
+            try:
+                prompt = engine.tokenizer.apply_chat_template(chat_messages(conv, content))
+            except Exception as exc:  # a template that rejects this conversation (e.g. role order)
+                raise APIError(400, f"content: {exc}", "content") from None
+            stream, _ = submit(engine, prompt, fields, self.default_max_tokens, None, "content")
+        except BaseException:
+            self.host.release()
+            raise
+        try:
+            user = await run_in_threadpool(self.store.add_message, session_id, "user", content,
+                                           prompt_tokens=len(prompt))
+            if conv.title == DEFAULT_TITLE and not conv.messages:
+                await run_in_threadpool(self.store.update_conversation, session_id, title=title_from(content))
+        except BaseException as exc:
+            self.host.release()
+            stream.abort()
+            if isinstance(exc, NotFound):  # deleted meanwhile
+                raise not_found(exc) from None
+            raise
+        return Turn(self, session_id, user, len(prompt), stream)
