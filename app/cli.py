@@ -161,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     first = build_off_main_thread(lambda: factory(spec))
     host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
     app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
-                     default_max_tokens=settings.default_max_tokens, store=store)
+                     default_max_tokens=settings.default_max_tokens, store=store, ui=not settings.no_ui)
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -178,7 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            timeout_graceful_shutdown=5))
-    print(f"kvforge: serving {spec.name} on http://{settings.host}:{settings.port}/v1 "
+    ui = "" if settings.no_ui else f"chat UI on http://{settings.host}:{settings.port}/, "
+    print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
           f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "
           f"{'off' if settings.no_persist_kv else data_dir / 'kv'})", flush=True)
     try:
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep prefix KV in memory only (no disk tier)")
     serve.add_argument("--kv-disk-gb", type=float, default=None,
                        help="disk budget of the persisted KV in GiB, least recently used evicted (default: 2)")
+    serve.add_argument("--no-ui", action="store_true", default=None, help="API only: no browser UI at /")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and stream the text")

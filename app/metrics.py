@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvforge.core.output import RequestOutput
@@ -13,6 +15,7 @@ class ServerMetrics:
     def __init__(self, host) -> None:
         self.host = host  # app.models.ModelHost: the engine changes when the model is swapped
         self.registry = CollectorRegistry()
+        self.recent_ttft: deque[float] = deque(maxlen=20)  # seconds, newest last (the UI dashboard)
         r = self.registry
         self.requests = Counter("kvforge_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
@@ -34,6 +37,8 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics or {}
+        if out.index == 0 and m.get("ttft") is not None:
+            self.recent_ttft.append(m["ttft"])
         self.requests.labels(out.finish_reason or "unknown").inc()
         if out.index == 0:
             self.prompt_tokens.inc(m.get("prompt_tokens", 0))

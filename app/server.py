@@ -43,9 +43,10 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
                max_pending: int = 256, default_max_tokens: int = 512, models_dir=None,
-               store: Store | None = None) -> FastAPI:
+               store: Store | None = None, ui: bool = False) -> FastAPI:
     """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`. With a
-    `store`, the sessions API (/v1/sessions) keeps conversations in it."""
+    `store`, the sessions API (/v1/sessions) keeps conversations in it, and `ui` mounts the browser
+    UI at / (it needs the store)."""
     if isinstance(host, AsyncEngine):
         host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name), host, models_dir)
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
@@ -242,4 +243,10 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     if store is not None:
         app.state.chat = ChatService(host, store, metrics, default_max_tokens)
         app.include_router(sessions_router(app.state.chat))
+        if ui:  # after every API route: the UI mounted at / would shadow later ones
+            from kvforge.ui.app import mount_ui
+            from kvforge.ui.dashboard import DashboardSampler
+
+            app.state.sampler = DashboardSampler(host, metrics).start()
+            app = mount_ui(app, app.state.chat, app.state.sampler)
     return app

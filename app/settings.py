@@ -38,6 +38,7 @@ class ServeSettings:
     db: str | None = None  # SQLAlchemy URL of the store; default: sqlite in data_dir
     no_persist_kv: bool = False
     kv_disk_gb: float = 2.0
+    no_ui: bool = False
     max_pending: int = 256
     default_max_tokens: int = 512
     log_level: str = "info"
