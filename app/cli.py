@@ -154,7 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    kv_disk_budget_bytes=int(settings.kv_disk_gb * (1 << 30)))
 
     def factory(spec: ModelSpec) -> AsyncEngine:
-        args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype})
+        args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype,
+                                         "kv_cache_gb": spec.kv_cache_gb or args.kv_cache_gb})
         return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options, **persist))
 
     spec = ModelSpec(args.model, args.dtype, served_name=served_model_name(args))

@@ -28,6 +28,7 @@ class ModelSpec:
     quant: str = "none"
     quant_options: dict[str, Any] = field(default_factory=dict)
     served_name: str | None = None
+    kv_cache_gb: float | None = None  # None: the server's --kv-cache-gb
 
     @property
     def name(self) -> str:

@@ -98,6 +98,7 @@ class LoadModelRequest(BaseModel):
     quant: str = "none"
     quant_options: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
+    kv_cache_gb: float | None = Field(default=None, gt=0, le=4096)
 
 
 class SessionSettings(BaseModel):

@@ -37,8 +37,9 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
     from kvforge.core.config import EngineConfig
     from kvforge.core.engine import LLMEngine
 
+    sized = {"kv_cache_bytes": int(spec.kv_cache_gb * (1 << 30))} if spec.kv_cache_gb else {}
     return AsyncEngine(LLMEngine(EngineConfig(model=spec.model, dtype=spec.dtype, quant=spec.quant,
-                                              quant_options=spec.quant_options), progress=False))
+                                              quant_options=spec.quant_options, **sized), progress=False))
 
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
@@ -118,7 +119,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
 
     @app.post("/admin/models/load")
     async def admin_load(body: LoadModelRequest):
-        spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name)
+        spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name,
+                         body.kv_cache_gb)
         try:
             await host.load(spec)
         except ValueError as exc:  # bad path, unknown plugin, bad dtype: the old model keeps serving

@@ -26,6 +26,9 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         quant_cls = discover(QUANT_GROUP).get(config.quant)
+        if self.device.type not in quant_cls.devices:  # refused before anything is loaded
+            raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
+                             f"not on {self.device.type}")
         with torch.device(self.device):
             self.model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**config.quant_options))
         load_weights(self.model, model_path, progress=progress)

@@ -2,8 +2,10 @@
 
 Conversations come from the session store (the same ChatService as /v1/sessions, so a reload or a
 restart shows the same history); replies stream; Stop aborts the request (the partial reply is
-kept); Regenerate and Edit rework the last turn. The dashboard reads the one server-side sampler
-every second. Nothing is fetched from outside 127.0.0.1: a built-in theme with system fonts, no
+kept); Regenerate and Edit rework the last turn. Model settings (model, dtype, quant plugin and its
+options, KV budget) swap through the same ModelHost as the admin API: in-flight replies finish first,
+a refused choice keeps the old model. The dashboard reads the one server-side sampler every second.
+Nothing is fetched from outside 127.0.0.1: a built-in theme with bundled fonts, no
 analytics (GRADIO_ANALYTICS_ENABLED is off before gradio is imported).
 """
 
@@ -15,11 +17,20 @@ for _name, _value in (("GRADIO_ANALYTICS_ENABLED", "False"), ("HF_HUB_OFFLINE", 
                       ("HF_HUB_DISABLE_TELEMETRY", "1")):
     os.environ.setdefault(_name, _value)
 
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import gradio as gr  # noqa: E402 - after the offline switches above
 import pandas as pd  # noqa: E402
 
 from kvforge.app.chat_service import DEFAULT_TITLE, ChatService  # noqa: E402
 from kvforge.app.errors import APIError  # noqa: E402
+from kvforge.app.models import ModelSpec  # noqa: E402
+from kvforge.core.estimate import estimate_memory  # noqa: E402
+from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, load_config, resolve_model  # noqa: E402
+from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover  # noqa: E402
 from kvforge.core.store import NotFound  # noqa: E402
 from kvforge.ui.dashboard import DashboardSampler  # noqa: E402
 
@@ -89,8 +100,39 @@ def throughput_frame(sampler: DashboardSampler) -> pd.DataFrame:
                          "tok/s": [s.stats.get("generation_tokens_per_s", 0.0) for s in samples]})
 
 
+def current_model_name(host) -> str:
+    model = host.spec.model
+    return EMBEDDED_MODEL if model in EMBEDDED_ALIASES else Path(model).name
+
+
+def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float) -> str:
+    """Weights + KV for the chosen context length, before anything is loaded."""
+    try:
+        if model in EMBEDDED_ALIASES:
+            hf_config = load_config(resolve_model(None))
+        elif host.models_dir is not None and (host.models_dir / model / "config.json").is_file():
+            hf_config = load_config(host.models_dir / model)
+        else:
+            return f"No estimate for {model!r} before it is converted (GGUF)."
+        e = estimate_memory(hf_config, dtype, int(context_tokens))
+    except Exception as exc:  # a broken config: say so, never break the page
+        return f"No estimate: {type(exc).__name__}: {exc}"
+    return (f"Estimate for {int(context_tokens)} tokens of context: weights {human_bytes(e['weights_bytes'])} "
+            f"({e['parameters'] / 1e6:.1f}M parameters, dense {dtype}) + KV {human_bytes(e['kv_bytes'])} = "
+            f"**{human_bytes(e['total_bytes'])}**")
+
+
+def plugin_help(quant: str) -> str:
+    registry = discover(QUANT_GROUP)
+    cls = registry.plugins.get(quant)
+    if cls is None:
+        return registry.errors.get(quant, "")
+    options = "; ".join(f"`{k}`: {v}" for k, v in (getattr(cls, "settings", {}) or {}).items()) or "no options"
+    return f"{cls.description} Runs on {' / '.join(cls.devices)}. Options: {options}"
+
+
 def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
-    store = chat.store
+    store, host = chat.store, chat.host
 
     def conversation_choices() -> list[tuple[str, str]]:
         return [(c.title, c.id) for c in store.list_conversations()]
@@ -188,6 +230,43 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         store.truncate_messages(session_id, users[-1])
         return messages[users[-1]].content
 
+    def settings_values():
+        core = host.engine.engine.config if host.engine is not None else None
+        quants = sorted(discover(QUANT_GROUP).plugins)
+        decodings = ["none"] + sorted(discover(DECODING_GROUP).plugins)
+        return (gr.update(choices=host.available(), value=current_model_name(host)),
+                core.dtype if core else "float32", gr.update(choices=quants, value=core.quant if core else "none"),
+                json.dumps(core.quant_options if core else {}), gr.update(choices=decodings, value="none"),
+                round(core.kv_cache_bytes / (1 << 30), 3) if core else 1.0)
+
+    async def apply_settings(model: str, dtype: str, quant: str, options: str, decoding: str, kv_gb: float):
+        """Swap model / dtype / quant / KV budget without a restart; in-flight replies finish first."""
+        try:
+            quant_options = json.loads(options or "{}")
+            if not isinstance(quant_options, dict):
+                raise ValueError("quant options must be a JSON object")
+        except ValueError as exc:
+            yield f"Refused: quant options: {exc}"
+            return
+        if decoding != "none":
+            yield f"Refused: decoding plugin {decoding!r}: speculative decoding is not available in this engine yet"
+            return
+        served = host.spec.served_name if model == current_model_name(host) else None
+        spec = ModelSpec(model, dtype, quant, quant_options, served, float(kv_gb))
+        started = time.monotonic()
+        task = asyncio.ensure_future(host.load(spec))
+        while not task.done():
+            waiting = f"waiting for {host.in_flight} reply(ies) to finish, " if host.in_flight else ""
+            yield f"Applying: {waiting}loading {model} ({dtype}, quant {quant})… {time.monotonic() - started:.0f} s"
+            await asyncio.wait([task], timeout=0.5)
+        try:
+            task.result()
+        except Exception as exc:  # a bad choice: the old model keeps serving
+            yield f"Refused: {exc} — {host.name} keeps serving."
+            return
+        yield (f"Loaded {host.name} ({dtype}, quant {quant}) in {time.monotonic() - started:.1f} s; "
+               "new replies use it.")
+
     def edit_last(session_id: str | None):
         text = drop_last_turn(session_id)
         return chat_history(session_id), text, last_stats(session_id)
@@ -219,6 +298,21 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                     top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top-p", elem_id="top-p")
                     max_tokens = gr.Slider(1, 4096, value=512, step=1, label="Max tokens", elem_id="max-tokens")
             with gr.Column(scale=2, min_width=280):
+                with gr.Accordion("Model settings", open=False, elem_id="settings"):
+                    model_choice = gr.Dropdown(label="Model", elem_id="settings-model")
+                    dtype_choice = gr.Radio(["float32", "bfloat16", "float16"], label="dtype",
+                                            elem_id="settings-dtype")
+                    quant_choice = gr.Dropdown(label="Quantization plugin", elem_id="settings-quant")
+                    quant_help = gr.Markdown(elem_id="settings-quant-help")
+                    quant_options = gr.Textbox(label="Quantization options (JSON)", value="{}", max_lines=4,
+                                               elem_id="settings-quant-options")
+                    decoding_choice = gr.Dropdown(label="Decoding plugin", elem_id="settings-decoding")
+                    kv_gb = gr.Number(label="KV cache budget (GiB)", minimum=0.01, elem_id="settings-kv-gb")
+                    context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
+                                        minimum=1, precision=0, elem_id="settings-context")
+                    estimate = gr.Markdown(elem_id="settings-estimate")
+                    apply_button = gr.Button("Apply", variant="primary", elem_id="settings-apply")
+                    status = gr.Markdown(elem_id="settings-status")
                 dashboard = gr.Markdown(elem_id="dashboard")
                 plot = gr.LinePlot(x="seconds ago", y="tok/s", title="Generation tok/s", height=220,
                                    elem_id="tokens-plot")
@@ -240,6 +334,15 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
             send, send_inputs, send_outputs, concurrency_limit=None)
         stop_button.click(None, cancels=[regenerating])
         edit_button.click(edit_last, [session], [chatbot, textbox, stats])
+
+        settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, kv_gb]
+        demo.load(settings_values, outputs=settings)
+        for component in (model_choice, dtype_choice, context):
+            component.change(lambda m, d, c: memory_estimate_markdown(host, m, d, c or 1),
+                             [model_choice, dtype_choice, context], estimate, queue=False)
+        quant_choice.change(plugin_help, quant_choice, quant_help, queue=False)
+        apply_button.click(apply_settings, settings, status, concurrency_limit=1).then(
+            settings_values, outputs=settings)
 
         timer.tick(lambda: (dashboard_markdown(sampler), throughput_frame(sampler)), outputs=[dashboard, plot],
                    queue=False, show_progress="hidden")
