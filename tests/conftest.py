@@ -12,16 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # conversations and persisted KV of servers started by tests never land in the user's data dir
 os.environ.setdefault("KVFORGE_DATA_DIR", tempfile.mkdtemp(prefix="kvforge-test-data-"))
-REQUIRE_ALL = os.environ.get("KVFORGE_REQUIRE_ALL") == "1"
-
-
-def require(condition: bool, reason: str) -> None:
-    """Skip when an optional part is missing, except under KVFORGE_REQUIRE_ALL=1 (CI), where it fails."""
-    if condition:
-        return
-    if REQUIRE_ALL:
-        pytest.fail(f"KVFORGE_REQUIRE_ALL=1 but {reason}")
-    pytest.skip(reason)
+from optional_parts import REQUIRE_ALL, require  # noqa: E402,F401 - re-exported for the test modules
 
 
 @pytest.fixture(scope="session")

@@ -5,18 +5,14 @@ on SQLite and on PostgreSQL: the history is intact, the next turn is served from
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from kvforge.app.threaded_server import free_port
+from server_process import ServeProcess
 
 USER_MESSAGES = [
     "I am planning a vegetable garden on a small balcony that gets about five hours of direct sun in the "
@@ -34,29 +30,9 @@ SYSTEM_PROMPT = "You are a friendly gardening assistant. Answer in a few clear s
 MAX_TOKENS = 40
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, data_dir, db_url: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        argv = [sys.executable, "-m", "kvforge.app.cli", "serve", "--port", str(self.port), "--data-dir",
-                str(data_dir), "--db", db_url, "--kv-cache-gb", "0.25", "--log-level", "warning"]
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.process.stdout.read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise AssertionError("the server did not start")
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(f"kvforge_{name} "):
-                return float(line.split()[1])
-        raise AssertionError(f"no metric {name}")
+        super().__init__("--data-dir", str(data_dir), "--db", db_url, "--kv-cache-gb", "0.25")
 
     def wait_persisted(self) -> None:
         """The background writer has written every block queued so far."""
@@ -74,15 +50,6 @@ class Server:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert events[-1]["type"] == "done", events[-1]
         return events[-1]
-
-    def stop(self, how: str) -> None:
-        if how == "sigterm":
-            self.process.send_signal(signal.SIGTERM)
-            assert self.process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
-        else:
-            self.process.kill()
-            self.process.wait(timeout=30)
-        self.process.stdout.close()
 
 
 def kill_mid_reply(server: Server, session_id: str) -> None:

@@ -1,0 +1,156 @@
+"""The UI's model settings against a real `kvforge serve` with two third-party quant plugins installed:
+a memory estimate before applying, a swap to another quant plugin without a restart (a reply in flight
+finishes first; the next uses the new plugin, shown in the dashboard and in /v1/models), and a refusal
+of a plugin that cannot run on this device (the old model keeps serving)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvforge.core.estimate import estimate_memory
+from kvforge.core.loader import load_config
+from kvforge.ui.app import human_bytes
+from optional_parts import require
+from plugin_packages import build_and_install, toy_int8_site
+from server_process import ServeProcess
+
+GPU_ONLY_SOURCE = '''
+from kvforge.plugins.quant.dense import DenseMethod
+
+
+class GpuOnlyMethod(DenseMethod):
+    name = "toy-gpu-only"
+    description = "A method with CUDA kernels only (test plugin)."
+    devices = ("cuda",)
+'''
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
+TIMEOUT_MS = 120_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, embedded_path):
+    sites = [toy_int8_site(tmp_path_factory.mktemp("toy-int8")),
+             build_and_install(tmp_path_factory.mktemp("gpu-only"), "kvforge-toy-gpu-only", "0.1",
+                               "kvforge_toy_gpu_only", GPU_ONLY_SOURCE,
+                               {"toy-gpu-only": "kvforge_toy_gpu_only:GpuOnlyMethod"})]
+    pythonpath = os.pathsep.join([*map(str, sites), os.environ.get("PYTHONPATH", "")])
+    process = ServeProcess("--data-dir", str(tmp_path_factory.mktemp("data")), "--kv-cache-gb", "0.25",
+                           env={"PYTHONPATH": pythonpath})
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        require(False, "playwright is not installed (pip install playwright)")
+    require(shutil.which(CHROMIUM) is not None, f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(server.url)
+        page.wait_for_selector("#message textarea")
+        page.get_by_text("Model settings").click()
+        yield page
+        browser.close()
+
+
+def choose(page, dropdown_id: str, option: str) -> None:
+    box = page.locator(f"#{dropdown_id} input")
+    box.fill(option)  # the list is filtered by the box's text: type the choice, then pick it
+    page.get_by_role("option", name=option, exact=True).click()
+    page.wait_for_function(f"document.querySelector('#{dropdown_id} input').value === '{option}'")
+
+
+def apply_and_wait(page, timeout_s: float = 120) -> str:
+    """Click Apply; the status line that ends this apply (not the one left by an earlier apply)."""
+    status = page.locator("#settings-status")
+
+    def outcome() -> str | None:  # the status shows a progress timer around the text while busy
+        text = status.inner_text()
+        found = [text.index(word) for word in ("Loaded", "Refused") if word in text]
+        return text[min(found):] if found else None
+
+    before = outcome()
+    page.click("#settings-apply")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = outcome()
+        if now is not None and now != before:
+            return now
+        time.sleep(0.2)
+    raise AssertionError(f"apply did not finish: {status.inner_text()!r}")
+
+
+def served_quant(server) -> str:
+    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["quant"]
+
+
+def test_memory_estimate_is_shown_before_applying(page, embedded_path):
+    expected = estimate_memory(load_config(embedded_path), "float32", 8192)
+    estimate = page.locator("#settings-estimate")
+    estimate.filter(has_text=human_bytes(expected["total_bytes"])).wait_for()
+    text = estimate.inner_text()
+    assert human_bytes(expected["weights_bytes"]) in text and human_bytes(expected["kv_bytes"]) in text
+
+    page.fill("#settings-context input", "1024")
+    page.locator("#settings-context input").press("Enter")
+    smaller = estimate_memory(load_config(embedded_path), "float32", 1024)
+    estimate.filter(has_text=human_bytes(smaller["kv_bytes"])).wait_for()  # KV scales with the context
+
+
+def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server):
+    assert served_quant(server) == "none"
+    choose(page, "settings-quant", "toy-int8")
+    page.locator("#settings-quant-help").filter(has_text="test plugin").wait_for()
+
+    finished: dict = {}
+    started = threading.Event()
+
+    def long_reply() -> None:  # in flight while the swap is applied
+        payload = {"prompt": "Once upon a time", "max_tokens": 96, "ignore_eos": True, "stream": True,
+                   "temperature": 0}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=300) as r:
+            for line in r.iter_lines():
+                started.set()
+                if '"finish_reason": "' in line:
+                    finished.update(json.loads(line[6:])["choices"][0])
+
+    reader = threading.Thread(target=long_reply)
+    reader.start()
+    assert started.wait(120)
+    status = apply_and_wait(page)
+    reader.join(timeout=300)
+    assert finished.get("finish_reason") == "length", finished  # it ran to the end, not aborted
+    assert status.startswith("Loaded") and "toy-int8" in status, status
+    assert served_quant(server) == "toy-int8"
+
+    page.fill("#message textarea", "What is the capital of France?")
+    page.click("#send")
+    page.locator("#reply-stats").filter(has_text="Last reply").wait_for()
+    page.locator("#dashboard").filter(has_text="quant toy-int8").wait_for()
+    stats = httpx.get(f"{server.url}/v1/sessions", timeout=10).json()["data"]
+    assert stats and stats[0]["model"] is not None
+
+
+def test_a_plugin_that_cannot_run_here_is_refused_and_the_old_model_keeps_serving(page, server):
+    before = served_quant(server)
+    choose(page, "settings-quant", "toy-gpu-only")
+    status = apply_and_wait(page)
+    assert status.startswith("Refused") and "cuda" in status and "keeps serving" in status, status
+    assert served_quant(server) == before
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
