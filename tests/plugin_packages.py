@@ -21,7 +21,7 @@ APPLY_CALLS = 0  # how many matmuls went through this plugin
 class ToyInt8Method(QuantMethod):
     name = "toy-int8"
     description = "Per-row symmetric int8 weights (test plugin)."
-    settings = {}
+    settings = {"scale_floor": {"type": "number", "default": 1e-12, "description": "smallest per-row scale"}}
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype):
         weight = torch.nn.Parameter(torch.empty(sum(out_features_per_shard), in_features, dtype=params_dtype),
@@ -32,7 +32,7 @@ class ToyInt8Method(QuantMethod):
 
     def process_after_loading(self, layer):
         w = layer.weight.detach().float()
-        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=self.options.get("scale_floor", 1e-12)) / 127.0
         qweight = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
         del layer.weight
         layer.register_buffer("qweight", qweight)

@@ -122,6 +122,27 @@ def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float
             f"**{human_bytes(e['total_bytes'])}**")
 
 
+def plugin_settings(quant: str) -> dict:
+    """The options schema a quant plugin declares: {name: {"type", "enum", "default", "description"}}."""
+    cls = discover(QUANT_GROUP).plugins.get(quant)
+    return dict(getattr(cls, "settings", None) or {}) if cls is not None else {}
+
+
+def option_component(name: str, spec: dict, value):
+    """One input for one declared option, chosen by its schema."""
+    label = f"{name}: {spec['description']}" if spec.get("description") else name
+    elem_id = f"quant-option-{name}"
+    if "enum" in spec:
+        return gr.Dropdown(list(spec["enum"]), value=value, label=label, elem_id=elem_id, interactive=True)
+    kind = spec.get("type")
+    if kind == "boolean":
+        return gr.Checkbox(value=bool(value), label=label, elem_id=elem_id, interactive=True)
+    if kind in ("integer", "number"):
+        return gr.Number(value=value, label=label, precision=0 if kind == "integer" else None,
+                         minimum=spec.get("minimum"), maximum=spec.get("maximum"), elem_id=elem_id, interactive=True)
+    return gr.Textbox(value="" if value is None else str(value), label=label, elem_id=elem_id, interactive=True)
+
+
 def plugin_help(quant: str) -> str:
     registry = discover(QUANT_GROUP)
     cls = registry.plugins.get(quant)
@@ -306,6 +327,26 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                     quant_help = gr.Markdown(elem_id="settings-quant-help")
                     quant_options = gr.Textbox(label="Quantization options (JSON)", value="{}", max_lines=4,
                                                elem_id="settings-quant-options")
+
+                    @gr.render(inputs=[quant_choice, quant_options], triggers=[quant_choice.change])
+                    def render_options(quant: str, options: str):
+                        """Inputs rendered from the schema the plugin declares; they edit the options JSON."""
+                        try:
+                            current = json.loads(options or "{}")
+                        except ValueError:
+                            current = {}
+                        for name, spec in plugin_settings(quant).items():
+                            component = option_component(name, spec, current.get(name, spec.get("default")))
+
+                            def set_option(value, options_json, name=name):
+                                try:
+                                    values = json.loads(options_json or "{}")
+                                except ValueError:
+                                    values = {}
+                                return json.dumps({**values, name: value})
+
+                            component.change(set_option, [component, quant_options], quant_options, queue=False)
+
                     decoding_choice = gr.Dropdown(label="Decoding plugin", elem_id="settings-decoding")
                     kv_gb = gr.Number(label="KV cache budget (GiB)", minimum=0.01, elem_id="settings-kv-gb")
                     context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
@@ -341,6 +382,16 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
             component.change(lambda m, d, c: memory_estimate_markdown(host, m, d, c or 1),
                              [model_choice, dtype_choice, context], estimate, queue=False)
         quant_choice.change(plugin_help, quant_choice, quant_help, queue=False)
+
+        def options_for(quant: str) -> str:
+            """The running plugin's own options, or another plugin's declared defaults."""
+            core = host.engine.engine.config if host.engine is not None else None
+            if core is not None and core.quant == quant:
+                return json.dumps(core.quant_options)
+            return json.dumps({k: v["default"] for k, v in plugin_settings(quant).items() if "default" in v})
+
+        quant_choice.change(options_for, quant_choice, quant_options, queue=False)
+
         apply_button.click(apply_settings, settings, status, concurrency_limit=1).then(
             settings_values, outputs=settings)
 

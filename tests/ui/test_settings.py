@@ -116,6 +116,13 @@ def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server
     assert served_quant(server) == "none"
     choose(page, "settings-quant", "toy-int8")
     page.locator("#settings-quant-help").filter(has_text="test plugin").wait_for()
+    # the plugin's declared option is rendered as an input of its type, with its default
+    floor = page.locator("#quant-option-scale_floor input")
+    floor.wait_for()
+    assert float(floor.input_value()) == 1e-12
+    floor.fill("0.000001")
+    floor.press("Enter")
+    page.wait_for_function("document.querySelector('#settings-quant-options textarea').value.includes('1e-06')")
 
     finished: dict = {}
     started = threading.Event()
@@ -137,6 +144,8 @@ def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server
     assert finished.get("finish_reason") == "length", finished  # it ran to the end, not aborted
     assert status.startswith("Loaded") and "toy-int8" in status, status
     assert served_quant(server) == "toy-int8"
+    card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["quant_options"] == {"scale_floor": 1e-06}
 
     page.fill("#message textarea", "What is the capital of France?")
     page.click("#send")
