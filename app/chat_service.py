@@ -68,10 +68,10 @@ class Turn:
         self.stream.abort()
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        store, text, final = self.service.store, "", None
+        store, last, final = self.service.store, None, None
         try:
             async for out in self.stream:
-                text = out.text
+                last = out
                 if out.delta_text:
                     yield {"type": "delta", "content": out.delta_text}
                 if out.finished:
@@ -80,10 +80,11 @@ class Turn:
         finally:
             self.service.host.release()
             self.stream.abort()  # no-op once finished; frees the KV blocks if the client went away
-            if final is None and text:  # the consumer went away (a disconnect): keep what was generated
+            if final is None and last is not None and last.text:  # the consumer went away: keep what was generated
                 try:
-                    store.add_message(self.session_id, "assistant", text, finish_reason="abort",
-                                      prompt_tokens=self.prompt_tokens)
+                    store.add_message(self.session_id, "assistant", last.text, finish_reason="abort",
+                                      prompt_tokens=self.prompt_tokens, completion_tokens=len(last.token_ids),
+                                      cached_tokens=last.num_cached_tokens)
                 except NotFound:
                     pass  # the conversation was deleted meanwhile
         if final.finish_reason == "abort" and not final.text:

@@ -69,7 +69,7 @@ def dashboard_markdown(sampler: DashboardSampler) -> str:
     if not st:
         return "**No model loaded**"
     lines = [f"**Model** {s.model} · {s.config.get('dtype')} · quant **{s.config.get('quant')}** · "
-             f"decoding **{s.config.get('decoding')}**", "", "| | |", "|---|---|"]
+             f"decoding **{s.config.get('decoding')}**", "", "| Engine | Now |", "|---|---|"]
     if s.gpus:
         for g in s.gpus:
             lines.append(f"| VRAM {g['device']} | {human_bytes(g['used'])} / {human_bytes(g['total'])} |")
@@ -240,6 +240,19 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                 history[-1]["content"] = event["message"]["content"]
                 yield history, gr.update(), reply_stats_markdown(event["message"]), gr.update(), session_id
 
+    async def stopped_stats(session_id: str | None) -> str:
+        """After Stop: the cancelled reply is stored as it ends (abort); show its stats once it is."""
+        for _ in range(40):
+            if session_id:
+                try:
+                    messages = store.get_conversation(session_id).messages
+                except NotFound:
+                    return ""
+                if messages and messages[-1].role == "assistant" and messages[-1].finish_reason == "abort":
+                    return reply_stats_markdown(messages[-1].to_dict())
+            await asyncio.sleep(0.05)
+        return last_stats(session_id)
+
     def drop_last_turn(session_id: str | None) -> str:
         """Remove the last user message and what follows it; returns that message."""
         if not session_id:
@@ -370,10 +383,9 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         send_outputs = [chatbot, textbox, stats, conversations, session]
         sending = [send_button.click(send, send_inputs, send_outputs, concurrency_limit=None),
                    textbox.submit(send, send_inputs, send_outputs, concurrency_limit=None)]
-        stop_button.click(None, cancels=sending)
-        regenerating = regenerate_button.click(edit_last, [session], [chatbot, textbox, stats]).then(
-            send, send_inputs, send_outputs, concurrency_limit=None)
-        stop_button.click(None, cancels=[regenerating])
+        sending.append(regenerate_button.click(edit_last, [session], [chatbot, textbox, stats]).then(
+            send, send_inputs, send_outputs, concurrency_limit=None))
+        stop_button.click(None, cancels=sending).then(stopped_stats, [session], [stats])
         edit_button.click(edit_last, [session], [chatbot, textbox, stats])
 
         settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, kv_gb]

@@ -1,0 +1,408 @@
+"""The browser UI, driven by headless Chromium (Playwright) against one real `kvforge serve` per module:
+a streamed reply and its stats, Stop, conversations (new, switch, rename, delete), a reload, the live
+dashboard, no request to anything but 127.0.0.1, and the screenshot in docs/ui.png.
+
+Tests share the server, so each one makes its own conversations and never assumes it is alone. Waits
+use Playwright's (generous timeouts: the machine is slow and shared); nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from optional_parts import require
+from server_process import ServeProcess
+
+REPO = Path(__file__).resolve().parents[2]
+SCREENSHOT = REPO / "docs" / "ui.png"
+CHROMIUM = "/usr/bin/chromium"
+# Debian's chromium, no `playwright install`; the resolver rule stops Chromium's own lookups of outside hosts.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
+TIMEOUT_MS = 90_000
+LONG_MAX_TOKENS = 2000
+SHORT_MAX_TOKENS = 48
+LONG_PROMPT = "Write a very long story, with many chapters, about a lighthouse keeper and a lost ship."
+
+# every URL any page of this module requested (checked by the last test)
+REQUESTS: list[str] = []
+
+
+class Server(ServeProcess):
+    """`kvforge serve` (UI at /) with a fresh data dir, read through the sessions API and /metrics."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__("--data-dir", str(data_dir), "--kv-cache-gb", "0.25")
+
+    def sessions(self) -> list[dict]:
+        return httpx.get(f"{self.url}/v1/sessions", timeout=30).json()["data"]
+
+    def session(self, session_id: str) -> dict:
+        r = httpx.get(f"{self.url}/v1/sessions/{session_id}", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metrics(self) -> dict[str, float]:
+        lines = httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines()
+        return {p[0].removeprefix("kvforge_"): float(p[1]) for p in map(str.split, lines)
+                if len(p) == 2 and p[0].startswith("kvforge_")}
+
+    def wait_idle(self, timeout_s: float = 90) -> dict[str, float]:
+        """No request running or waiting and no KV block in use (cached blocks may stay)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if m["requests_running"] == m["requests_waiting"] == m["kv_blocks_used"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"the engine did not go idle: {m}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        require(False, "playwright is not installed (pip install playwright)")
+    require(shutil.which(CHROMIUM) is not None, f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def server(browser, tmp_path_factory):  # after the browser check: a missing browser skips before the model loads
+    srv = Server(tmp_path_factory.mktemp("kvforge-ui"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def page(browser, server):
+    """A fresh tab on the UI, its requests recorded in REQUESTS."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(TIMEOUT_MS)
+    tab = context.new_page()
+    tab.on("request", lambda request: REQUESTS.append(request.url))
+    tab.on("websocket", lambda ws: REQUESTS.append(ws.url))
+    tab.goto(server.url)
+    tab.wait_for_selector("#message textarea")
+    yield tab
+    context.close()
+
+
+# ---- reading and driving the page -------------------------------------------------------------------
+
+def chat_messages(page) -> list[tuple[str, str]]:
+    """(role, content) of every message in #chat; the content is the raw text (Gradio's aria-label)."""
+    labels = page.locator("#chat [data-testid=user], #chat [data-testid=bot]").evaluate_all(
+        "els => els.map(e => [e.dataset.testid, e.getAttribute('aria-label')])")
+    return [("user" if who == "user" else "assistant", label.split("'s message: ", 1)[1]) for who, label in labels]
+
+
+def stored_messages(server: Server, session_id: str) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in server.session(session_id)["messages"]]
+
+
+def selected_id(page) -> str | None:
+    checked = page.locator("#conversations input:checked")
+    return checked.get_attribute("value") if checked.count() else None
+
+
+def conversation(page, session_id: str):
+    """The entry of one conversation in the #conversations list."""
+    return page.locator(f"#conversations label:has(input[value='{session_id}'])")
+
+
+def new_chat(page, server: Server) -> str:
+    """Click New chat; the id of the conversation it creates (selected, with an empty chat)."""
+    before = {s["id"] for s in server.sessions()}
+    page.click("#new-chat")
+    page.wait_for_function(
+        """([ids]) => { const c = document.querySelector('#conversations input:checked');
+                        return c && !ids.includes(c.value)
+                               && document.querySelectorAll('#chat [data-testid=bot]').length === 0; }""",
+        arg=[list(before)])
+    session_id = selected_id(page)
+    assert session_id in {s["id"] for s in server.sessions()}
+    return session_id
+
+
+def send(page, text: str) -> None:
+    """Type a message and press Enter; returns once its (empty) reply bubble is shown."""
+    replies = page.locator("#chat [data-testid=bot]").count()
+    page.fill("#message textarea", text)
+    page.press("#message textarea", "Enter")
+    page.wait_for_function("n => document.querySelectorAll('#chat [data-testid=bot]').length > n", arg=replies)
+
+
+def wait_reply(page, server: Server) -> str:
+    """Wait for the reply being generated to finish (its stats shown); its text."""
+    from playwright.sync_api import TimeoutError
+
+    try:
+        page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('Last reply')")
+    except TimeoutError:
+        raise AssertionError(f"the reply did not finish: {chat_messages(page)[-2:]}, "
+                             f"{page.locator('#reply-stats').inner_text()!r}, {server.metrics()}") from None
+    return last_reply_text(page)
+
+
+def last_reply_text(page) -> str:
+    messages = chat_messages(page)
+    assert messages and messages[-1][0] == "assistant", messages
+    return messages[-1][1]
+
+
+def wait_partial_reply(page) -> str:
+    page.wait_for_function(
+        """() => { const b = document.querySelectorAll('#chat [data-testid=bot]');
+                   return b.length && b[b.length - 1].getAttribute('aria-label').split("'s message: ")[1].length; }""")
+    return last_reply_text(page)
+
+
+def set_slider(page, elem_id: str, value: int | float) -> None:
+    """Type into a slider's number box (opening the Generation settings accordion if it is closed)."""
+    slider = page.locator(f"#{elem_id}")
+    if not slider.is_visible():
+        page.get_by_text("Generation settings", exact=True).click()
+        slider.wait_for(state="visible")
+    box, track = slider.locator("input[type=number]"), slider.locator("input[type=range]")
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while track.input_value() != str(value):  # typed while the accordion still renders, it may not take
+        assert time.monotonic() < deadline, f"#{elem_id} stayed at {track.input_value()}"
+        box.fill(str(value))
+        box.press("Enter")
+        page.wait_for_timeout(300)
+
+
+def dashboard(page) -> dict[str, str]:
+    """The dashboard table as {row name: value}."""
+    rows = {}
+    for line in page.locator("#dashboard").inner_text().splitlines():
+        name, _, value = line.partition("\t")
+        if value.strip():
+            rows[name.strip()] = value.strip()
+    return rows
+
+
+def numbers(value: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", value)]
+
+
+def wait_dashboard(page, predicate, what: str, timeout_s: float = TIMEOUT_MS / 1000) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = dashboard(page)
+        try:
+            if predicate(rows):
+                return rows
+        except (KeyError, IndexError, ValueError):
+            pass  # not rendered yet
+        assert time.monotonic() < deadline, f"the dashboard never showed {what}: {rows}"
+        page.wait_for_timeout(200)
+
+
+def running(rows) -> list[float]:
+    return numbers(rows["Requests running / waiting"])
+
+
+def kv_used(rows) -> float:
+    return numbers(rows["KV blocks used / cached / free"])[0]
+
+
+# ---- the tests --------------------------------------------------------------------------------------
+
+def test_reply_streams_and_matches_the_store(page, server):
+    session_id = new_chat(page, server)
+    # every text the reply bubble shows, recorded in the page as the DOM changes
+    page.evaluate("""() => {
+        window.replyTexts = [];
+        new MutationObserver(() => {
+            const b = document.querySelectorAll('#chat [data-testid=bot]');
+            if (!b.length) return;
+            const text = b[b.length - 1].getAttribute('aria-label').split("'s message: ")[1];
+            if (window.replyTexts[window.replyTexts.length - 1] !== text) window.replyTexts.push(text);
+        }).observe(document.querySelector('#chat'), {subtree: true, childList: true, attributes: true,
+                                                      characterData: true});
+    }""")
+    message = "Describe the water cycle in four or five sentences."
+    send(page, message)
+    final = wait_reply(page, server)
+    shown = page.evaluate("window.replyTexts")
+    assert final and shown[-1] == final
+    partials = [t for t in shown if 0 < len(t) < len(final)]
+    assert partials, f"no partial reply was shown before the final one: {shown}"
+    assert any(final.startswith(t) for t in partials), (partials, final)
+
+    # the conversation in GET /v1/sessions (named after the message) is the one selected, with the same history
+    [listed] = [s for s in server.sessions() if s["title"] == message]
+    assert listed["id"] == session_id == selected_id(page)
+    stored = server.session(session_id)["messages"]
+    assert [(m["role"], m["content"]) for m in stored] == [("user", message), ("assistant", final)]
+    assert chat_messages(page) == [("user", message), ("assistant", final)]
+    assert conversation(page, session_id).inner_text().strip() == message
+
+    stats = page.locator("#reply-stats").inner_text()
+    match = re.search(r"(\d+) tokens · ([\d.]+) tok/s · TTFT (\d+) ms · (\d+) cached tokens", stats)
+    assert match, stats
+    reply = stored[-1]
+    assert int(match[1]) == reply["completion_tokens"] > 1
+    assert float(match[2]) > 0 and int(match[3]) >= 0
+    assert int(match[4]) == reply["cached_tokens"]
+    assert reply["finish_reason"] == "stop"
+
+
+def test_stop_ends_the_generation(page, server):
+    session_id = new_chat(page, server)
+    set_slider(page, "max-tokens", LONG_MAX_TOKENS)
+    send(page, LONG_PROMPT)
+    wait_partial_reply(page)
+    page.click("#stop")
+
+    # the server keeps the partial reply, marked as stopped, far short of max tokens
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while len(messages := server.session(session_id)["messages"]) < 2:
+        assert time.monotonic() < deadline, f"the stopped reply was not stored: {messages}"
+        time.sleep(0.2)
+    reply = messages[-1]
+    assert reply["role"] == "assistant" and reply["finish_reason"] == "abort", reply
+    # well before max tokens, with its token counts
+    assert 0 < reply["completion_tokens"] < LONG_MAX_TOKENS, reply
+    assert reply["cached_tokens"] >= 0 and reply["prompt_tokens"] > 0, reply
+    server.wait_idle()
+    # the page says so under the chat
+    stats = page.locator("#reply-stats")
+    stats.filter(has_text="stopped").wait_for()
+    assert f"{reply['completion_tokens']} tokens" in stats.inner_text()
+
+    # the reply in the page stopped growing, and is what the server kept up to where the stop arrived
+    shown = last_reply_text(page)
+    page.wait_for_timeout(2000)
+    assert last_reply_text(page) == shown
+    assert shown and reply["content"].startswith(shown), (shown, reply["content"])
+    assert server.metrics()["requests_running"] == 0
+
+
+def test_conversations_new_switch_rename_delete(page, server):
+    from playwright.sync_api import expect
+
+    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)  # the replies' length does not matter here
+    first = new_chat(page, server)
+    expect(conversation(page, first)).to_have_text("New chat")
+    send(page, "My favourite colour is teal. Say hello.")
+    wait_reply(page, server)
+    expect(conversation(page, first)).to_have_text("My favourite colour is teal. Say hello.")
+
+    second = new_chat(page, server)
+    assert chat_messages(page) == []
+    send(page, "Name three planets.")
+    wait_reply(page, server)
+
+    # switch: the chat shows the clicked conversation's history, as stored
+    for session_id in (first, second, first):
+        conversation(page, session_id).click()
+        expected = stored_messages(server, session_id)
+        page.wait_for_function("([n, first]) => { const u = document.querySelectorAll('#chat [data-testid=user]');"
+                               "return u.length * 2 === n && u[0].getAttribute('aria-label').endsWith(first); }",
+                               arg=[len(expected), expected[0][1]])
+        assert selected_id(page) == session_id
+        assert chat_messages(page) == expected
+
+    # rename the selected one: the list and the API show the new title
+    page.fill("#rename-title input", "Teal notes")
+    page.click("#rename")
+    expect(conversation(page, first)).to_have_text("Teal notes")
+    expect(page.locator("#rename-title input")).to_have_value("")
+    assert server.session(first)["title"] == "Teal notes"
+    assert selected_id(page) == first
+    expect(conversation(page, second)).to_have_text("Name three planets.")
+
+    # delete it: gone from the list and from the API; another conversation is shown
+    page.click("#delete")
+    expect(conversation(page, first)).to_have_count(0)
+    assert httpx.get(f"{server.url}/v1/sessions/{first}", timeout=30).status_code == 404
+    assert first not in {s["id"] for s in server.sessions()}
+    page.wait_for_function("first => { const c = document.querySelector('#conversations input:checked');"
+                           "return c && c.value !== first; }", arg=first)
+    shown = selected_id(page)
+    page.wait_for_function("n => document.querySelectorAll('#chat [data-testid=user], #chat [data-testid=bot]')"
+                           ".length === n", arg=len(stored_messages(server, shown)))
+    assert chat_messages(page) == stored_messages(server, shown)
+
+
+def test_reload_shows_the_same_conversations(page, server):
+    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)
+    new_chat(page, server)
+    send(page, "What is the capital of France?")
+    wait_reply(page, server)
+    listed = server.sessions()
+    assert len(listed) >= 1
+
+    page.reload()
+    page.wait_for_selector("#message textarea")
+    page.wait_for_function("n => document.querySelectorAll('#conversations input').length === n", arg=len(listed))
+    ids = page.locator("#conversations input").evaluate_all("els => els.map(e => e.value)")
+    titles = [t.strip() for t in page.locator("#conversations label").all_inner_texts()]
+    assert ids == [s["id"] for s in listed] and titles == [s["title"] for s in listed]
+
+    # the selected conversation (the latest) with its history and the stats of its last reply
+    page.wait_for_function("document.querySelector('#conversations input:checked') !== null")
+    assert selected_id(page) == listed[0]["id"]
+    expected = stored_messages(server, listed[0]["id"])
+    assert expected[-1][0] == "assistant"
+    page.wait_for_function("n => document.querySelectorAll('#chat [data-testid=user], #chat [data-testid=bot]')"
+                           ".length === n", arg=len(expected))
+    assert chat_messages(page) == expected
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('Last reply')")
+
+
+def test_dashboard_changes_while_generating(page, server):
+    server.wait_idle()
+    idle = wait_dashboard(page, lambda r: running(r) == [0, 0] and kv_used(r) == 0, "an idle engine")
+    assert "Generation tok/s" in idle and "KV pool" in idle
+
+    new_chat(page, server)
+    set_slider(page, "max-tokens", LONG_MAX_TOKENS)
+    send(page, LONG_PROMPT)
+    busy = wait_dashboard(page, lambda r: running(r)[0] >= 1, "a running request")
+    assert running(busy) == [1, 0] and kv_used(busy) > 0, busy
+
+    page.click("#stop")
+    server.wait_idle()
+    wait_dashboard(page, lambda r: running(r) == [0, 0] and kv_used(r) == 0, "an idle engine after Stop")
+
+
+def test_screenshot(page, server):
+    """docs/ui.png: the chat after a reply, with the dashboard and its plot."""
+    set_slider(page, "max-tokens", 120)
+    new_chat(page, server)
+    send(page, "In three short sentences, what is a KV cache in a language model?")
+    wait_reply(page, server)
+    page.wait_for_selector("#tokens-plot svg.marks")
+    server.wait_idle()  # the dashboard samples every second: let it catch up with the finished reply
+    wait_dashboard(page, lambda r: running(r) == [0, 0] and "Generation tok/s" in r, "an idle engine")
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    data = SCREENSHOT.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_no_request_leaves_loopback(page, server):
+    """Last in the module: every URL this module's pages requested was the server's (or data:/blob:)."""
+    wait_dashboard(page, lambda r: "Generation tok/s" in r, "its figures")  # this page too, with a few ticks
+    assert REQUESTS, "no request was recorded"
+    local = re.compile(rf"^(http|ws)://127\.0\.0\.1:{server.port}/|^(data|blob):")
+    outside = [url for url in REQUESTS if not local.match(url)]
+    assert not outside, outside
