@@ -295,6 +295,30 @@ def test_stop_ends_the_generation(page, server):
     assert server.metrics()["requests_running"] == 0
 
 
+def test_regenerate_and_edit_the_last_message(page, server):
+    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)
+    set_slider(page, "temperature", 0)  # greedy: a regenerated reply is the same reply
+    session_id = new_chat(page, server)
+    send(page, "Name three colours of the rainbow.")
+    first = wait_reply(page, server)
+
+    page.click("#regenerate")  # the last turn is dropped and its message sent again
+    page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('Last reply') === false")
+    again = wait_reply(page, server)
+    assert again == first
+    assert stored_messages(server, session_id) == [("user", "Name three colours of the rainbow."),
+                                                   ("assistant", first)]
+    assert chat_messages(page) == stored_messages(server, session_id)
+
+    page.click("#edit-last")  # the last message goes back to the box, its turn leaves the conversation
+    page.wait_for_function("document.querySelector('#message textarea').value.includes('rainbow')")
+    assert stored_messages(server, session_id) == [] and chat_messages(page) == []
+    page.fill("#message textarea", "Name three planets.")
+    page.press("#message textarea", "Enter")
+    reply = wait_reply(page, server)
+    assert stored_messages(server, session_id) == [("user", "Name three planets."), ("assistant", reply)]
+
+
 def test_conversations_new_switch_rename_delete(page, server):
     from playwright.sync_api import expect
 
