@@ -25,6 +25,7 @@ from pathlib import Path  # noqa: E402
 import gradio as gr  # noqa: E402 - after the offline switches above
 import pandas as pd  # noqa: E402
 
+from kvforge.app.cache import human_bytes  # noqa: E402
 from kvforge.app.chat_service import DEFAULT_TITLE, ChatService  # noqa: E402
 from kvforge.app.errors import APIError  # noqa: E402
 from kvforge.app.models import ModelSpec  # noqa: E402
@@ -38,14 +39,6 @@ CSS = """
 #reply-stats { font-size: 0.85em; opacity: 0.8; }
 #dashboard table { font-size: 0.85em; }
 """
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def reply_stats_markdown(message: dict | None) -> str:

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 
 import httpx
 import pytest
 
+from chromium import launch_browser
+from kvforge.app.cache import human_bytes
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
-from kvforge.ui.app import human_bytes
-from optional_parts import require
 from plugin_packages import build_and_install, toy_int8_site
 from server_process import ServeProcess
 
@@ -30,10 +29,6 @@ class GpuOnlyMethod(DenseMethod):
     description = "A method with CUDA kernels only (test plugin)."
     devices = ("cuda",)
 '''
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
 TIMEOUT_MS = 120_000
 
 
@@ -52,20 +47,13 @@ def server(tmp_path_factory, embedded_path):
 
 @pytest.fixture(scope="module")
 def page(server):
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        require(False, "playwright is not installed (pip install playwright)")
-    require(shutil.which(CHROMIUM) is not None, f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with launch_browser() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(TIMEOUT_MS)
         page.goto(server.url)
         page.wait_for_selector("#message textarea")
         page.get_by_text("Model settings").click()
         yield page
-        browser.close()
 
 
 def choose(page, dropdown_id: str, option: str) -> None:

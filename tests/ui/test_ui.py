@@ -9,23 +9,17 @@ use Playwright's (generous timeouts: the machine is slow and shared); nothing as
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from optional_parts import require
+from chromium import launch_browser
 from server_process import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "ui.png"
-CHROMIUM = "/usr/bin/chromium"
-# Debian's chromium, no `playwright install`; the resolver rule stops Chromium's own lookups of outside hosts.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
 TIMEOUT_MS = 90_000
 LONG_MAX_TOKENS = 2000
 SHORT_MAX_TOKENS = 48
@@ -67,15 +61,8 @@ class Server(ServeProcess):
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        require(False, "playwright is not installed (pip install playwright)")
-    require(shutil.which(CHROMIUM) is not None, f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with launch_browser() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
