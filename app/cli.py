@@ -213,7 +213,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if not registry.plugins and not registry.errors:
             print("  (none installed)")
         for name, cls in sorted(registry.plugins.items()):
-            print(f"  {name:<12} {registry.sources[name]:<24} {getattr(cls, 'description', '')}")
+            devices = " / ".join(getattr(cls, "devices", ()) or ("any",))
+            print(f"  {name:<12} {registry.sources[name]:<24} {getattr(cls, 'description', '')} [{devices}]")
             for option, schema in getattr(cls, "settings", {}).items():
                 print(f"      --{option}: {schema}")
         for name, error in sorted(registry.errors.items()):

@@ -61,6 +61,7 @@ def test_plugins_lists_builtin_dense_method():
     result = run_cli("plugins")
     assert result.returncode == 0, result.stderr
     assert "kvforge.quant:" in result.stdout and "none" in result.stdout
+    assert "[cpu / cuda]" in result.stdout  # the devices the method runs on
 
 
 def test_bench_latency_prints_ratios_against_hf():
