@@ -97,13 +97,14 @@ class KVCacheManager:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         size, tokens = self.block_size, seq.token_ids
-        hashes, now, first_new = self._hashes(seq, full), time.time(), None
+        hashes, first_new = self._hashes(seq, full), None
         for i, digest in enumerate(hashes):
             block_tokens = tokens[i * size:(i + 1) * size]
             if self.pool.register(seq.block_table[i], digest, block_tokens) and self.persisted is not None:
+                if first_new is None:
+                    first_new, now = i, time.time()
                 parent = hashes[i - 1] if i else self.root_hash
                 self.persisted.save(digest, parent, block_tokens, seq.block_table[i], i, now)
-                first_new = i if first_new is None else first_new
         if first_new:  # the chain grew: its earlier blocks on disk were just used too (LRU, deepest oldest)
             for i in range(first_new):
                 self.persisted.touch(hashes[i], i, now)

@@ -23,7 +23,6 @@ import struct
 import threading
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -86,8 +85,9 @@ class PersistedKV:
         self._model_dir = self.directory / fingerprint.hex()
         self._model_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # this model's blocks on disk, least recently used first
-        self._index: OrderedDict[bytes, KVEntry] = OrderedDict((e.hash, e) for e in store.kv_entries(fingerprint))
+        self._block_nbytes = kv_cache[:, :, :, 0].numel() * kv_cache.element_size()
+        # this model's blocks on disk (recency lives in the store's index: eviction spans every model)
+        self._index: dict[bytes, KVEntry] = {e.hash: e for e in store.kv_entries(fingerprint)}
         self._total_bytes = self._stored_bytes()
         self._pending: set[bytes] = set()  # queued for writing
         self._counters = PersistStats(budget_bytes=budget_bytes)
@@ -108,17 +108,15 @@ class PersistedKV:
         looking old. Pass one `when` for a whole chain so its blocks order by depth."""
         with self._lock:
             if digest in self._index:
-                self._index.move_to_end(digest)
                 self._touched[digest] = (when or time.time()) - depth * DEPTH_STEP_S
 
     def save(self, digest: bytes, parent: bytes, token_ids: Sequence[int], block: int, depth: int = 0,
              when: float | None = None) -> None:
         """Queue a full, computed block for writing (a no-op if it is on disk or queued already)."""
-        nbytes = self._block_nbytes()
         with self._lock:
             if digest in self._index or digest in self._pending:
                 return
-            if (len(self._pending) + 1) * nbytes > MAX_PENDING_BYTES:
+            if (len(self._pending) + 1) * self._block_nbytes > MAX_PENDING_BYTES:
                 self._counters.dropped_writes += 1  # the disk is behind: never stall the step loop
                 return
             self._pending.add(digest)
@@ -167,9 +165,6 @@ class PersistedKV:
             raise CorruptBlock(f"{path}: holds a block of another shape or dtype")
         payload = torch.frombuffer(raw, dtype=torch.uint8, offset=start + header_len)
         return payload.view(dtype).view(self._block_shape)
-
-    def _block_nbytes(self) -> int:
-        return self._kv_cache[:, :, :, 0].numel() * self._kv_cache.element_size()
 
     # --- writer thread ------------------------------------------------------------------------
 
