@@ -32,7 +32,7 @@ from kvforge.app.models import ModelSpec  # noqa: E402
 from kvforge.core.estimate import estimate_memory  # noqa: E402
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, load_config, resolve_model  # noqa: E402
 from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover  # noqa: E402
-from kvforge.core.store import NotFound  # noqa: E402
+from kvforge.core.store import Conversation, NotFound  # noqa: E402
 from kvforge.ui.dashboard import DashboardSampler  # noqa: E402
 
 CSS = """
@@ -151,34 +151,27 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
     def conversation_choices() -> list[tuple[str, str]]:
         return [(c.title, c.id) for c in store.list_conversations()]
 
-    def chat_history(session_id: str | None) -> list[dict]:
+    def conversation(session_id: str | None) -> Conversation | None:
         if not session_id:
-            return []
+            return None
         try:
-            conv = store.get_conversation(session_id)
+            return store.get_conversation(session_id)
         except NotFound:
-            return []
-        return [{"role": m.role, "content": m.content} for m in conv.messages]
+            return None
 
-    def last_stats(session_id: str | None) -> str:
-        if not session_id:
-            return ""
-        try:
-            messages = store.get_conversation(session_id).messages
-        except NotFound:
-            return ""
-        return reply_stats_markdown(messages[-1].to_dict()) if messages else ""
+    def chat_history(conv: Conversation | None) -> list[dict]:
+        return [] if conv is None else [{"role": m.role, "content": m.content} for m in conv.messages]
+
+    def last_stats(conv: Conversation | None) -> str:
+        return reply_stats_markdown(conv.messages[-1].to_dict()) if conv is not None and conv.messages else ""
 
     def show(session_id: str | None):
-        """Everything that depends on the selected conversation."""
-        system = ""
-        if session_id:
-            try:
-                system = (store.get_conversation(session_id).settings or {}).get("system_prompt") or ""
-            except NotFound:
-                session_id = None
+        """Everything that depends on the selected conversation (read once)."""
+        conv = conversation(session_id)
+        session_id = conv.id if conv is not None else None
+        system = ((conv.settings or {}).get("system_prompt") or "") if conv is not None else ""
         return (gr.update(choices=conversation_choices(), value=session_id), session_id,
-                chat_history(session_id), last_stats(session_id), system)
+                chat_history(conv), last_stats(conv), system)
 
     def on_load():
         choices = conversation_choices()
@@ -222,7 +215,7 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
             turn = await chat.start_turn(session_id, message, overrides)
         except APIError as exc:
             raise gr.Error(exc.message) from None
-        history = chat_history(session_id) + [{"role": "assistant", "content": ""}]
+        history = chat_history(conversation(session_id)) + [{"role": "assistant", "content": ""}]
         choices = gr.update(choices=conversation_choices(), value=session_id)
         yield history, "", "", choices, session_id
         async for event in turn.events():
@@ -235,16 +228,16 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
 
     async def stopped_stats(session_id: str | None) -> str:
         """After Stop: the cancelled reply is stored as it ends (abort); show its stats once it is."""
+        conv = conversation(session_id)
         for _ in range(40):
-            if session_id:
-                try:
-                    messages = store.get_conversation(session_id).messages
-                except NotFound:
-                    return ""
-                if messages and messages[-1].role == "assistant" and messages[-1].finish_reason == "abort":
-                    return reply_stats_markdown(messages[-1].to_dict())
+            if conv is None:
+                return ""
+            last = conv.messages[-1] if conv.messages else None
+            if last is not None and last.role == "assistant" and last.finish_reason == "abort":
+                break
             await asyncio.sleep(0.05)
-        return last_stats(session_id)
+            conv = conversation(session_id)
+        return last_stats(conv)
 
     def drop_last_turn(session_id: str | None) -> str:
         """Remove the last user message and what follows it; returns that message."""
@@ -296,7 +289,8 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
 
     def edit_last(session_id: str | None):
         text = drop_last_turn(session_id)
-        return chat_history(session_id), text, last_stats(session_id)
+        conv = conversation(session_id)
+        return chat_history(conv), text, last_stats(conv)
 
     with gr.Blocks(title="kvforge") as demo:
         session = gr.State(None)
