@@ -12,6 +12,7 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -363,22 +364,29 @@ def _print_throughput(r: dict) -> None:
     print(f"kvforge / HF static batch   {ratios['kvforge_vs_hf_static_batch']:.2f}x")
 
 
+def checked_model(args: argparse.Namespace, positive: tuple[str, ...]) -> Path:
+    """Fail on bad bench arguments before anything loads: each option in `positive` must be >= 1, the
+    dtype must exist. Returns the resolved model path."""
+    from kvforge.core.config import EngineConfig
+    from kvforge.core.loader import resolve_model
+
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    EngineConfig(dtype=args.dtype)
+    return resolve_model(args.model)
+
+
 def run_throughput(args: argparse.Namespace) -> dict:
     import json
 
-    from kvforge.core.config import EngineConfig
-    from kvforge.core.loader import resolve_model
     from kvforge.core.tokenizer import Tokenizer
 
-    EngineConfig(dtype=args.dtype)  # a bad dtype fails before anything loads
-    for name in ("num_requests", "output_len", "hf_sequential_requests", "hf_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hf_batches is not None and args.hf_batches < 1:
         raise ValueError(f"--hf-batches must be >= 1, got {args.hf_batches}")
+    path = checked_model(args, ("num_requests", "output_len", "hf_sequential_requests", "hf_batch_size"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
     tokenizer = Tokenizer(path)
     prompts = [tokenizer.apply_chat_template(m) for m in chat_messages(args.num_requests)]
     lengths = [len(ids) for ids in prompts]

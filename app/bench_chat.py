@@ -240,15 +240,10 @@ def _stop_on_interrupt(stop: threading.Event):
 
 
 def run_chat_bench(args: argparse.Namespace) -> dict:
+    from kvforge.app.bench import checked_model
     from kvforge.core.async_engine import build_off_main_thread
-    from kvforge.core.config import EngineConfig
-    from kvforge.core.loader import resolve_model
 
-    for name in ("turns", "reply_tokens", "user_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    EngineConfig(dtype=args.dtype)  # a bad dtype fails before anything loads
-    path = resolve_model(args.model)
+    path = checked_model(args, ("turns", "reply_tokens", "user_tokens"))
     stop = threading.Event()
     start = time.perf_counter()
     with _stop_on_interrupt(stop):

@@ -118,18 +118,13 @@ def _print_table(report: dict) -> None:
 def run_serve_bench(args: argparse.Namespace) -> dict:
     import torch
 
-    from kvforge.app.bench import chat_messages
+    from kvforge.app.bench import chat_messages, checked_model
     from kvforge.core import AsyncEngine, LLMEngine
     from kvforge.core.async_engine import build_off_main_thread
     from kvforge.core.config import EngineConfig
-    from kvforge.core.loader import resolve_model
 
     levels = _levels(args.concurrency)
-    for name in ("requests_per_client", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    EngineConfig(dtype=args.dtype)  # a bad dtype fails before anything loads
-    path = resolve_model(args.model)
+    path = checked_model(args, ("requests_per_client", "max_tokens"))
     config = EngineConfig(model=str(path), dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                           max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                           enable_prefix_caching=not args.no_prefix_caching)
