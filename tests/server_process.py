@@ -40,12 +40,17 @@ class ServeProcess:
         self.log.seek(0)
         return self.log.read()
 
+    def metrics(self) -> dict[str, float]:
+        """Every Prometheus gauge and counter without labels, by name without the kvforge_ prefix."""
+        lines = httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines()
+        return {p[0].removeprefix("kvforge_"): float(p[1]) for p in map(str.split, lines)
+                if len(p) == 2 and p[0].startswith("kvforge_")}
+
     def metric(self, name: str) -> float:
-        """A Prometheus gauge or counter without labels, e.g. metric("kv_blocks_used")."""
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(f"kvforge_{name} "):
-                return float(line.split()[1])
-        raise AssertionError(f"no metric {name}")
+        """One of them, e.g. metric("kv_blocks_used")."""
+        value = self.metrics().get(name)
+        assert value is not None, f"no metric {name}"
+        return value
 
     def stop(self, how: str = "sigterm") -> None:
         if self.process.poll() is None:

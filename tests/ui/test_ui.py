@@ -43,11 +43,6 @@ class Server(ServeProcess):
         assert r.status_code == 200, r.text
         return r.json()
 
-    def metrics(self) -> dict[str, float]:
-        lines = httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines()
-        return {p[0].removeprefix("kvforge_"): float(p[1]) for p in map(str.split, lines)
-                if len(p) == 2 and p[0].startswith("kvforge_")}
-
     def wait_idle(self, timeout_s: float = 90) -> dict[str, float]:
         """No request running or waiting and no KV block in use (cached blocks may stay)."""
         deadline = time.monotonic() + timeout_s
