@@ -169,15 +169,21 @@ def iterate_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
+TensorStream = Iterator[tuple[str, torch.Tensor]]
+
+
+def load_weights(model: nn.Module, path: Path, progress: bool = True,
+                 transform: Callable[[TensorStream], TensorStream] | None = None) -> None:
     """Copy checkpoint tensors into the model through each parameter's weight_loader, then let
-    every layer post-process (transpose, repack, quantize) what it loaded."""
+    every layer post-process (transpose, repack, quantize) what it loaded. `transform` (the quant
+    method's `checkpoint_tensors`) may rewrite the tensor stream first."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     tied = {source: target for target, source in model.tied_weights().items() if target in params}
     loaded: set[str] = set()
     total = sum(1 for _ in _tensor_names(path))
-    for name, tensor in tqdm(iterate_tensors(path), total=total, desc="Loading weights", unit="tensor",
+    tensors = iterate_tensors(path) if transform is None else transform(iterate_tensors(path))
+    for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor",
                              disable=not progress, leave=False):
         if "rotary_emb.inv_freq" in name:
             continue
@@ -195,7 +201,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
                     continue
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
             loader = getattr(param, "weight_loader", None)
-            value = tensor.to(param.dtype)
+            value = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
             if loader is None:
                 if param.shape != value.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")

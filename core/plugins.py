@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,26 @@ class QuantMethod(ABC):
     devices: tuple[str, ...] = ("cpu", "cuda")
 
     def __init__(self, **options: Any) -> None:
-        self.options = options
+        self.options = self.validate_options(options)
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Check `options` against the declared `settings` (unknown names, types, enums, bounds) and fill
+        in defaults. Errors name the option, so the CLI, the admin API and the UI can show them as is."""
+        return validate_settings(cls.name, cls.settings, options)
+
+    @classmethod
+    def bits_per_weight(cls, options: dict[str, Any]) -> float | None:
+        """Storage bits per weight of a quantized linear (scales and zeros included), for memory estimates
+        before loading; None: dense in the model dtype."""
+        return None
+
+    @classmethod
+    def checkpoint_tensors(cls, tensors: Iterator[tuple[str, torch.Tensor]],
+                           options: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rewrite the checkpoint's (name, tensor) stream before the layers' weight loaders see it, e.g.
+        to dequantize a pre-quantized checkpoint whose tensors the method's parameters do not mirror."""
+        return tensors
 
     @abstractmethod
     def create_weights(
@@ -65,6 +85,32 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, batch: Any) -> list[list[int]]: ...
+
+
+_SETTING_TYPES = {"number": (int, float), "integer": (int,), "boolean": (bool,), "string": (str,)}
+
+
+def validate_settings(plugin: str, settings: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(options) - set(settings))
+    if unknown:
+        known = ", ".join(sorted(settings)) or "none"
+        raise ValueError(f"plugin {plugin!r} has no option {unknown[0]!r} (options: {known})")
+    resolved = {name: spec["default"] for name, spec in settings.items() if "default" in spec}
+    for name, value in options.items():
+        spec = settings[name]
+        kind = spec.get("type")
+        types = _SETTING_TYPES.get(kind, (object,))
+        if isinstance(value, bool) and kind in ("number", "integer"):
+            types = ()
+        if not isinstance(value, types):
+            raise ValueError(f"option {name!r} of plugin {plugin!r} must be a {kind}, got {value!r}")
+        if "enum" in spec and value not in spec["enum"]:
+            choices = ", ".join(map(repr, spec["enum"]))
+            raise ValueError(f"option {name!r} of plugin {plugin!r} must be one of {choices}, got {value!r}")
+        if "minimum" in spec and value < spec["minimum"]:
+            raise ValueError(f"option {name!r} of plugin {plugin!r} must be >= {spec['minimum']}, got {value!r}")
+        resolved[name] = value
+    return resolved
 
 
 @dataclass

@@ -29,9 +29,11 @@ class ModelRunner:
         if self.device.type not in quant_cls.devices:  # refused before anything is loaded
             raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
                              f"not on {self.device.type}")
+        options = quant_cls.validate_options(config.quant_options)
         with torch.device(self.device):
-            self.model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**config.quant_options))
-        load_weights(self.model, model_path, progress=progress)
+            self.model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
+        load_weights(self.model, model_path, progress=progress,
+                     transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
         self.model.eval()
 
         self.num_kv_heads = hf_config.num_key_value_heads // tp_size()

@@ -3,7 +3,10 @@ storage and the matmul to a QuantMethod.
 
 `weight_loader(param, tensor, shard_id)` receives a checkpoint tensor with the full (unsharded)
 shape of one logical projection; the layer copies the rows or columns of this rank into the right
-place of its (possibly fused) parameter. A QuantMethod never sees fusion or tensor parallelism.
+place of its (possibly fused) parameter. A QuantMethod never sees fusion or tensor parallelism: it
+only tags each parameter with the axes the layer needs (`output_dim`, `input_dim`; `packed_dim` and
+`pack_factor` when several values share one stored element). Untagged parameters are dense:
+output features on axis 0, input features on axis 1.
 """
 
 from __future__ import annotations
@@ -48,6 +51,32 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
 
+def output_dim_of(param: nn.Parameter) -> int | None:
+    return getattr(param, "output_dim", 0)
+
+
+def input_dim_of(param: nn.Parameter) -> int | None:
+    return getattr(param, "input_dim", 1 if param.dim() == 2 else None)
+
+
+def stored_size(param: nn.Parameter, dim: int, features: int) -> int:
+    """How many stored elements `features` logical features take along `dim` (packing divides)."""
+    factor = getattr(param, "pack_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
+    if features % factor:
+        raise ValueError(f"{features} features do not fill whole packed words of {factor}: "
+                         "this split cannot be aligned with the checkpoint's packing")
+    return features // factor
+
+
+def _copy_shared(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """A per-input tensor (e.g. GPTQ's g_idx) that every fused shard carries: they must agree."""
+    if getattr(param, "loaded_once", False) and not torch.equal(param.data, loaded.to(param.dtype)):
+        raise ValueError("the fused projections' checkpoint tensors disagree on a shared per-input tensor "
+                         f"of shape {tuple(loaded.shape)} (e.g. g_idx); they cannot share one layer")
+    _copy(param, loaded)
+    param.loaded_once = True
+
+
 def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
@@ -81,10 +110,13 @@ class ColumnParallelLinear(LinearBase):
         return sum(sizes[:shard_id]), sizes[shard_id]
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
-        index = 0 if shard_id is None else self._shard_index(shard_id)
-        offset, size = self._shard_offset(index)
-        rank_rows = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), rank_rows)
+        dim = output_dim_of(param)
+        if dim is None:
+            _copy_shared(param, loaded)
+            return
+        offset, size = self._shard_offset(0 if shard_id is None else self._shard_index(shard_id))
+        offset, size = stored_size(param, dim, offset), stored_size(param, dim, size)
+        _copy(param.data.narrow(dim, offset, size), loaded.narrow(dim, self.tp_rank * size, size))
 
     def _shard_index(self, shard_id: str | int) -> int:
         return int(shard_id)
@@ -119,9 +151,10 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features // self.tp_size, [out_features], bias, quant_method, params_dtype)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if param.dim() == 2:  # weight: keep this rank's input columns; the bias is not split
-            size = self.in_features
-            loaded = loaded.narrow(1, self.tp_rank * size, size)
+        dim = input_dim_of(param)
+        if dim is not None:  # keep this rank's input features; the bias is not split
+            size = param.shape[dim]
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
         _copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
