@@ -7,6 +7,7 @@ blocks (their full blocks stay in the prefix cache).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -24,6 +25,7 @@ from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, safetensors_files
 from kvforge.core.metrics import EngineStats, RateMeter, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
+from kvforge.core.plugins import resolve_quant
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
 from kvforge.core.sampler import SamplingBatch, sample
@@ -50,6 +52,10 @@ class LLMEngine:
         self.config = config or EngineConfig(**overrides)
         self.model_path = resolve_model(self.config.model)
         self.hf_config = load_config(self.model_path)
+        # a quantized checkpoint decides its method and layout options
+        quant, quant_options = resolve_quant(self.config.quant, self.config.quant_options, self.hf_config,
+                                             self.model_path)
+        self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
         self.block_pool = BlockPool(self.runner.num_blocks, enable_caching=self.config.enable_prefix_caching)

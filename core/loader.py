@@ -199,6 +199,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             if param is None:
                 if target in model.tied_weights():  # the checkpoint stores a tied head anyway
                     continue
+                if target.endswith(".bias") and not tensor.any():  # auto-gptq writes zero biases
+                    continue
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
             loader = getattr(param, "weight_loader", None)
             value = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
@@ -209,7 +211,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             else:
                 loader(param, value, shard_id)
             loaded.add(target)
-    missing = sorted(n for n in params if n not in loaded)
+    missing = sorted(n for n, p in params.items() if n not in loaded and not getattr(p, "optional", False))
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
     for module in model.modules():

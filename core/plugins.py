@@ -8,10 +8,12 @@ the others still load. The built-in dense method `none` comes through the same g
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +50,12 @@ class QuantMethod(ABC):
     def bits_per_weight(cls, options: dict[str, Any]) -> float | None:
         """Storage bits per weight of a quantized linear (scales and zeros included), for memory estimates
         before loading; None: dense in the model dtype."""
+        return None
+
+    @classmethod
+    def options_for_checkpoint(cls, quantization_config: dict[str, Any]) -> dict[str, Any] | None:
+        """The layout options a checkpoint whose config.json carries this `quantization_config` fixes;
+        None when the checkpoint is not in this method's format (raise for a format it refuses)."""
         return None
 
     @classmethod
@@ -167,6 +175,48 @@ def _distribution_name(ep: importlib.metadata.EntryPoint) -> str:
 
 def _distribution_version(ep: importlib.metadata.EntryPoint) -> str:
     return ep.dist.version if ep.dist is not None else ""
+
+
+def checkpoint_quantization(hf_config: Any, model_path: Any) -> dict[str, Any] | None:
+    """A checkpoint's quantization config: config.json's `quantization_config` (transformers) or an
+    auto-gptq `quantize_config.json` beside it; None for a dense checkpoint."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict()
+    if config is None:
+        legacy = Path(model_path) / "quantize_config.json"
+        if legacy.exists():
+            config = {"quant_method": "gptq", **json.loads(legacy.read_text())}
+    return config
+
+
+def resolve_quant(quant: str, options: dict[str, Any], hf_config: Any, model_path: Any) -> tuple[str, dict[str, Any]]:
+    """The quant method and options that load this checkpoint. A quantized checkpoint picks its method
+    (when `quant` is "none") or must match the one asked for; the checkpoint decides its layout options,
+    the user may add the others (e.g. the kernel)."""
+    config = checkpoint_quantization(hf_config, model_path)
+    if config is None:
+        return quant, options
+    registry = discover(QUANT_GROUP)
+    claims = {}
+    for name, cls in sorted(registry.plugins.items()):
+        found = cls.options_for_checkpoint(config)
+        if found is not None:
+            claims[name] = found
+    method = config.get("quant_method", "unknown")
+    if not claims:
+        raise ValueError(f"the checkpoint is quantized with {method!r} and no installed quant plugin loads it "
+                         f"(installed: {', '.join(sorted(registry.plugins))})")
+    if quant == "none":
+        quant = next(iter(claims))
+    elif quant not in claims:
+        raise ValueError(f"the checkpoint is {method}-quantized: load it with quant {' or '.join(claims)} "
+                         f"(or leave quant unset), not {quant!r}")
+    layout = claims[quant]  # what the checkpoint fixes; the user may set the other options
+    for name, value in options.items():
+        if name in layout and value != layout[name]:
+            raise ValueError(f"option {name!r} = {value!r} contradicts the checkpoint, which has {layout[name]!r}")
+    return quant, registry.get(quant).validate_options({**options, **layout})
 
 
 def get_quant_method(name: str = "none", **options: Any) -> QuantMethod:

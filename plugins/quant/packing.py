@@ -88,16 +88,20 @@ class Quantized:
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
-                 desc_act: bool = False) -> Quantized:
-    """Round-to-nearest quantization of weight [N, K]; with `desc_act`, groups follow the columns in
-    decreasing order of their magnitude (what GPTQ's act-order does with activations), so g_idx is
-    not monotonic while the rows keep their order."""
+                 desc_act: bool = False, order: torch.Tensor | None = None) -> Quantized:
+    """Round-to-nearest quantization of weight [N, K] (group_size -1: one group per row); with
+    `desc_act`, groups follow the input features in `order` (default: decreasing magnitude, what
+    GPTQ's act-order does with activations), so g_idx is not monotonic while the rows keep their order."""
     n, k = weight.shape
+    group_size = k if group_size == -1 else group_size
     if k % group_size:
         raise ValueError(f"group size {group_size} does not divide in_features {k}")
     maxq = (1 << bits) - 1
     w = weight.float().T  # [K, N]
-    order = torch.argsort(w.abs().sum(dim=1), descending=True) if desc_act else torch.arange(k)
+    if not desc_act:
+        order = torch.arange(k)
+    elif order is None:
+        order = torch.argsort(w.abs().sum(dim=1), descending=True)
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // group_size).to(torch.int32)
     groups = k // group_size
