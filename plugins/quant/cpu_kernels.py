@@ -47,9 +47,9 @@ class Int4Packed:
 def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> Int4Packed | None:
     """q [K, N] in [0, 16), zeros / scales [groups, N], g_idx [K]: W[n, k] = scales[g, n] * (q[k, n] - zeros[g, n])
     with g = g_idx[k]. Returns None when the layout cannot be expressed (then use another kernel)."""
-    k = q.shape[0]
+    k, n = q.shape
     groups = scales.shape[0]
-    if k % groups:
+    if k % groups or n % 16:  # the op packs 16 output features at a time
         return None
     group_size = k // groups
     perm = None
