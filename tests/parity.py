@@ -54,3 +54,19 @@ def compare(ours: list[list[int]], theirs: list[list[int]], their_logits) -> Par
             f"ours: {a}\nHF:   {b}")
         ties.append(f"prompt {row} at token {pos} (gap {gap:.1e})")
     return ParityReport(exact, ties)
+
+
+def logprobs_close(ours: list[int], our_top: list[set[int]], theirs: list[int], their_top: list[set[int]],
+                   name: str = "") -> str | None:
+    """vLLM's `check_logprobs_close` rule for approximate models (e.g. quantized against fp32): the
+    first tokens are equal and, until the first divergence, each side's token is among the other's
+    top-k. Returns why the rule fails, or None."""
+    if not ours or not theirs or ours[0] != theirs[0]:
+        return f"{name}: first tokens differ: {ours[:1]} vs {theirs[:1]}"
+    for pos, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b:
+            continue
+        if a not in their_top[pos] or b not in our_top[pos]:
+            return f"{name}: at position {pos} tokens {a} / {b} are not in each other's top-{len(our_top[pos])}"
+        return None  # the first divergence is within the top-k: the rule stops comparing here
+    return None

@@ -31,7 +31,7 @@ from kvforge.app.errors import APIError  # noqa: E402
 from kvforge.app.models import ModelSpec  # noqa: E402
 from kvforge.core.estimate import estimate_memory  # noqa: E402
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, load_config, resolve_model  # noqa: E402
-from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover  # noqa: E402
+from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover, resolve_quant  # noqa: E402
 from kvforge.core.store import Conversation, NotFound  # noqa: E402
 from kvforge.ui.dashboard import DashboardSampler  # noqa: E402
 
@@ -98,20 +98,26 @@ def current_model_name(host) -> str:
     return EMBEDDED_MODEL if model in EMBEDDED_ALIASES else Path(model).name
 
 
-def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float) -> str:
-    """Weights + KV for the chosen context length, before anything is loaded."""
+def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float, quant: str = "none",
+                             options: str = "{}") -> str:
+    """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
+    the chosen context length, before anything is loaded."""
     try:
         if model in EMBEDDED_ALIASES:
-            hf_config = load_config(resolve_model(None))
+            path = resolve_model(None)
         elif host.models_dir is not None and (host.models_dir / model / "config.json").is_file():
-            hf_config = load_config(host.models_dir / model)
+            path = host.models_dir / model
         else:
             return f"No estimate for {model!r} before it is converted (GGUF)."
-        e = estimate_memory(hf_config, dtype, int(context_tokens))
-    except Exception as exc:  # a broken config: say so, never break the page
+        hf_config = load_config(path)
+        quant, quant_options = resolve_quant(quant or "none", json.loads(options or "{}"), hf_config, path)
+        bits = discover(QUANT_GROUP).get(quant).bits_per_weight(quant_options)
+        e = estimate_memory(hf_config, dtype, int(context_tokens), bits)
+    except Exception as exc:  # a broken config or option: say so, never break the page
         return f"No estimate: {type(exc).__name__}: {exc}"
+    layers = f"{quant} at {bits:.2f} bits per weight" if bits else f"dense {dtype}"
     return (f"Estimate for {int(context_tokens)} tokens of context: weights {human_bytes(e['weights_bytes'])} "
-            f"({e['parameters'] / 1e6:.1f}M parameters, dense {dtype}) + KV {human_bytes(e['kv_bytes'])} = "
+            f"({e['parameters'] / 1e6:.1f}M parameters, {layers}) + KV {human_bytes(e['kv_bytes'])} = "
             f"**{human_bytes(e['total_bytes'])}**")
 
 
@@ -377,9 +383,10 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
 
         settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, kv_gb]
         demo.load(settings_values, outputs=settings)
-        for component in (model_choice, dtype_choice, context):
-            component.change(lambda m, d, c: memory_estimate_markdown(host, m, d, c or 1),
-                             [model_choice, dtype_choice, context], estimate, queue=False)
+        for component in (model_choice, dtype_choice, context, quant_choice, quant_options):
+            component.change(lambda m, d, c, q, o: memory_estimate_markdown(host, m, d, c or 1, q, o),
+                             [model_choice, dtype_choice, context, quant_choice, quant_options], estimate,
+                             queue=False)
         quant_choice.change(plugin_help, quant_choice, quant_help, queue=False)
 
         def options_for(quant: str) -> str:
