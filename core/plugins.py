@@ -195,9 +195,9 @@ def resolve_quant(quant: str, options: dict[str, Any], hf_config: Any, model_pat
     (when `quant` is "none") or must match the one asked for; the checkpoint decides its layout options,
     the user may add the others (e.g. the kernel)."""
     config = checkpoint_quantization(hf_config, model_path)
-    if config is None:
-        return quant, options
     registry = discover(QUANT_GROUP)
+    if config is None:  # a dense checkpoint: any plugin, its options with their defaults filled in
+        return quant, registry.get(quant).validate_options(options)
     claims = {}
     for name, cls in sorted(registry.plugins.items()):
         found = cls.options_for_checkpoint(config)

@@ -482,7 +482,10 @@ def test_resolve_quant(tmp_path):
     with pytest.raises(ValueError, match="'kernel'"):
         resolve_quant("none", {"kernel": "fast"}, config, tmp_path)
     # dense checkpoint: what the user asked for, unchanged
-    assert resolve_quant("none", {"x": 1}, _llama_config(), tmp_path) == ("none", {"x": 1})
+    assert resolve_quant("none", {}, _llama_config(), tmp_path) == ("none", {})
+    assert resolve_quant("gptq", {}, _llama_config(), tmp_path)[1]["kernel"] == "auto"  # defaults filled in
+    with pytest.raises(ValueError, match="'x'"):  # a dense checkpoint still checks the options
+        resolve_quant("none", {"x": 1}, _llama_config(), tmp_path)
     awq = _llama_config(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 64,
                                              "zero_point": True, "version": "GEMM"})
     assert resolve_quant("none", {}, awq, tmp_path) == (
