@@ -98,3 +98,39 @@ def test_unload_then_load_the_embedded_model_again(server):
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
                                                   "temperature": 0})
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
+
+
+def test_quant_swap_with_a_request_in_flight(server, models_dir):
+    """The request in flight finishes on the old model; the next one runs on the new quant plugin, and
+    /v1/models shows the plugin, its options and the smaller weights."""
+    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+
+    url, host = server
+    write_rtn_checkpoint(models_dir / "tiny-llama", models_dir / "tiny-llama-gptq", method="gptq", sym=False)
+    r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama"}, timeout=120)
+    assert r.status_code == 200, r.text
+    dense_bytes = r.json()["loaded"]["memory"]["weights_bytes"]
+    for body, quant in (({"model": "tiny-llama", "quant": "bnb-nf4"}, "bnb-nf4"),
+                        ({"model": "tiny-llama-gptq"}, "gptq")):  # a GPTQ checkpoint picks its plugin
+        done = {}
+
+        def long_stream(done=done):
+            payload = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=120) as r:
+                done["lines"] = [line for line in r.iter_lines() if line]
+
+        streamer = threading.Thread(target=long_stream)
+        streamer.start()
+        while host.in_flight == 0:
+            time.sleep(0.01)
+        r = httpx.post(f"{url}/admin/models/load", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        streamer.join(timeout=120)
+        assert any('"finish_reason": "length"' in line for line in done["lines"])  # it ran to the end first
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["quant"] == quant and card["quant_options"], card
+        assert card["memory"]["weights_bytes"] < dense_bytes, card
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama-gptq", "quant": "awq"}, timeout=120)
+    assert r.status_code == 400 and "gptq" in r.json()["error"]["message"], r.text
