@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -16,6 +17,27 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of equal prefixes")
+    _quant_args(parser, default="none")
+
+
+def _quant_args(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument("--quant", default=default, help="quantization plugin (see `kvforge plugins`; default: none, "
+                        "or what a quantized checkpoint says)")
+    parser.add_argument("--quant-options", default=None,
+                        help='the plugin\'s options as JSON, e.g. \'{"kernel": "dequant"}\'')
+
+
+def quant_options(raw: str | dict | None) -> dict:
+    """--quant-options: a JSON object (or already a table, from a TOML settings file)."""
+    if raw is None or isinstance(raw, dict):
+        return dict(raw or {})
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--quant-options is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--quant-options must be a JSON object")
+    return value
 
 
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -30,14 +52,20 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _engine(args: argparse.Namespace, quant: str = "none", quant_options: dict | None = None, **persist: Any):
+def _engine(args: argparse.Namespace, quant: str | None = None, quant_options: dict | None = None, **persist: Any):
     from kvforge.core import LLMEngine
     from kvforge.core.config import EngineConfig
 
+    quant = quant or getattr(args, "quant", None) or "none"
+    options = quant_options if quant_options is not None else quant_options_of(args)
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
-                                  quant_options=quant_options or {},
+                                  quant_options=options,
                                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                                   enable_prefix_caching=not args.no_prefix_caching, **persist))
+
+
+def quant_options_of(args: argparse.Namespace) -> dict:
+    return quant_options(getattr(args, "quant_options", None))
 
 
 def _params(args: argparse.Namespace):
@@ -158,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          "kv_cache_gb": spec.kv_cache_gb or args.kv_cache_gb})
         return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options, **persist))
 
-    spec = ModelSpec(args.model, args.dtype, served_name=served_model_name(args))
+    spec = ModelSpec(args.model, args.dtype, args.quant, quant_options_of(args), served_name=served_model_name(args))
     first = build_off_main_thread(lambda: factory(spec))
     host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
     app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
@@ -204,6 +232,17 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe_setting(schema: dict) -> str:
+    """One line for a plugin option: its type, choices, default and description."""
+    parts = [schema.get("type", "any")]
+    if "enum" in schema:
+        parts.append("one of " + " / ".join(map(str, schema["enum"])))
+    if "default" in schema:
+        parts.append(f"default {json.dumps(schema['default'])}")
+    text = ", ".join(parts)
+    return f"{text}: {schema['description']}" if schema.get("description") else text
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover
 
@@ -216,7 +255,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             devices = " / ".join(getattr(cls, "devices", ()) or ("any",))
             print(f"  {name:<12} {registry.sources[name]:<24} {getattr(cls, 'description', '')} [{devices}]")
             for option, schema in getattr(cls, "settings", {}).items():
-                print(f"      --{option}: {schema}")
+                print(f"      {option}: {describe_setting(schema)}")
         for name, error in sorted(registry.errors.items()):
             print(f"  {name:<12} FAILED: {error}")
     return 0
@@ -244,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32)")
     serve.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget in GiB (default: 1)")
     serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
+    _quant_args(serve, default=None)
     serve.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     serve.add_argument("--no-prefix-caching", action="store_true", default=None,
                        help="do not reuse KV of equal prefixes (turns the persisted tier off too)")
@@ -304,12 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--threads", type=int, default=None)
     throughput.set_defaults(func=cmd_bench_throughput)
     from kvforge.app.bench_chat import add_parser as add_chat_bench
+    from kvforge.app.bench_quant import add_parser as add_quant_bench
     from kvforge.app.bench_serve import add_parser as add_serve_bench
     from kvforge.app.cache import add_parser as add_cache
 
     add_serve_bench(bench_sub)
     add_chat_bench(bench_sub)
+    add_quant_bench(bench_sub)
     add_cache(sub)
+    from kvforge.app.quantize import add_parser as add_quantize
+
+    add_quantize(sub)
 
     plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
     plugins.set_defaults(func=cmd_plugins)

@@ -10,6 +10,7 @@ TOML keys are the flag names with underscores, at the top level or under [serve]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass, fields
@@ -30,6 +31,8 @@ class ServeSettings:
     model: str | None = None
     served_model_name: str | None = None
     dtype: str = "float32"
+    quant: str = "none"  # a quantized checkpoint picks its own plugin when this is "none"
+    quant_options: str | None = None  # JSON object (a TOML table works too)
     kv_cache_gb: float = 1.0
     block_size: int = 16
     threads: int | None = None
@@ -47,6 +50,8 @@ class ServeSettings:
 def _convert(name: str, raw, target: type) -> object:
     if raw is None:
         return None
+    if isinstance(raw, dict):  # quant_options as a TOML table under [serve]
+        return json.dumps(raw)
     kind = target if isinstance(target, type) else str(target)
     try:
         if kind in (bool, "bool"):
