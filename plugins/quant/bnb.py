@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.core.plugins import QuantMethod
+from kvforge.plugins.quant.dense import create_dense_weight
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,6 @@ def _bnb():
             cpu_ops.setLevel(level)
         _bitsandbytes = bitsandbytes
     return _bitsandbytes
-
-
-def _create_dense_weight(layer, in_features: int, out_features_per_shard: list[int],
-                         params_dtype: torch.dtype) -> None:
-    weight = torch.nn.Parameter(torch.empty(sum(out_features_per_shard), in_features, dtype=params_dtype),
-                                requires_grad=False)
-    weight.weight_loader = layer.weight_loader
-    layer.register_parameter("weight", weight)
 
 
 def _take_dense_weight(layer) -> torch.Tensor:
@@ -136,7 +129,20 @@ def dequantize_int8(codes: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
     return _bnb().functional.int8_vectorwise_dequant(codes, scb.float())
 
 
-class BnbInt8Method(QuantMethod):
+class _BnbMethod(QuantMethod):
+    """What both bitsandbytes methods share: a dense weight loaded as is (a pre-quantized checkpoint is
+    dequantized in the tensor stream), quantized in process_after_loading."""
+
+    @classmethod
+    def checkpoint_tensors(cls, tensors: Iterator[tuple[str, torch.Tensor]],
+                           options: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        return dequantize_checkpoint(tensors, cls.name, options)
+
+    def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
+        create_dense_weight(layer, in_features, out_features_per_shard, params_dtype)
+
+
+class BnbInt8Method(_BnbMethod):
     name = "bnb-int8"
     description = ("bitsandbytes LLM.int8(): int8 weights with one absmax scale per output row "
                    "(~1/4 of fp32). Quantized at load; loads bitsandbytes checkpoints saved by transformers.")
@@ -161,14 +167,6 @@ class BnbInt8Method(QuantMethod):
         """A transformers `load_in_8bit` checkpoint. Its llm_int8_threshold is how transformers computes,
         not how the weights are stored: `threshold` stays the user's choice."""
         return {} if _bnb_checkpoint_bits(quantization_config) == 8 else None
-
-    @classmethod
-    def checkpoint_tensors(cls, tensors: Iterator[tuple[str, torch.Tensor]],
-                           options: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        return dequantize_checkpoint(tensors, cls.name, options)
-
-    def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
-        _create_dense_weight(layer, in_features, out_features_per_shard, params_dtype)
 
     def process_after_loading(self, layer) -> None:
         bnb = _bnb()
@@ -242,7 +240,7 @@ def _cpu_packing_supported(weight: torch.Tensor, blocksize: int) -> bool:
             and functional.has_avx512bf16() and n % 32 == 0 and k % blocksize == 0 and k % 2 == 0)
 
 
-class BnbNf4Method(QuantMethod):
+class BnbNf4Method(_BnbMethod):
     name = "bnb-nf4"
     description = ("bitsandbytes 4-bit: NF4 (or FP4) codes in blocks of 64 with one absmax per block "
                    "(~1/7 of fp32). Quantized at load; loads bitsandbytes checkpoints saved by transformers.")
@@ -284,14 +282,6 @@ class BnbNf4Method(QuantMethod):
             raise ValueError(f"bitsandbytes 4-bit data type {quant_type!r} is not supported (nf4, fp4)")
         return {"quant_type": quant_type, "blocksize": 64,
                 "double_quant": bool(quantization_config.get("bnb_4bit_use_double_quant", False))}
-
-    @classmethod
-    def checkpoint_tensors(cls, tensors: Iterator[tuple[str, torch.Tensor]],
-                           options: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        return dequantize_checkpoint(tensors, cls.name, options)
-
-    def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
-        _create_dense_weight(layer, in_features, out_features_per_shard, params_dtype)
 
     def process_after_loading(self, layer) -> None:
         weight = _take_dense_weight(layer)

@@ -33,16 +33,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*shape[:-1], out.shape[-1])
 
 
+def create_dense_weight(layer: torch.nn.Module, in_features: int, out_features_per_shard: list[int],
+                        params_dtype: torch.dtype) -> None:
+    """The layer's [out, in] weight in the model dtype, loaded through the layer's weight loader (methods
+    that quantize at load start from it too)."""
+    weight = torch.nn.Parameter(torch.empty(sum(out_features_per_shard), in_features, dtype=params_dtype),
+                                requires_grad=False)
+    weight.weight_loader = layer.weight_loader
+    layer.register_parameter("weight", weight)
+
+
 class DenseMethod(QuantMethod):
     name = "none"
     description = "Dense weights in the model dtype (no quantization)."
     settings: dict = {}
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
-        weight = torch.nn.Parameter(torch.empty(sum(out_features_per_shard), in_features, dtype=params_dtype),
-                                    requires_grad=False)
-        weight.weight_loader = layer.weight_loader
-        layer.register_parameter("weight", weight)
+        create_dense_weight(layer, in_features, out_features_per_shard, params_dtype)
         layer.packed_weight = None
         layer.weight_bytes = 0
 

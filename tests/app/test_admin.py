@@ -43,14 +43,13 @@ def server(embedded_llm, models_dir):
     host.close()
 
 
-def test_swap_waits_for_in_flight_requests_then_serves_the_new_model(server):
-    url, host = server
-    assert MODEL in httpx.get(f"{url}/admin/models").json()["available"]
-    done = {}
+def stream_in_background(url: str, host: ModelHost, **fields) -> tuple[threading.Thread, dict]:
+    """A 40-token streamed completion on a thread, returned once the server counts it in flight; its
+    SSE lines land in done["lines"] when it ends."""
+    done: dict = {}
+    payload = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True, **fields}
 
     def long_stream():
-        payload = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
-                   "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=120) as r:
             done["lines"] = [line for line in r.iter_lines() if line]
 
@@ -58,6 +57,13 @@ def test_swap_waits_for_in_flight_requests_then_serves_the_new_model(server):
     streamer.start()
     while host.in_flight == 0:
         time.sleep(0.01)
+    return streamer, done
+
+
+def test_swap_waits_for_in_flight_requests_then_serves_the_new_model(server):
+    url, host = server
+    assert MODEL in httpx.get(f"{url}/admin/models").json()["available"]
+    streamer, done = stream_in_background(url, host, model=MODEL)
     r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama"}, timeout=120)
     assert r.status_code == 200, r.text
     streamer.join(timeout=120)
@@ -112,17 +118,7 @@ def test_quant_swap_with_a_request_in_flight(server, models_dir):
     dense_bytes = r.json()["loaded"]["memory"]["weights_bytes"]
     for body, quant in (({"model": "tiny-llama", "quant": "bnb-nf4"}, "bnb-nf4"),
                         ({"model": "tiny-llama-gptq"}, "gptq")):  # a GPTQ checkpoint picks its plugin
-        done = {}
-
-        def long_stream(done=done):
-            payload = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=120) as r:
-                done["lines"] = [line for line in r.iter_lines() if line]
-
-        streamer = threading.Thread(target=long_stream)
-        streamer.start()
-        while host.in_flight == 0:
-            time.sleep(0.01)
+        streamer, done = stream_in_background(url, host)
         r = httpx.post(f"{url}/admin/models/load", json=body, timeout=120)
         assert r.status_code == 200, r.text
         streamer.join(timeout=120)
