@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -344,8 +345,26 @@ def _quantize_gptqmodel(options: QuantizeOptions, source: Path, staging: Path, s
     say(f"{options.method}: {options.bits}-bit, group size {options.group_size}, {len(data)} calibration "
         f"samples of {options.seq_len} tokens, GPTQModel {gptqmodel.__version__} (its progress bars follow)")
     model = GPTQModel.load(str(source), quantize_config=config, dtype=torch.bfloat16)
-    model.quantize(data, backend=backend)
+    with tempfile.TemporaryDirectory(prefix="kvforge-gptqmodel-logs-") as logs, _gptqmodel_logs_in(Path(logs)):
+        model.quantize(data, backend=backend)
     model.save(str(staging))
+
+
+@contextmanager
+def _gptqmodel_logs_in(path: Path):
+    """GPTQModel writes a log file per run into ./logs of the working directory: send it elsewhere (the
+    checkpoint keeps GPTQModel's per-layer quant_log.csv)."""
+    from gptqmodel.looper import loop_processor
+
+    previous = getattr(loop_processor, "_PROJECT_LOG_DIR", None)
+    if previous is None:  # another GPTQModel version: leave it alone
+        yield
+        return
+    loop_processor._PROJECT_LOG_DIR = path
+    try:
+        yield
+    finally:
+        loop_processor._PROJECT_LOG_DIR = previous
 
 
 def _quantize_bnb(options: QuantizeOptions, source: Path, staging: Path) -> None:

@@ -57,11 +57,12 @@ def require_library(method: str) -> None:
                 f"--method {method} needs GPTQModel and optimum: pip install 'kvforge[quantize]'")
 
 
-def run_quantize(*args: str, prelude: str = "", timeout: float = BUILD_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_quantize(*args: str, prelude: str = "", timeout: float = BUILD_TIMEOUT_S,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`kvforge quantize ARGS` in a fresh interpreter (`prelude` runs first, e.g. to hide a module)."""
     code = f"{prelude}\nimport sys\nfrom kvforge.app.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "quantize", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=cwd)
 
 
 # ------------------------------------------------------------------------------- vLLM's closeness rule
@@ -120,7 +121,7 @@ def build(embedded_path, tmp_path_factory):
         require_library(method)
         if method not in built:
             out = tmp_path_factory.mktemp("quantized") / method
-            built[method] = (out, run_quantize("--method", method, "--out", str(out)))
+            built[method] = (out, run_quantize("--method", method, "--out", str(out), cwd=out.parent))
         out, proc = built[method]
         assert proc.returncode == 0, f"kvforge quantize --method {method} failed:\n{proc.stderr[-4000:]}"
         return out, proc
@@ -194,7 +195,8 @@ def test_checkpoint_layout(method, build, embedded_path):
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt"))], files
     assert (out / "chat_template.jinja").read_text() == (embedded_path / "chat_template.jinja").read_text()
     assert ("generation_config.json" in files) == (embedded_path / "generation_config.json").exists()
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{method}.")], "staging dir left behind"
+    # run in out's parent: no staging directory left behind, no ./logs of GPTQModel's
+    assert [p.name for p in out.parent.iterdir()] == [method]
 
     config = json.loads((out / "config.json").read_text())
     quant = config["quantization_config"]
