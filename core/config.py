@@ -18,6 +18,8 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16)
     quant: str = "none"  # a `kvforge.quant` plugin name
     quant_options: dict[str, Any] = field(default_factory=dict)
+    decoding: str = "none"  # a `kvforge.decoding` plugin name (speculative decoding); "none": off
+    decoding_options: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 1 << 30  # KV pool budget; ignored when num_kv_blocks is set

@@ -43,6 +43,7 @@ class StepContext:
     write_rows: torch.Tensor  # where each new token's K and V go
     prefills: list[PrefillSeq]
     decode_groups: list[DecodeGroup]
+    kv_cache: torch.Tensor  # the pool this step runs on: [layers, 2, kv_heads, blocks, block_size, head_dim]
     # masks shared by all layers, built on first use, keyed by (kind, index, sliding window)
     masks: dict = field(default_factory=dict)
 

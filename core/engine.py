@@ -25,12 +25,13 @@ from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, safetensors_files
 from kvforge.core.metrics import EngineStats, RateMeter, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
-from kvforge.core.plugins import resolve_quant
+from kvforge.core.plugins import DraftTarget, resolve_quant
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
-from kvforge.core.sampler import SamplingBatch, sample
+from kvforge.core.sampler import SamplingBatch, verify
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import Scheduler
+from kvforge.core.speculative import Speculator, spec_metrics
 from kvforge.core.store import Store
 from kvforge.core.tokenizer import Tokenizer
 
@@ -58,7 +59,19 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
-        self.block_pool = BlockPool(self.runner.num_blocks, enable_caching=self.config.enable_prefix_caching)
+        self.speculator = None
+        if self.config.decoding != "none":
+            self.speculator = Speculator(self.config.decoding, self.config.decoding_options, DraftTarget(
+                self.config, self.hf_config, self.model_path, self.tokenizer, self.runner))
+            self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)
+        # a drafter with KV of its own shares the budget: both pools hold the same number of tokens
+        draft_bytes = self.speculator.proposer.kv_bytes_per_block(self.config.block_size) if self.speculator else 0
+        num_blocks = self.config.num_kv_blocks or max(
+            1, self.config.kv_cache_bytes // (self.runner.kv_bytes_per_block + draft_bytes))
+        self.runner.allocate_kv(num_blocks)
+        if self.speculator:
+            self.speculator.proposer.allocate_kv(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_caching=self.config.enable_prefix_caching)
         self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
         self.persisted = None
         if self.config.persist_kv and self.config.enable_prefix_caching:
@@ -137,6 +150,8 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
@@ -146,42 +161,59 @@ class LLMEngine:
             seq = item.seq
             if seq.num_computed_tokens < len(seq.prompt_token_ids):
                 prompt_tokens += min(item.num_new_tokens, len(seq.prompt_token_ids) - seq.num_computed_tokens)
-            seq.num_computed_tokens += item.num_new_tokens
+            # draft positions count as computed only once accepted (below)
+            seq.num_computed_tokens += item.num_new_tokens - len(seq.spec_token_ids)
             self.kv.cache_computed_blocks(seq)
         self._prompt_rate.add(prompt_tokens)
         if not sampled:
             return []
 
+        # one entry per sequence getting tokens; a sequence verifying m drafts owns m + 1 logits rows
         seqs, rows, parents = [], [], []
-        for row, item in enumerate(sampled):
+        row = 0
+        for item in sampled:
+            num_rows = 1 + len(item.seq.spec_token_ids)
             seqs.append(item.seq)
-            rows.append(row)
+            rows.extend(range(row, row + num_rows))
             parents.append(None)
-            for child in self._pending_children.pop(item.seq.key, []):
+            for child in self._pending_children.pop(item.seq.key, []):  # forks happen at a prompt's end
                 seqs.append(child)
                 rows.append(row)
                 parents.append(item.seq)
-        if len(rows) != len(sampled):
+            row += num_rows
+        if len(rows) != row:
             logits = logits[rows]
-        result = sample(logits, SamplingBatch(
+        drafting = any(s.spec_token_ids for s in seqs)
+        result = verify(logits, SamplingBatch(
             [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs], self.tokenizer.eos_token_ids))
+            [s.output_token_ids for s in seqs], self.tokenizer.eos_token_ids,
+            drafts=[s.spec_token_ids for s in seqs] if drafting else None,
+            draft_probs=[s.spec_draft_probs for s in seqs] if drafting else None))
 
         now = time.monotonic()
-        copies, outputs = [], []
+        copies, outputs, generated = [], [], 0
         for i, seq in enumerate(seqs):
             if parents[i] is not None:
                 copies.extend(self._fork(parents[i], seq))
-            token = result.token_ids[i]
-            seq.output_token_ids.append(token)
+            tokens = result.token_ids[i]
+            if seq.spec_token_ids:  # keep the accepted drafts' KV, roll back the rejected ones
+                accepted = len(tokens) - 1
+                self.speculator.record(seq, len(seq.spec_token_ids), accepted)
+                seq.num_computed_tokens += accepted
+                self.kv.truncate(seq, seq.num_computed_tokens)
+                seq.clear_drafts()
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            logprob = None if result.logprobs[i] is None else TokenLogprob(
-                token, result.logprobs[i], result.top_logprobs[i])
-            outputs.append(self._process_token(seq, token, logprob))
+            logprobs = [None] * len(tokens) if result.logprobs[i] is None else [
+                TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, result.logprobs[i], result.top_logprobs[i])]
+            before = len(seq.output_token_ids)
+            outputs.append(self._process_tokens(seq, tokens, logprobs))
+            generated += len(seq.output_token_ids) - before
+            if len(tokens) > 1 and not seq.is_finished:
+                self.kv.cache_computed_blocks(seq)
         self.runner.copy_blocks(copies)
-        self._generation_rate.add(len(seqs))
-        self._totals["generated_tokens_total"] += len(seqs)
+        self._generation_rate.add(generated)
+        self._totals["generated_tokens_total"] += generated
         return [o for o in outputs if o is not None]
 
     def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
@@ -194,22 +226,27 @@ class LLMEngine:
         self.scheduler.add_running(child)
         return copies
 
-    def _process_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
+    def _process_tokens(self, seq: Sequence, tokens: list[int],
+                        logprobs: list[TokenLogprob | None]) -> RequestOutput | None:
+        """Append the step's new tokens (several when drafts were accepted) up to a stop, and return the
+        request's one output for this step."""
         params, state = seq.params, self._outputs[seq.key]
-        is_stop_token = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids)
-        generated = len(seq.output_token_ids)
-        stop_string = state.add_token(token, text_visible=not is_stop_token, num_output_tokens=generated)
-        if logprob is not None:
-            state.pending_logprobs.append(logprob)
-        reason = None
-        if (is_stop_token and generated >= params.min_tokens) or stop_string:
-            reason = "stop"
-        elif generated >= params.max_tokens:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            return self._final_output(seq, state.pending_tokens, reason)
+        for token, logprob in zip(tokens, logprobs):
+            seq.output_token_ids.append(token)
+            is_stop_token = token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+            generated = len(seq.output_token_ids)
+            stop_string = state.add_token(token, text_visible=not is_stop_token, num_output_tokens=generated)
+            if logprob is not None:
+                state.pending_logprobs.append(logprob)
+            reason = None
+            if (is_stop_token and generated >= params.min_tokens) or stop_string:
+                reason = "stop"
+            elif generated >= params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                return self._final_output(seq, state.pending_tokens, reason)
         delta_text = state.take_delta(finished=False)
         out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
                             state.emitted_text(), delta_text, state.pending_tokens,
@@ -222,6 +259,9 @@ class LLMEngine:
         state = self._outputs[seq.key]
         delta_text = state.take_delta(finished=True)
         metrics = request_metrics(seq)
+        if self.speculator is not None:
+            metrics |= spec_metrics(seq)
+            self.speculator.release(seq)
         out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
                             state.emitted_text(), delta_text, list(delta_tokens),
                             state.pending_logprobs if seq.params.logprobs is not None else None,
@@ -245,6 +285,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish writing queued KV blocks to disk."""
+        if self.speculator is not None:
+            self.speculator.proposer.close()
         if self.persisted is not None:
             self.persisted.close()
 
@@ -256,7 +298,8 @@ class LLMEngine:
             kv_blocks_free=pool.num_free - cached, kv_cache_bytes=self.runner.kv_cache_bytes,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generation_tokens_per_s=self._generation_rate.rate(), prompt_tokens_per_s=self._prompt_rate.rate(),
-            preemptions_total=self.scheduler.num_preemptions, **self._totals, **self.disk_stats())
+            preemptions_total=self.scheduler.num_preemptions, **self._totals, **self.disk_stats(),
+            **(self.speculator.totals if self.speculator else {}))
 
     def disk_stats(self) -> dict[str, int]:
         """The persisted tier's EngineStats fields (none when it is off)."""

@@ -72,10 +72,27 @@ class EngineStats:
     kv_disk_pending: int = 0  # blocks queued for writing
     kv_disk_loaded_blocks_total: int = 0
     kv_disk_load_failures_total: int = 0
+    # speculative decoding (zeros when it is off)
+    spec_drafted_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verify_steps_total: int = 0  # steps of a sequence that verified drafts
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        drafted = self.spec_drafted_tokens_total
+        return self.spec_accepted_tokens_total / drafted if drafted else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields on average: accepted drafts + the target's own token."""
+        steps = self.spec_verify_steps_total
+        return (self.spec_accepted_tokens_total + steps) / steps if steps else 0.0
+
     def as_dict(self) -> dict:
-        return asdict(self) | {"prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+        return asdict(self) | {"prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                               "spec_acceptance_rate": self.spec_acceptance_rate,
+                               "spec_mean_accepted_length": self.spec_mean_accepted_length}

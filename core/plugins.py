@@ -84,15 +84,76 @@ class QuantMethod(ABC):
             t.numel() * t.element_size() for t in layer.buffers(recurse=False))
 
 
+@dataclass
+class DraftTarget:
+    """What a proposer may know about the engine it drafts for (the target model and its settings)."""
+
+    config: Any  # EngineConfig
+    hf_config: Any
+    model_path: Path
+    tokenizer: Any  # core.tokenizer.Tokenizer
+    runner: Any  # the target's ModelRunner (its model, device, dtype)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence; `probs` [tokens, vocab] when the drafter sampled them from a
+    distribution (rejection sampling needs it), None when they are deterministic (n-gram, greedy)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
 class Proposer(ABC):
-    """A speculative-decoding drafter: proposes up to k tokens per sequence; the core verifies them."""
+    """A speculative-decoding drafter: proposes up to k tokens per sequence; the core verifies them
+    (`sampler.verify`), so every proposer is lossless by construction.
+
+    `settings` always holds the core's speculation knobs below; a plugin adds its own with
+    `settings = Proposer.settings | {...}`.
+    """
 
     name: str = ""
     description: str = ""
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = {
+        "k": {"type": "integer", "minimum": 1, "default": 4,
+              "description": "draft tokens per step at most (the adaptive k stays at or below it)"},
+        "adaptive": {"type": "boolean", "default": True,
+                     "description": "per request: fewer drafts after rejections, none for a while when most "
+                                    "are rejected, more after full acceptance"},
+        "max_batch_size": {"type": "integer", "minimum": 1, "default": 8,
+                           "description": "no speculation in a step with more decoding sequences than this "
+                                          "(a large batch is already compute-bound)"},
+    }
+
+    def __init__(self, target: DraftTarget, **options: Any) -> None:
+        self.target = target
+        self.options = self.validate_options(options)
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return validate_settings(cls.name, cls.settings, options)
 
     @abstractmethod
-    def propose(self, batch: Any) -> list[list[int]]: ...
+    def propose(self, seqs: list[Any], num_tokens: list[int]) -> list[list[int] | Proposal]:
+        """Up to `num_tokens[i]` draft tokens to follow `seqs[i].token_ids` (core.request.Sequence)."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """KV bytes the drafter needs per block of the target's pool (the engine splits its KV budget so
+        that both pools hold the same number of tokens); 0: the drafter keeps no KV."""
+        return 0
+
+    def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027 - optional hook
+        """Create the drafter's own paged KV pool of `num_blocks` blocks."""
+
+    def release(self, seq: Any) -> None:  # noqa: B027 - optional hook
+        """The sequence finished (or was aborted): drop whatever the drafter keeps for it."""
+
+    def kv_blocks_used(self) -> int:
+        """Blocks of the drafter's own KV pool in use (0 when it has none)."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The engine is shutting down."""
 
 
 _SETTING_TYPES = {"number": (int, float), "integer": (int,), "boolean": (bool,), "string": (str,)}

@@ -31,6 +31,16 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int | None = None  # prefix-cache hit on first admission
     num_preemptions: int = 0
+    # speculative decoding: this step's draft tokens (verified after the sequence's last token) and, for
+    # a proposer that samples its drafts, their draft distributions [drafts, vocab]
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
+    spec_k: int | None = None  # the adaptive number of drafts (None: not speculated yet)
+    spec_paused_until: int = 0  # no drafts until the output reaches this many tokens (low acceptance)
+    spec_acceptance: float = 1.0  # moving average of the acceptance rate
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0  # steps that verified at least one draft
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # timings (time.monotonic)
@@ -44,8 +54,15 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def token_ids_with_drafts(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids + self.spec_token_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.spec_draft_probs = [], None
 
     @property
     def is_finished(self) -> bool:

@@ -19,38 +19,50 @@ DECODE_GROUP_SIZE = 8  # decode tokens attended together; similar lengths keep t
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path | None, hf_config, progress: bool = True,
+                 model: torch.nn.Module | None = None) -> None:
+        """Loads the model from `model_path`, or runs a given `model` (a drafter built on the target's
+        own layers); `hf_config` shapes the KV pool. The pool itself comes with `allocate_kv`."""
         self.config = config
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        quant_cls = discover(QUANT_GROUP).get(config.quant)
-        if self.device.type not in quant_cls.devices:  # refused before anything is loaded
-            raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
-                             f"not on {self.device.type}")
-        options = quant_cls.validate_options(config.quant_options)
-        with torch.device(self.device):
-            self.model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
-        load_weights(self.model, model_path, progress=progress,
-                     transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
-        self.model.eval()
+        if model is None:
+            model = self._load(config, model_path, hf_config, progress)
+        self.model = model.eval()
 
         self.num_kv_heads = hf_config.num_key_value_heads // tp_size()
         self.head_dim = head_dim_of(hf_config)
         self.num_layers = hf_config.num_hidden_layers
         self.kv_bytes_per_block = self.block_size * kv_bytes_per_token(
             self.num_layers, self.num_kv_heads, self.head_dim, config.torch_dtype)
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // self.kv_bytes_per_block)
+        self.num_blocks = 0
+        self.kv_cache = torch.empty(0)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The paged KV pool: `num_blocks` blocks of `block_size` tokens for every layer."""
+        self.num_blocks = num_blocks
         # head-major paged layout (see layers/attention.py)
-        shape = (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.kv_cache = self.kv_cache[i]
+        shape = (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
         # row offsets of each (K/V, head) plane in the 2-D views of a layer's cache (see context.py)
         planes = torch.arange(2 * self.num_kv_heads, dtype=torch.long).view(2, 1, self.num_kv_heads, 1)
-        self._plane_blocks = planes * self.num_blocks  # [2 (K/V), 1, kv_heads, 1]
-        self._plane_slots = planes * self.num_blocks * self.block_size
+        self._plane_blocks = planes * num_blocks  # [2 (K/V), 1, kv_heads, 1]
+        self._plane_slots = planes * num_blocks * self.block_size
+
+    @staticmethod
+    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool) -> torch.nn.Module:
+        quant_cls = discover(QUANT_GROUP).get(config.quant)
+        if torch.device(config.device).type not in quant_cls.devices:  # refused before anything is loaded
+            raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
+                             f"not on {torch.device(config.device).type}")
+        options = quant_cls.validate_options(config.quant_options)
+        with torch.device(config.device):
+            model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
+        load_weights(model, model_path, progress=progress,
+                     transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
+        return model
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -97,7 +109,7 @@ class ModelRunner:
         for item in prefills:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids_with_drafts[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
@@ -109,20 +121,23 @@ class ModelRunner:
         context = StepContext(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             write_rows=write_rows.to(self.device), prefills=prefill_seqs, decode_groups=groups,
+            kv_cache=self.kv_cache,
         )
         return torch.tensor(input_ids, dtype=torch.long, device=self.device), context, decodes + prefills
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """One forward over the batch. Returns the items whose chunk reached the end of their sequence
-        (they get a next token) and their fp32 logits, row for row."""
+        (they get a next token) and their fp32 logits: one row each, or 1 + drafts rows for a sequence
+        verifying draft tokens (the logits after its last token and after each draft), in item order."""
         input_ids, context, ordered = self.prepare(batch)
         rows, sampled = [], []
         row = 0
         for item in ordered:
             row += item.num_new_tokens
-            if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens:
-                rows.append(row - 1)
+            seq = item.seq
+            if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens + len(seq.spec_token_ids):
+                rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
                 sampled.append(item)
         set_context(context)
         try:

@@ -1,7 +1,8 @@
 """Token-budget continuous batching with chunked prefill, prefix caching and preemption.
 
 Every step spends up to `max_num_batched_tokens` under `max_num_seqs`: running sequences first, in
-arrival order (one token each when decoding, the next chunk when still prefilling), then waiting
+arrival order (one token each when decoding -- 1 + k with k speculative draft tokens to verify -- the
+next chunk when still prefilling), then waiting
 sequences, first come first served. When the KV pool runs out, the running sequence that arrived
 last is preempted: its blocks are freed (its full blocks stay in the prefix cache) and it is
 recomputed later, producing the same tokens. Admission control rejects, before anything runs, a
@@ -71,23 +72,32 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, lookahead: int = 0) -> SchedulerOutput:
-        """Pick this step's work. `lookahead` reserves extra slots per decoding sequence (speculative
-        decoding verifies 1 + k tokens in a step)."""
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. A decoding sequence with draft tokens verifies them in this step: it gets
+        slots and budget for 1 + drafts tokens (drafts that do not fit are dropped, never preempting)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            extra = lookahead if seq.num_computed_tokens >= len(seq.prompt_token_ids) else 0
-            while not self.kv.allocate(seq, n, extra):
+            pending = seq.num_tokens - seq.num_computed_tokens
+            if seq.spec_token_ids:
+                del seq.spec_token_ids[max(0, budget - pending):]
+            while True:
+                n = min(pending + len(seq.spec_token_ids), budget)
+                if self.kv.allocate(seq, n):
+                    break
+                if seq.spec_token_ids:  # drop the drafts before taking anyone's blocks
+                    seq.clear_drafts()
+                    continue
                 victim = self.running[-1]  # the latest arrival: possibly this very sequence
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-            else:
+            if seq.status is Status.RUNNING:
+                if seq.spec_draft_probs is not None:
+                    seq.spec_draft_probs = seq.spec_draft_probs[:len(seq.spec_token_ids)]
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
@@ -119,6 +129,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
+        seq.clear_drafts()
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1

@@ -110,6 +110,7 @@ class KVCacheManager:
                 self.persisted.touch(hashes[i], i, now)
 
     def free(self, seq: Sequence) -> None:
+        self.cache_computed_blocks(seq)  # e.g. blocks that accepted draft tokens filled in its last step
         self.pool.free(seq.block_table)
         seq.block_table = []
 

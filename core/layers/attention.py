@@ -19,35 +19,34 @@ from kvforge.core.context import DecodeGroup, PrefillSeq, StepContext, get_conte
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index  # which layer of the step's KV pool (StepContext.kv_cache) is ours
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        # Set by the model runner: this layer's slice of the KV pool,
-        # [2, kv_heads, blocks, block_size, head_dim].
-        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
         ctx = get_context()
+        cache = ctx.kv_cache[self.layer_index]  # [2, kv_heads, blocks, block_size, head_dim]
         new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
-        self.kv_cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
+        cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
         if not ctx.prefills and len(ctx.decode_groups) == 1:  # the common decode step: no copies
-            return self._decode(ctx, 0, q)
+            return self._decode(ctx, cache, 0, q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         for i, seq in enumerate(ctx.prefills):
-            out[seq.start:seq.end] = self._prefill(ctx, i, seq, q, k, v)
+            out[seq.start:seq.end] = self._prefill(ctx, cache, i, seq, q, k, v)
         for i, group in enumerate(ctx.decode_groups):
-            out[group.start:group.end] = self._decode(ctx, i, q)
+            out[group.start:group.end] = self._decode(ctx, cache, i, q)
         return out
 
-    def _prefill(self, ctx: StepContext, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
+    def _prefill(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
         new = seq.end - seq.start
         if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
             keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
         else:
-            keys, values = self._gather(seq.gather_rows, 1)[:, 0, :, : seq.context_len].unbind(0)
+            keys, values = self._gather(cache, seq.gather_rows, 1)[:, 0, :, : seq.context_len].unbind(0)
         mask = prefill_mask(ctx, i, seq, self.sliding_window)
         return F.scaled_dot_product_attention(
             q[seq.start:seq.end].transpose(0, 1), keys, values,
@@ -55,12 +54,12 @@ class Attention(nn.Module):
             enable_gqa=True,
         ).transpose(0, 1).flatten(1)
 
-    def _gather(self, rows: torch.Tensor, seqs: int) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, rows: torch.Tensor, seqs: int) -> torch.Tensor:
         """K and V of the given blocks: [2, seqs, kv_heads, blocks * block_size, head_dim]."""
-        gathered = self.kv_cache.view(-1, self.kv_cache.shape[3] * self.head_dim).index_select(0, rows)
+        gathered = cache.view(-1, cache.shape[3] * self.head_dim).index_select(0, rows)
         return gathered.view(2, seqs, self.num_kv_heads, -1, self.head_dim)
 
-    def _decode(self, ctx: StepContext, i: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, ctx: StepContext, cache: torch.Tensor, i: int, q: torch.Tensor) -> torch.Tensor:
         """One new token per sequence of the group, as three batched ops over (sequence, kv head):
         scaled scores (+ additive padding mask), softmax, weighted values. Computed in fp32: CPU
         bf16 batched matmuls at these odd shapes are several times slower."""
@@ -68,7 +67,7 @@ class Attention(nn.Module):
         g, kv_heads, head_dim = group.end - group.start, self.num_kv_heads, self.head_dim
         dtype = q.dtype
         queries = (q[group.start:group.end].float() * self.scale).view(g * kv_heads, -1, head_dim)
-        kv = self._gather(group.gather_rows, g)
+        kv = self._gather(cache, group.gather_rows, g)
         if dtype != torch.float32:
             kv = kv.float()
         keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
