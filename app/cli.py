@@ -17,26 +17,32 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of equal prefixes")
-    _quant_args(parser, default="none")
+    _plugin_args(parser, default="none")
 
 
-def _quant_args(parser: argparse.ArgumentParser, default: str | None) -> None:
+def _plugin_args(parser: argparse.ArgumentParser, default: str | None) -> None:
     parser.add_argument("--quant", default=default, help="quantization plugin (see `kvforge plugins`; default: none, "
                         "or what a quantized checkpoint says)")
     parser.add_argument("--quant-options", default=None,
                         help='the plugin\'s options as JSON, e.g. \'{"kernel": "dequant"}\'')
+    parser.add_argument("--decoding", default=default,
+                        help="speculative decoding plugin, e.g. ngram or draft (see `kvforge plugins`; default: none)")
+    parser.add_argument("--decoding-options", default=None,
+                        help='the decoding plugin\'s options as JSON, e.g. \'{"k": 4}\' or '
+                        '\'{"model": "path/to/draft"}\'')
 
 
-def quant_options(raw: str | dict | None) -> dict:
-    """--quant-options: a JSON object (or already a table, from a TOML settings file)."""
+def json_options(raw: str | dict | None, flag: str) -> dict:
+    """A plugin's options flag (--quant-options, --decoding-options): a JSON object (or already a table,
+    from a TOML settings file)."""
     if raw is None or isinstance(raw, dict):
         return dict(raw or {})
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--quant-options is not valid JSON: {exc}") from None
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ValueError("--quant-options must be a JSON object")
+        raise ValueError(f"{flag} must be a JSON object")
     return value
 
 
@@ -52,20 +58,28 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _engine(args: argparse.Namespace, quant: str | None = None, quant_options: dict | None = None, **persist: Any):
+def _engine(args: argparse.Namespace, quant: str | None = None, quant_options: dict | None = None,
+            decoding: str | None = None, decoding_options: dict | None = None, **persist: Any):
     from kvforge.core import LLMEngine
     from kvforge.core.config import EngineConfig
 
     quant = quant or getattr(args, "quant", None) or "none"
-    options = quant_options if quant_options is not None else quant_options_of(args)
+    options = quant_options if quant_options is not None else options_of(args, "quant")
+    from kvforge.app.models import check_decoding
+
+    decoding = decoding or getattr(args, "decoding", None) or "none"
+    if decoding_options is None:
+        decoding_options = options_of(args, "decoding")
+    check_decoding(decoding, decoding_options)  # an unknown plugin or a bad option fails before the model loads
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
-                                  quant_options=options,
+                                  quant_options=options, decoding=decoding, decoding_options=decoding_options,
                                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                                   enable_prefix_caching=not args.no_prefix_caching, **persist))
 
 
-def quant_options_of(args: argparse.Namespace) -> dict:
-    return quant_options(getattr(args, "quant_options", None))
+def options_of(args: argparse.Namespace, plugin: str) -> dict:
+    """The parsed --quant-options / --decoding-options (`plugin`: "quant" or "decoding")."""
+    return json_options(getattr(args, f"{plugin}_options", None), f"--{plugin}-options")
 
 
 def _params(args: argparse.Namespace):
@@ -184,9 +198,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def factory(spec: ModelSpec) -> AsyncEngine:
         args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype,
                                          "kv_cache_gb": spec.kv_cache_gb or args.kv_cache_gb})
-        return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options, **persist))
+        return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options,
+                                   decoding=spec.decoding, decoding_options=spec.decoding_options, **persist))
 
-    spec = ModelSpec(args.model, args.dtype, args.quant, quant_options_of(args), served_name=served_model_name(args))
+    spec = ModelSpec(args.model, args.dtype, args.quant, options_of(args, "quant"), served_name=served_model_name(args),
+                     decoding=args.decoding, decoding_options=options_of(args, "decoding"))
     first = build_off_main_thread(lambda: factory(spec))
     host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
     app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
@@ -283,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32)")
     serve.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget in GiB (default: 1)")
     serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
-    _quant_args(serve, default=None)
+    _plugin_args(serve, default=None)
     serve.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     serve.add_argument("--no-prefix-caching", action="store_true", default=None,
                        help="do not reuse KV of equal prefixes (turns the persisted tier off too)")
@@ -346,11 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     from kvforge.app.bench_chat import add_parser as add_chat_bench
     from kvforge.app.bench_quant import add_parser as add_quant_bench
     from kvforge.app.bench_serve import add_parser as add_serve_bench
+    from kvforge.app.bench_spec import add_parser as add_spec_bench
     from kvforge.app.cache import add_parser as add_cache
 
     add_serve_bench(bench_sub)
     add_chat_bench(bench_sub)
     add_quant_bench(bench_sub)
+    add_spec_bench(bench_sub)
     add_cache(sub)
     from kvforge.app.quantize import add_parser as add_quantize
 

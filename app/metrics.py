@@ -33,6 +33,11 @@ class ServerMetrics:
             "kv_disk_pending": "KV blocks queued for writing to disk",
             "kv_disk_loaded_blocks": "KV blocks loaded from disk since start",
             "kv_disk_load_failures": "Persisted KV blocks dropped as missing or corrupt since start",
+            "spec_drafted_tokens": "Speculative draft tokens proposed since the model was loaded",
+            "spec_accepted_tokens": "Speculative draft tokens accepted since the model was loaded",
+            "spec_verify_steps": "Sequence steps that verified speculative drafts since the model was loaded",
+            "spec_acceptance_rate": "Accepted / drafted speculative tokens (0 when speculation is off)",
+            "spec_mean_accepted_length": "Tokens gained per verify step: accepted drafts + 1 (0 when off)",
         }.items()}
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -58,7 +63,12 @@ class ServerMetrics:
                   "requests_waiting": stats.waiting, "generation_tokens_per_second": stats.generation_tokens_per_s,
                   "kv_disk_blocks": stats.kv_disk_blocks, "kv_disk_bytes": stats.kv_disk_bytes,
                   "kv_disk_pending": stats.kv_disk_pending, "kv_disk_loaded_blocks": stats.kv_disk_loaded_blocks_total,
-                  "kv_disk_load_failures": stats.kv_disk_load_failures_total}
+                  "kv_disk_load_failures": stats.kv_disk_load_failures_total,
+                  "spec_drafted_tokens": stats.spec_drafted_tokens_total,
+                  "spec_accepted_tokens": stats.spec_accepted_tokens_total,
+                  "spec_verify_steps": stats.spec_verify_steps_total,
+                  "spec_acceptance_rate": stats.spec_acceptance_rate,
+                  "spec_mean_accepted_length": stats.spec_mean_accepted_length}
         for name, value in values.items():
             self.gauges[name].set(value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

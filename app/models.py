@@ -1,8 +1,9 @@
 """ModelHost: the model the server is serving, swapped without a process restart.
 
-A swap (load / unload / change of dtype or quant plugin) stops admitting new requests (they wait),
+A swap (load / unload / change of dtype, quant or decoding plugin) stops admitting new requests (they wait),
 lets the in-flight ones finish, builds the new engine off the event loop, then resumes. A failed
-load keeps the old model. Model paths given over the API are confined to the models directory.
+load keeps the old model. Model paths given over the API are confined to the models directory, and so
+is a decoding plugin's draft model (its `model` option).
 """
 
 from __future__ import annotations
@@ -15,10 +16,39 @@ from typing import Any
 
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
+from kvforge.core.plugins import DECODING_GROUP, discover
 
 
 class NoModelLoaded(RuntimeError):
     pass
+
+
+class InvalidSpec(ValueError):
+    """A load refused before anything is built or drained; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_decoding(decoding: str | None, options: dict[str, Any] | None) -> None:
+    """Refuse an unknown decoding plugin, options its schema rejects (the message names the option), or
+    options given with no plugin, before a model is loaded. The engine checks the rest (e.g. a draft
+    model's tokenizer) as it builds the plugin."""
+    if decoding in (None, "", "none"):
+        if options:
+            raise InvalidSpec(f"decoding options {', '.join(map(repr, sorted(options)))} given without a decoding "
+                              "plugin (decoding is 'none')", "decoding_options")
+        return
+    registry = discover(DECODING_GROUP)
+    try:
+        cls = registry.get(decoding)
+    except ValueError as exc:
+        raise InvalidSpec(str(exc), "decoding") from None
+    try:
+        cls.validate_options(dict(options or {}))
+    except ValueError as exc:
+        raise InvalidSpec(str(exc), "decoding_options") from None
 
 
 @dataclass(frozen=True)
@@ -29,6 +59,8 @@ class ModelSpec:
     quant_options: dict[str, Any] = field(default_factory=dict)
     served_name: str | None = None
     kv_cache_gb: float | None = None  # None: the server's --kv-cache-gb
+    decoding: str = "none"  # speculative decoding plugin; "none": off
+    decoding_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -80,6 +112,23 @@ class ModelHost:
             raise ValueError(f"model {model!r} not found in the models directory")
         return str(path)
 
+    def check(self, spec: ModelSpec) -> ModelSpec:
+        """The spec with its paths confined to the models directory (the model, and a decoding plugin's
+        draft model, option `model`) and its decoding plugin checked; InvalidSpec when refused."""
+        try:
+            model = self.confine(spec.model)
+        except ValueError as exc:
+            raise InvalidSpec(str(exc), "model") from None
+        check_decoding(spec.decoding, spec.decoding_options)
+        options = dict(spec.decoding_options or {})
+        draft = options.get("model")
+        if isinstance(draft, str) and draft:
+            try:  # the embedded model keeps its alias (the option must stay a non-empty string)
+                options["model"] = self.confine(draft) or draft
+            except ValueError as exc:
+                raise InvalidSpec(f"decoding option 'model': {exc}", "decoding_options") from None
+        return replace(spec, model=model, decoding_options=options)
+
     def available(self) -> list[str]:
         names = [EMBEDDED_MODEL]
         if self.models_dir and self.models_dir.is_dir():
@@ -88,7 +137,7 @@ class ModelHost:
         return names
 
     async def load(self, spec: ModelSpec) -> None:
-        spec = replace(spec, model=self.confine(spec.model))
+        spec = self.check(spec)
         async with self._swap_lock:
             await self._drain()
             try:

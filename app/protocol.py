@@ -99,6 +99,8 @@ class LoadModelRequest(BaseModel):
     quant_options: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
     kv_cache_gb: float | None = Field(default=None, gt=0, le=4096)
+    decoding: str = "none"  # a speculative decoding plugin
+    decoding_options: dict[str, Any] = Field(default_factory=dict)
 
 
 class SessionSettings(BaseModel):

@@ -25,7 +25,7 @@ from kvforge.app.chat_service import ChatService
 from kvforge.app.completion import finish_reason, format_logprobs, submit, timings, usage
 from kvforge.app.errors import APIError, error_response
 from kvforge.app.metrics import ServerMetrics
-from kvforge.app.models import ModelHost, ModelSpec, NoModelLoaded
+from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec, NoModelLoaded
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.app.sessions import sessions_router
 from kvforge.core.async_engine import AsyncEngine
@@ -39,7 +39,8 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
 
     sized = {"kv_cache_bytes": int(spec.kv_cache_gb * (1 << 30))} if spec.kv_cache_gb else {}
     return AsyncEngine(LLMEngine(EngineConfig(model=spec.model, dtype=spec.dtype, quant=spec.quant,
-                                              quant_options=spec.quant_options, **sized), progress=False))
+                                              quant_options=spec.quant_options, decoding=spec.decoding,
+                                              decoding_options=spec.decoding_options, **sized), progress=False))
 
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
@@ -105,6 +106,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         core = host.current().engine
         return {"id": host.name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
+                "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "max_model_len": core.max_model_len,
                 "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes}}
 
@@ -120,11 +122,14 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     @app.post("/admin/models/load")
     async def admin_load(body: LoadModelRequest):
         spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name,
-                         body.kv_cache_gb)
+                         body.kv_cache_gb, body.decoding, body.decoding_options)
         try:
             await host.load(spec)
+        except InvalidSpec as exc:  # refused before the swap began: a path or the decoding plugin / options
+            raise APIError(400, str(exc), exc.param) from None
         except ValueError as exc:  # bad path, unknown plugin, bad dtype: the old model keeps serving
-            raise APIError(400, str(exc), "model") from None
+            about_decoding = body.decoding != "none" and f"plugin {body.decoding!r}" in str(exc)
+            raise APIError(400, str(exc), "decoding_options" if about_decoding else "model") from None
         except Exception as exc:
             raise APIError(400, f"loading failed, the previous model keeps serving: {type(exc).__name__}: {exc}",
                            "model") from None

@@ -5,6 +5,8 @@ TOML keys are the flag names with underscores, at the top level or under [serve]
     port = 8080
     dtype = "bfloat16"
     models_dir = "~/models"
+    decoding = "ngram"
+    decoding_options = { k = 4 }
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class ServeSettings:
     dtype: str = "float32"
     quant: str = "none"  # a quantized checkpoint picks its own plugin when this is "none"
     quant_options: str | None = None  # JSON object (a TOML table works too)
+    decoding: str = "none"  # speculative decoding plugin (ngram, draft...); "none": off
+    decoding_options: str | None = None  # JSON object (a TOML table works too)
     kv_cache_gb: float = 1.0
     block_size: int = 16
     threads: int | None = None
@@ -50,7 +54,7 @@ class ServeSettings:
 def _convert(name: str, raw, target: type) -> object:
     if raw is None:
         return None
-    if isinstance(raw, dict):  # quant_options as a TOML table under [serve]
+    if isinstance(raw, dict):  # quant_options / decoding_options as a TOML table under [serve]
         return json.dumps(raw)
     kind = target if isinstance(target, type) else str(target)
     try:
@@ -82,8 +86,10 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"config file {path}: {exc}") from None
-        table = {**{k: v for k, v in data.items() if not isinstance(v, dict)}, **data.get("serve", {})}
-        unknown = sorted(set(table) - {f.name for f in fields(ServeSettings)})
+        names = {f.name for f in fields(ServeSettings)}
+        # other tables are sections ([serve]); an options table (quant_options = {...}) is a setting
+        table = {**{k: v for k, v in data.items() if not isinstance(v, dict) or k in names}, **data.get("serve", {})}
+        unknown = sorted(set(table) - names)
         if unknown:
             raise ValueError(f"config file {path}: unknown settings {', '.join(unknown)}")
     settings = ServeSettings()

@@ -3,10 +3,10 @@
 Conversations come from the session store (the same ChatService as /v1/sessions, so a reload or a
 restart shows the same history); replies stream; Stop aborts the request (the partial reply is
 kept); Regenerate and Edit rework the last turn. Model settings (model, dtype, quant plugin and its
-options, KV budget) swap through the same ModelHost as the admin API: in-flight replies finish first,
-a refused choice keeps the old model. The dashboard reads the one server-side sampler every second.
-Nothing is fetched from outside 127.0.0.1: a built-in theme with bundled fonts, no
-analytics (GRADIO_ANALYTICS_ENABLED is off before gradio is imported).
+options, speculative decoding plugin and its options, KV budget) swap through the same ModelHost as
+the admin API: in-flight replies finish first, a refused choice keeps the old model. The dashboard
+reads the one server-side sampler every second. Nothing is fetched from outside 127.0.0.1: a built-in
+theme with bundled fonts, no analytics (GRADIO_ANALYTICS_ENABLED is off before gradio is imported).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def dashboard_markdown(sampler: DashboardSampler) -> str:
     st = s.stats
     if not st:
         return "**No model loaded**"
+    decoding = s.config.get("decoding") or "none"
     lines = [f"**Model** {s.model} · {s.config.get('dtype')} · quant **{s.config.get('quant')}** · "
-             f"decoding **{s.config.get('decoding')}**", "", "| Engine | Now |", "|---|---|"]
+             f"decoding **{decoding}**", "", "| Engine | Now |", "|---|---|"]
     if s.gpus:
         for g in s.gpus:
             lines.append(f"| VRAM {g['device']} | {human_bytes(g['used'])} / {human_bytes(g['total'])} |")
@@ -76,6 +77,12 @@ def dashboard_markdown(sampler: DashboardSampler) -> str:
         f"| Generation tok/s | {st['generation_tokens_per_s']:.1f} |",
         f"| Prefix cache hit rate | {st['prefix_cache_hit_rate'] * 100:.0f}% |",
     ]
+    if decoding != "none":  # speculation: how many drafts the target accepts, tokens gained per step
+        lines += [
+            f"| Draft acceptance rate | {st.get('spec_acceptance_rate', 0.0) * 100:.0f}% "
+            f"({st.get('spec_accepted_tokens_total', 0)} / {st.get('spec_drafted_tokens_total', 0)}) |",
+            f"| Mean accepted length | {st.get('spec_mean_accepted_length', 0.0):.2f} tokens per step |",
+        ]
     if s.config.get("persist_kv"):
         lines.append(f"| KV on disk | {st['kv_disk_blocks']} blocks, {human_bytes(st['kv_disk_bytes'])} |")
     ttfts = sampler.recent_ttfts()[-5:]
@@ -121,16 +128,17 @@ def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float
             f"**{human_bytes(e['total_bytes'])}**")
 
 
-def plugin_settings(quant: str) -> dict:
-    """The options schema a quant plugin declares: {name: {"type", "enum", "default", "description"}}."""
-    cls = discover(QUANT_GROUP).plugins.get(quant)
+def plugin_settings(name: str, group: str = QUANT_GROUP) -> dict:
+    """The options schema a quant (or decoding) plugin declares: {name: {"type", "enum", "default",
+    "description"}}."""
+    cls = discover(group).plugins.get(name)
     return dict(getattr(cls, "settings", None) or {}) if cls is not None else {}
 
 
-def option_component(name: str, spec: dict, value):
-    """One input for one declared option, chosen by its schema."""
+def option_component(name: str, spec: dict, value, kind_of_plugin: str = "quant"):
+    """One input for one declared option, chosen by its schema (elem_id `<quant|decoding>-option-<name>`)."""
     label = f"{name}: {spec['description']}" if spec.get("description") else name
-    elem_id = f"quant-option-{name}"
+    elem_id = f"{kind_of_plugin}-option-{name}"
     if "enum" in spec:
         return gr.Dropdown(list(spec["enum"]), value=value, label=label, elem_id=elem_id, interactive=True)
     kind = spec.get("type")
@@ -142,13 +150,36 @@ def option_component(name: str, spec: dict, value):
     return gr.Textbox(value="" if value is None else str(value), label=label, elem_id=elem_id, interactive=True)
 
 
-def plugin_help(quant: str) -> str:
-    registry = discover(QUANT_GROUP)
-    cls = registry.plugins.get(quant)
+def plugin_help(name: str, group: str = QUANT_GROUP) -> str:
+    registry = discover(group)
+    cls = registry.plugins.get(name)
     if cls is None:
-        return registry.errors.get(quant, "")
+        return registry.errors.get(name, "")
     options = "; ".join(f"`{k}`: {v}" for k, v in (getattr(cls, "settings", {}) or {}).items()) or "no options"
-    return f"{cls.description} Runs on {' / '.join(cls.devices)}. Options: {options}"
+    devices = getattr(cls, "devices", None)  # quant methods declare theirs; proposers run where the model does
+    runs_on = f" Runs on {' / '.join(devices)}." if devices else ""
+    return f"{cls.description}{runs_on} Options: {options}"
+
+
+def render_plugin_options(schema: dict, options: str, options_box, kind_of_plugin: str) -> None:
+    """Inside a gr.render: one input per declared option, each writing its value into the options JSON box."""
+    try:
+        current = json.loads(options or "{}")
+    except ValueError:
+        current = {}
+    if not isinstance(current, dict):
+        current = {}
+    for name, spec in schema.items():
+        component = option_component(name, spec, current.get(name, spec.get("default")), kind_of_plugin)
+
+        def set_option(value, options_json, name=name):
+            try:
+                values = json.loads(options_json or "{}")
+            except ValueError:
+                values = {}
+            return json.dumps({**(values if isinstance(values, dict) else {}), name: value})
+
+        component.change(set_option, [component, options_box], options_box, queue=False)
 
 
 def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
@@ -262,36 +293,41 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         decodings = ["none"] + sorted(discover(DECODING_GROUP).plugins)
         return (gr.update(choices=host.available(), value=current_model_name(host)),
                 core.dtype if core else "float32", gr.update(choices=quants, value=core.quant if core else "none"),
-                json.dumps(core.quant_options if core else {}), gr.update(choices=decodings, value="none"),
+                json.dumps(core.quant_options if core else {}),
+                gr.update(choices=decodings, value=core.decoding if core else "none"),
+                json.dumps(core.decoding_options if core else {}),
                 round(core.kv_cache_bytes / (1 << 30), 3) if core else 1.0)
 
-    async def apply_settings(model: str, dtype: str, quant: str, options: str, decoding: str, kv_gb: float):
-        """Swap model / dtype / quant / KV budget without a restart; in-flight replies finish first."""
-        try:
-            quant_options = json.loads(options or "{}")
-            if not isinstance(quant_options, dict):
-                raise ValueError("quant options must be a JSON object")
-        except ValueError as exc:
-            yield f"Refused: quant options: {exc}"
-            return
-        if decoding != "none":
-            yield f"Refused: decoding plugin {decoding!r}: speculative decoding is not available in this engine yet"
-            return
+    async def apply_settings(model: str, dtype: str, quant: str, options: str, decoding: str, decoding_json: str,
+                             kv_gb: float):
+        """Swap model / dtype / quant / decoding / KV budget without a restart; in-flight replies finish first."""
+        decoding = decoding or "none"
+        parsed = {}
+        for what, raw in (("quant", options), ("decoding", decoding_json)):
+            try:
+                parsed[what] = json.loads(raw or "{}")
+                if not isinstance(parsed[what], dict):
+                    raise ValueError(f"{what} options must be a JSON object")
+            except ValueError as exc:
+                yield f"Refused: {what} options: {exc}"
+                return
+        if decoding == "none":
+            parsed["decoding"] = {}  # the box may still hold another plugin's options: they do not apply
         served = host.spec.served_name if model == current_model_name(host) else None
-        spec = ModelSpec(model, dtype, quant, quant_options, served, float(kv_gb))
+        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, float(kv_gb), decoding, parsed["decoding"])
+        what = f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
         started = time.monotonic()
         task = asyncio.ensure_future(host.load(spec))
         while not task.done():
             waiting = f"waiting for {host.in_flight} reply(ies) to finish, " if host.in_flight else ""
-            yield f"Applying: {waiting}loading {model} ({dtype}, quant {quant})… {time.monotonic() - started:.0f} s"
+            yield f"Applying: {waiting}loading {model} ({what})… {time.monotonic() - started:.0f} s"
             await asyncio.wait([task], timeout=0.5)
         try:
             task.result()
         except Exception as exc:  # a bad choice: the old model keeps serving
             yield f"Refused: {exc} — {host.name} keeps serving."
             return
-        yield (f"Loaded {host.name} ({dtype}, quant {quant}) in {time.monotonic() - started:.1f} s; "
-               "new replies use it.")
+        yield f"Loaded {host.name} ({what}) in {time.monotonic() - started:.1f} s; new replies use it."
 
     def edit_last(session_id: str | None):
         text = drop_last_turn(session_id)
@@ -337,23 +373,19 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                     @gr.render(inputs=[quant_choice, quant_options], triggers=[quant_choice.change])
                     def render_options(quant: str, options: str):
                         """Inputs rendered from the schema the plugin declares; they edit the options JSON."""
-                        try:
-                            current = json.loads(options or "{}")
-                        except ValueError:
-                            current = {}
-                        for name, spec in plugin_settings(quant).items():
-                            component = option_component(name, spec, current.get(name, spec.get("default")))
+                        render_plugin_options(plugin_settings(quant), options, quant_options, "quant")
 
-                            def set_option(value, options_json, name=name):
-                                try:
-                                    values = json.loads(options_json or "{}")
-                                except ValueError:
-                                    values = {}
-                                return json.dumps({**values, name: value})
+                    decoding_choice = gr.Dropdown(label="Decoding plugin (speculative)", elem_id="settings-decoding")
+                    decoding_help = gr.Markdown(elem_id="settings-decoding-help")
+                    decoding_options = gr.Textbox(label="Decoding options (JSON)", value="{}", max_lines=4,
+                                                  elem_id="settings-decoding-options")
 
-                            component.change(set_option, [component, quant_options], quant_options, queue=False)
+                    @gr.render(inputs=[decoding_choice, decoding_options], triggers=[decoding_choice.change])
+                    def render_decoding_options(decoding: str, options: str):
+                        """The decoding plugin's declared options as inputs; they edit its options JSON."""
+                        render_plugin_options(plugin_settings(decoding or "none", DECODING_GROUP), options,
+                                              decoding_options, "decoding")
 
-                    decoding_choice = gr.Dropdown(label="Decoding plugin", elem_id="settings-decoding")
                     kv_gb = gr.Number(label="KV cache budget (GiB)", minimum=0.01, elem_id="settings-kv-gb")
                     context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
                                         minimum=1, precision=0, elem_id="settings-context")
@@ -381,7 +413,7 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         stop_button.click(None, cancels=sending).then(stopped_stats, [session], [stats])
         edit_button.click(edit_last, [session], [chatbot, textbox, stats])
 
-        settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, kv_gb]
+        settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, decoding_options, kv_gb]
         demo.load(settings_values, outputs=settings)
         for component in (model_choice, dtype_choice, context, quant_choice, quant_options):
             component.change(lambda m, d, c, q, o: memory_estimate_markdown(host, m, d, c or 1, q, o),
@@ -397,6 +429,19 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
             return json.dumps({k: v["default"] for k, v in plugin_settings(quant).items() if "default" in v})
 
         quant_choice.change(options_for, quant_choice, quant_options, queue=False)
+
+        def decoding_options_for(decoding: str) -> str:
+            """The running decoding plugin's own options, or another plugin's declared defaults ({} for none)."""
+            core = host.engine.engine.config if host.engine is not None else None
+            decoding = decoding or "none"
+            if core is not None and core.decoding == decoding:
+                return json.dumps(core.decoding_options)
+            schema = plugin_settings(decoding, DECODING_GROUP)
+            return json.dumps({k: v["default"] for k, v in schema.items() if "default" in v})
+
+        decoding_choice.change(lambda d: plugin_help(d, DECODING_GROUP) if d and d != "none" else "", decoding_choice,
+                               decoding_help, queue=False)
+        decoding_choice.change(decoding_options_for, decoding_choice, decoding_options, queue=False)
 
         apply_button.click(apply_settings, settings, status, concurrency_limit=1).then(
             settings_values, outputs=settings)

@@ -130,3 +130,58 @@ def test_quant_swap_with_a_request_in_flight(server, models_dir):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama-gptq", "quant": "awq"}, timeout=120)
     assert r.status_code == 400 and "gptq" in r.json()["error"]["message"], r.text
+
+
+def test_swap_to_ngram_decoding_then_chat_speculates(server):
+    """The decoding plugin and its options (defaults filled in) are shown in /v1/models; a reply that
+    copies from its prompt is drafted and verified, and /metrics counts it."""
+    url, _ = server
+    r = httpx.post(f"{url}/admin/models/load", json={"model": "embedded", "kv_cache_gb": 0.25, "decoding": "ngram",
+                                                     "decoding_options": {"k": 3, "min_n": 1}}, timeout=120)
+    assert r.status_code == 200, r.text
+    card = httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert card["decoding"] == "ngram"
+    assert card["decoding_options"] == {"k": 3, "min_n": 1, "max_n": 4, "adaptive": True, "max_batch_size": 8}
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}],
+        "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert "fox" in r.json()["choices"][0]["message"]["content"]
+    metrics = {p[0]: float(p[1]) for p in map(str.split, httpx.get(f"{url}/metrics").text.splitlines())
+               if len(p) == 2 and p[0].startswith("kvforge_spec_")}
+    assert metrics["kvforge_spec_drafted_tokens"] > 0 and metrics["kvforge_spec_verify_steps"] > 0, metrics
+    assert 0 < metrics["kvforge_spec_acceptance_rate"] <= 1 and metrics["kvforge_spec_mean_accepted_length"] >= 1
+
+
+def test_draft_model_option_is_confined_to_the_models_directory(server, models_dir):
+    """A draft model named over the API is looked up in the models directory, like the main model."""
+    url, _ = server
+    r = httpx.post(f"{url}/admin/models/load", timeout=120, json={
+        "model": "tiny-llama", "decoding": "draft", "decoding_options": {"model": "tiny-llama", "k": 2}})
+    assert r.status_code == 200, r.text
+    card = r.json()["loaded"]
+    assert card["decoding"] == "draft" and card["decoding_options"]["model"] == str(models_dir / "tiny-llama")
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("decoding, options, param, fragment", [
+    ("ngram", {"k": 0}, "decoding_options", "option 'k' of plugin 'ngram' must be >= 1"),
+    ("ngram", {"lookahead": 2}, "decoding_options", "no option 'lookahead'"),
+    ("ngram", {"min_n": 5}, "decoding_options", "'min_n'"),  # refused by the plugin as it is built
+    ("no-such-plugin", {}, "decoding", "no-such-plugin"),
+    ("none", {"k": 2}, "decoding_options", "without a decoding plugin"),
+    ("draft", {"model": "../../etc"}, "decoding_options", "outside the models directory"),
+    ("draft", {"model": "/etc"}, "decoding_options", "outside the models directory"),
+])
+def test_bad_decoding_choice_is_refused_and_the_old_model_keeps_serving(server, decoding, options, param, fragment):
+    url, host = server
+    before = httpx.get(f"{url}/v1/models").json()["data"][0]
+    r = httpx.post(f"{url}/admin/models/load", timeout=120, json={
+        "model": "tiny-llama", "decoding": decoding, "decoding_options": options})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["param"] == param, error
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["decoding"] == before["decoding"]
+    assert host.name == before["id"]
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200

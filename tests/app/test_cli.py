@@ -62,6 +62,33 @@ def test_plugins_lists_builtin_dense_method():
     assert result.returncode == 0, result.stderr
     assert "kvforge.quant:" in result.stdout and "none" in result.stdout
     assert "[cpu / cuda]" in result.stdout  # the devices the method runs on
+    decoding = result.stdout.split("kvforge.decoding:")[1]  # the decoding plugins, with their options
+    assert "ngram" in decoding and "draft" in decoding
+    assert "max_n: integer, default 4" in decoding and "k: integer, default 4" in decoding
+
+
+def test_generate_with_ngram_decoding_gives_the_same_greedy_text():
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog."
+    plain = run_cli("generate", prompt, "--chat", "--max-tokens", "16")
+    spec = run_cli("generate", prompt, "--chat", "--max-tokens", "16", "--decoding", "ngram",
+                   "--decoding-options", '{"k": 3, "min_n": 1}')
+    assert plain.returncode == 0, plain.stderr
+    assert spec.returncode == 0, spec.stderr
+    assert "fox" in plain.stdout and spec.stdout == plain.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--decoding", "ngram", "--decoding-options", '{"k": 0}'), "'k'"),
+    (("--decoding", "ngram", "--decoding-options", '{"lookahead": 2}'), "'lookahead'"),
+    (("--decoding", "ngram", "--decoding-options", "{k: 2}"), "--decoding-options is not valid JSON"),
+    (("--decoding-options", '{"k": 2}'), "without a decoding plugin"),
+    (("--decoding", "medusa"), "unknown kvforge.decoding plugin 'medusa'"),
+])
+def test_bad_decoding_plugin_or_option_is_one_line_error(args, fragment):
+    result = run_cli("generate", "hi", *args)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
 
 
 def test_bench_latency_prints_ratios_against_hf():

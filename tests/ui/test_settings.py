@@ -1,7 +1,8 @@
 """The UI's model settings against a real `kvforge serve` with two third-party quant plugins installed:
 a memory estimate before applying, a swap to another quant plugin without a restart (a reply in flight
-finishes first; the next uses the new plugin, shown in the dashboard and in /v1/models), and a refusal
-of a plugin that cannot run on this device (the old model keeps serving)."""
+finishes first; the next uses the new plugin, shown in the dashboard and in /v1/models), a refusal
+of a plugin that cannot run on this device (the old model keeps serving), and a swap to speculative
+decoding (n-gram) with its acceptance figures on the dashboard."""
 
 from __future__ import annotations
 
@@ -146,8 +147,36 @@ def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server
 def test_a_plugin_that_cannot_run_here_is_refused_and_the_old_model_keeps_serving(page, server):
     before = served_quant(server)
     choose(page, "settings-quant", "toy-gpu-only")
+    # the options box follows the choice (toy-int8's options do not apply): wait for it before applying
+    page.wait_for_function("document.querySelector('#settings-quant-options textarea').value === '{}'")
     status = apply_and_wait(page)
     assert status.startswith("Refused") and "cuda" in status and "keeps serving" in status, status
     assert served_quant(server) == before
     reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+
+
+def test_swap_to_ngram_decoding_then_the_engine_speculates(page, server):
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["decoding"] == "none"
+    choose(page, "settings-decoding", "ngram")
+    page.locator("#settings-decoding-help").filter(has_text="prompt lookup").wait_for()
+    # the options box holds the plugin's declared defaults; its inputs edit them
+    page.wait_for_function("document.querySelector('#settings-decoding-options textarea').value.includes('max_n')")
+    min_n = page.locator("#decoding-option-min_n input")
+    min_n.fill("1")
+    min_n.press("Enter")
+    page.wait_for_function("document.querySelector('#settings-decoding-options textarea').value"
+                           ".includes('\"min_n\": 1')")
+    status = apply_and_wait(page)
+    assert status.startswith("Loaded") and "decoding ngram" in status, status
+    card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["decoding"] == "ngram" and card["decoding_options"]["min_n"] == 1, card
+
+    page.click("#new-chat")  # clears the last reply's stats: the next ones are this reply's
+    page.wait_for_function("!document.querySelector('#reply-stats').innerText.includes('Last reply')")
+    page.fill("#message textarea", "Repeat exactly: the quick brown fox jumps over the lazy dog.")
+    page.click("#send")
+    page.locator("#reply-stats").filter(has_text="Last reply").wait_for()
+    assert server.metric("spec_drafted_tokens") > 0  # the engine drafts and verifies
+    page.locator("#dashboard").filter(has_text="decoding ngram").wait_for()
+    page.locator("#dashboard").filter(has_text="Mean accepted length").wait_for()
