@@ -43,6 +43,8 @@ class Attention(nn.Module):
 
     def _prefill(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
         new = seq.end - seq.start
+        if seq.gather_rows is not None and new <= SHORT_CHUNK:
+            return self._short_chunk(ctx, cache, i, seq, q)
         if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
             keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
         else:
@@ -53,6 +55,24 @@ class Attention(nn.Module):
             attn_mask=None if mask is CAUSAL else mask, is_causal=mask is CAUSAL, scale=self.scale,
             enable_gqa=True,
         ).transpose(0, 1).flatten(1)
+
+    def _short_chunk(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q) -> torch.Tensor:
+        """A few new tokens after a cached context (speculative verification of 1 + k tokens, a short last
+        chunk): decode's batched fp32 math with the new tokens' queries side by side per KV head -- several
+        times faster here than SDPA's masked path, and the same arithmetic as decoding each token."""
+        new, length, kv_heads, head_dim = seq.end - seq.start, seq.context_len, self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        dtype = q.dtype
+        queries = (q[seq.start:seq.end].float() * self.scale).view(new, kv_heads, group, head_dim)
+        queries = queries.transpose(0, 1).reshape(kv_heads, new * group, head_dim)
+        kv = self._gather(cache, seq.gather_rows, 1)[:, 0, :, :length]
+        if dtype != torch.float32:
+            kv = kv.float()
+        keys, values = kv.unbind(0)  # [kv_heads, length, head_dim]
+        scores = torch.baddbmm(short_chunk_mask(ctx, i, seq, self.sliding_window, group), queries,
+                               keys.transpose(1, 2))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, new * group, head_dim]
+        return out.view(kv_heads, new, group * head_dim).transpose(0, 1).reshape(new, -1).to(dtype)
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, seqs: int) -> torch.Tensor:
         """K and V of the given blocks: [2, seqs, kv_heads, blocks * block_size, head_dim]."""
@@ -80,6 +100,8 @@ class Attention(nn.Module):
         return out.view(g, -1).to(dtype)
 
 
+SHORT_CHUNK = 16  # chunks of at most this many tokens after a cached context attend like decode tokens
+
 CAUSAL = object()  # mask marker: a fresh prompt chunk with no cached context; causal is all it needs
 
 
@@ -96,6 +118,20 @@ def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
             if window is not None:
                 visible &= key_pos > query_pos - window
             ctx.masks[key] = visible
+    return ctx.masks[key]
+
+
+def short_chunk_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None, group: int) -> torch.Tensor:
+    """Additive causal mask [1, new * group, context] for `_short_chunk` (query rows token-major)."""
+    key = ("short", i, window)
+    if key not in ctx.masks:
+        new, length = seq.end - seq.start, seq.context_len
+        query_pos = torch.arange(length - new, length).repeat_interleave(group).unsqueeze(1)
+        key_pos = torch.arange(length).unsqueeze(0)
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        ctx.masks[key] = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(0)
     return ctx.masks[key]
 
 
