@@ -118,12 +118,14 @@ class Proposer(ABC):
         "k": {"type": "integer", "minimum": 1, "default": 4,
               "description": "draft tokens per step at most (the adaptive k stays at or below it)"},
         "adaptive": {"type": "boolean", "default": True,
-                     "description": "per request: fewer drafts after rejections, none for a while when most "
-                                    "are rejected, more after full acceptance"},
+                     "description": "per request: k follows the moving acceptance rate (all k from 25%, "
+                                    "proportionally fewer below; a model drafter pauses below 10%)"},
         "max_batch_size": {"type": "integer", "minimum": 1, "default": 8,
                            "description": "no speculation in a step with more decoding sequences than this "
                                           "(a large batch is already compute-bound)"},
     }
+
+    drafting_runs_a_model: bool = True  # False: drafts cost nothing to make (no pause at low acceptance)
 
     def __init__(self, target: DraftTarget, **options: Any) -> None:
         self.target = target

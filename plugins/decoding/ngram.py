@@ -14,7 +14,10 @@ from kvforge.core.plugins import DraftTarget, Proposer
 class NgramProposer(Proposer):
     name = "ngram"
     description = "prompt lookup: drafts what followed the last n tokens' latest earlier occurrence"
+    drafting_runs_a_model = False
     settings = Proposer.settings | {
+        # a wrong n-gram draft costs little (no model runs), and copied spans are long
+        "k": Proposer.settings["k"] | {"default": 8},
         "max_n": {"type": "integer", "minimum": 1, "default": 4,
                   "description": "longest n-gram to look up (longer ones are tried first)"},
         "min_n": {"type": "integer", "minimum": 1, "default": 2, "description": "shortest n-gram to look up"},

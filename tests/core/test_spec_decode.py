@@ -68,8 +68,7 @@ def assert_same_outputs(outs, reference) -> None:
 
 
 SPEC_CONFIGS = {
-    "ngram": dict(decoding="ngram", decoding_options={"max_batch_size": 8}),
-    "ngram-k8-min1": dict(decoding="ngram", decoding_options={"k": 8, "min_n": 1, "max_batch_size": 8}),
+    "ngram": dict(decoding="ngram", decoding_options={"min_n": 1, "max_batch_size": 8}),
     "ngram-tiny-kv-pool": dict(decoding="ngram", decoding_options={"max_batch_size": 8}, num_kv_blocks=24),
     "ngram-tiny-budget": dict(decoding="ngram", decoding_options={"max_batch_size": 8}, max_num_batched_tokens=24),
     "draft-layers": dict(decoding="draft", decoding_options={"layers": 20, "max_batch_size": 8}),

@@ -46,23 +46,41 @@ def make_decoding(n: int, max_tokens: int = 100) -> list[Sequence]:
     return seqs
 
 
-def test_adaptive_k_shrinks_on_rejection_grows_on_acceptance_and_pauses():
+def test_ngram_shrinks_k_but_never_pauses():
     spec = Speculator("ngram", {"k": 5}, NO_TARGET)
+    seq = make_decoding(1)[0]
+    for _ in range(30):
+        spec.record(seq, seq.spec_k or 5, 0)
+    assert seq.spec_k == 1 and not seq.spec_paused_until
+    spec.propose([seq])
+    assert len(seq.spec_token_ids) == 1
+
+
+def test_adaptive_k_follows_acceptance_and_pauses():
+    spec = Speculator("ngram", {"k": 5}, NO_TARGET)
+    spec.proposer.drafting_runs_a_model = True  # as a model drafter: low acceptance pauses drafting
     seq = make_decoding(1)[0]
     spec.propose([seq])
     assert seq.spec_token_ids == [1, 2, 3]  # "1 2 3" occurred at the start: what followed it
     assert seq.spec_k == 5
     spec.record(seq, 4, 1)
-    assert seq.spec_k == 4
-    spec.record(seq, 4, 4)
-    assert seq.spec_k == 5  # +2, capped at k
-    for _ in range(8):  # mostly rejected: k falls to 1, then drafting pauses
+    assert seq.spec_k == 5  # one mostly rejected step: the moving rate is still high
+    ks = []
+    while not seq.spec_paused_until:  # drafts keep failing: k falls with the moving rate, then a pause
         spec.record(seq, 1, 0)
-        if seq.spec_paused_until:
-            break
+        ks.append(seq.spec_k)
+        assert len(ks) < 20
+    assert ks[0] == 5 and min(ks[:-1]) < 5 and ks == sorted(ks, reverse=True)
     assert seq.spec_paused_until == len(seq.output_token_ids) + PAUSE_TOKENS
     spec.propose([seq])
     assert seq.spec_token_ids == []
+    seq.output_token_ids += [1, 2, 3] * PAUSE_TOKENS  # generated past the pause: drafting resumes, k below max
+    seq.num_computed_tokens = seq.num_tokens - 1
+    spec.propose([seq])
+    assert 0 < len(seq.spec_token_ids) < 5
+    for _ in range(5):
+        spec.record(seq, seq.spec_k, seq.spec_k)
+    assert seq.spec_k == 5  # fully accepted again: back to the maximum
     assert spec.totals["spec_verify_steps_total"] == seq.num_verify_steps and seq.num_drafted > seq.num_accepted
 
 
