@@ -55,10 +55,10 @@ class KVCacheManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, lookahead: int = 0) -> bool:
-        """Make room for the next `num_new_tokens` (+ `lookahead` speculative) tokens; False if the
-        pool cannot, in which case nothing changes."""
-        needed = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens + lookahead)
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for the next `num_new_tokens` (draft tokens included); False if the pool cannot, in
+        which case nothing changes."""
+        needed = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
         if needed > self.pool.num_free:
             return False
         seq.block_table.extend(self.pool.allocate(needed))

@@ -99,11 +99,11 @@ def test_admit_is_all_or_nothing():
     assert pool.ref_counts[hits[0]] == 0  # the hit was given back
 
 
-def test_lookahead_reserves_slots_and_truncate_rolls_back():
+def test_draft_slots_and_truncate_rolls_back():
     pool = BlockPool(8)
     manager = KVCacheManager(pool, 4, ROOT)
     s = computed(manager, seq([1, 2, 3, 4, 5]))  # 2 blocks
-    assert manager.allocate(s, 1, lookahead=4)  # 5 + 1 + 4 = 10 tokens -> 3 blocks
+    assert manager.allocate(s, 1 + 4)  # the last token + 4 drafts: 5 + 5 = 10 tokens -> 3 blocks
     assert len(s.block_table) == 3
     s.num_computed_tokens = 10
     manager.truncate(s, 6)  # 4 speculative positions rejected
