@@ -221,3 +221,23 @@ def test_decoding_options_are_validated(embedded_path):
     ]:
         with pytest.raises(ValueError, match=expected):
             LLM(str(embedded_path), progress=False, num_kv_blocks=8, decoding=decoding, decoding_options=options)
+
+
+def test_draft_model_rolls_back_its_rejected_drafts(embedded_path, prompts):
+    """After a rejection the drafter's own KV past the shared prefix is dropped: its next drafts equal those
+    of a drafter that never saw the rejected ones."""
+    from kvforge.core.request import Sequence
+
+    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, decoding="draft",
+              decoding_options={"model": str(embedded_path), "k": 4})
+    proposer = llm.engine.speculator.proposer
+    seq = Sequence("mirror", prompts[0], SamplingParams(temperature=0))
+    seq.output_token_ids = [proposer.propose([seq], [1])[0].token_ids[0]]
+    first = proposer.propose([seq], [4])[0].token_ids
+    seq.output_token_ids += [first[0], (first[1] + 1) % 1000]  # one draft accepted, the second rejected
+    after_rollback = proposer.propose([seq], [4])[0].token_ids
+    proposer.release(seq)
+    fresh = proposer.propose([seq], [4])[0].token_ids
+    assert after_rollback == fresh
+    proposer.release(seq)
+    assert proposer.kv_blocks_used() == 0
