@@ -112,25 +112,26 @@ def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
         if new == length and (window is None or length <= window):
             ctx.masks[key] = CAUSAL
         else:
-            query_pos = torch.arange(length - new, length).unsqueeze(1)
-            key_pos = torch.arange(length).unsqueeze(0)
-            visible = key_pos <= query_pos
-            if window is not None:
-                visible &= key_pos > query_pos - window
-            ctx.masks[key] = visible
+            ctx.masks[key] = visible_keys(new, length, window)
     return ctx.masks[key]
+
+
+def visible_keys(new: int, length: int, window: int | None, repeat: int = 1) -> torch.Tensor:
+    """[new * repeat, length] bool: the keys each of the last `new` tokens of a `length`-token context sees
+    (causal, within the sliding window), each token's row repeated `repeat` times."""
+    query_pos = torch.arange(length - new, length).repeat_interleave(repeat).unsqueeze(1)
+    key_pos = torch.arange(length).unsqueeze(0)
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    return visible
 
 
 def short_chunk_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None, group: int) -> torch.Tensor:
     """Additive causal mask [1, new * group, context] for `_short_chunk` (query rows token-major)."""
     key = ("short", i, window)
     if key not in ctx.masks:
-        new, length = seq.end - seq.start, seq.context_len
-        query_pos = torch.arange(length - new, length).repeat_interleave(group).unsqueeze(1)
-        key_pos = torch.arange(length).unsqueeze(0)
-        visible = key_pos <= query_pos
-        if window is not None:
-            visible &= key_pos > query_pos - window
+        visible = visible_keys(seq.end - seq.start, seq.context_len, window, repeat=group)
         ctx.masks[key] = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(0)
     return ctx.masks[key]
 
