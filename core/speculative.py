@@ -24,7 +24,6 @@ ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in the moving average
 class Speculator:
     def __init__(self, name: str, options: dict, target: DraftTarget) -> None:
         self.proposer: Proposer = discover(DECODING_GROUP).get(name)(target, **options)
-        self.name = name
         self.options = self.proposer.options
         self.k, self.adaptive = self.options["k"], self.options["adaptive"]
         self.max_batch_size = self.options["max_batch_size"]
