@@ -161,6 +161,16 @@ def plugin_help(name: str, group: str = QUANT_GROUP) -> str:
     return f"{cls.description}{runs_on} Options: {options}"
 
 
+def plugin_options_json(host, kind: str, name: str) -> str:
+    """The options box for plugin `name` of `kind` ("quant" or "decoding"): the running plugin's own options,
+    or another plugin's declared defaults ({} for a name no plugin has, e.g. decoding "none")."""
+    core = host.engine.engine.config if host.engine is not None else None
+    if core is not None and getattr(core, kind) == name:
+        return json.dumps(getattr(core, f"{kind}_options"))
+    schema = plugin_settings(name, QUANT_GROUP if kind == "quant" else DECODING_GROUP)
+    return json.dumps({k: v["default"] for k, v in schema.items() if "default" in v})
+
+
 def render_plugin_options(schema: dict, options: str, options_box, kind_of_plugin: str) -> None:
     """Inside a gr.render: one input per declared option, each writing its value into the options JSON box."""
     try:
@@ -421,27 +431,12 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                              queue=False)
         quant_choice.change(plugin_help, quant_choice, quant_help, queue=False)
 
-        def options_for(quant: str) -> str:
-            """The running plugin's own options, or another plugin's declared defaults."""
-            core = host.engine.engine.config if host.engine is not None else None
-            if core is not None and core.quant == quant:
-                return json.dumps(core.quant_options)
-            return json.dumps({k: v["default"] for k, v in plugin_settings(quant).items() if "default" in v})
-
-        quant_choice.change(options_for, quant_choice, quant_options, queue=False)
-
-        def decoding_options_for(decoding: str) -> str:
-            """The running decoding plugin's own options, or another plugin's declared defaults ({} for none)."""
-            core = host.engine.engine.config if host.engine is not None else None
-            decoding = decoding or "none"
-            if core is not None and core.decoding == decoding:
-                return json.dumps(core.decoding_options)
-            schema = plugin_settings(decoding, DECODING_GROUP)
-            return json.dumps({k: v["default"] for k, v in schema.items() if "default" in v})
+        quant_choice.change(lambda q: plugin_options_json(host, "quant", q), quant_choice, quant_options, queue=False)
 
         decoding_choice.change(lambda d: plugin_help(d, DECODING_GROUP) if d and d != "none" else "", decoding_choice,
                                decoding_help, queue=False)
-        decoding_choice.change(decoding_options_for, decoding_choice, decoding_options, queue=False)
+        decoding_choice.change(lambda d: plugin_options_json(host, "decoding", d or "none"), decoding_choice,
+                               decoding_options, queue=False)
 
         apply_button.click(apply_settings, settings, status, concurrency_limit=1).then(
             settings_values, outputs=settings)
