@@ -20,7 +20,8 @@ class EngineConfig:
     quant_options: dict[str, Any] = field(default_factory=dict)
     decoding: str = "none"  # a `kvforge.decoding` plugin name (speculative decoding); "none": off
     decoding_options: dict[str, Any] = field(default_factory=dict)
-    device: str = "cpu"
+    device: str = "cpu"  # rank 0's device under tensor parallelism (rank r: cuda:<local rank>)
+    tp_size: int = 1  # tensor-parallel ranks, one process each; every rank holds 1/tp_size of the weights and KV
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 1 << 30  # KV pool budget; ignored when num_kv_blocks is set
     num_kv_blocks: int | None = None
@@ -48,7 +49,7 @@ class EngineConfig:
             raise ValueError(f"kv_disk_budget_bytes must be >= 0, got {self.kv_disk_budget_bytes}")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

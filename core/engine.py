@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from kvforge.core.config import EngineConfig
-from kvforge.core.distributed import tp_size
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
@@ -58,31 +57,41 @@ class LLMEngine:
                                              self.model_path)
         self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
-        self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
-        self.speculator = None
-        if self.config.decoding != "none":
-            self.speculator = Speculator(self.config.decoding, self.config.decoding_options, DraftTarget(
-                self.config, self.hf_config, self.model_path, self.tokenizer, self.runner))
-            self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)
-        # a drafter with KV of its own shares the budget: both pools hold the same number of tokens
-        draft_bytes = self.speculator.proposer.kv_bytes_per_block(self.config.block_size) if self.speculator else 0
-        num_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_bytes // (self.runner.kv_bytes_per_block + draft_bytes))
-        self.runner.allocate_kv(num_blocks)
-        if self.speculator:
-            self.speculator.proposer.allocate_kv(num_blocks)
-        self.block_pool = BlockPool(num_blocks, enable_caching=self.config.enable_prefix_caching)
-        self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
-        self.persisted = None
-        if self.config.persist_kv and self.config.enable_prefix_caching:
-            self.persisted = PersistedKV(Store.open(self.config.resolved_db_url()),
-                                         self.config.resolved_data_dir() / "kv", self.fingerprint,
-                                         self.runner.kv_cache, self.config.kv_disk_budget_bytes)
-        self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint, self.persisted)
-        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
-        self.max_model_len = min(self.config.max_model_len or model_len, model_len)
-        self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+        if self.config.tp_size > 1:
+            from kvforge.core.tp import ParallelRunner
+
+            self.runner = ParallelRunner(self.config, self.model_path, self.hf_config, progress=progress)
+        else:
+            self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
+        try:
+            self.speculator = None
+            if self.config.decoding != "none":
+                self.speculator = Speculator(self.config.decoding, self.config.decoding_options, DraftTarget(
+                    self.config, self.hf_config, self.model_path, self.tokenizer, self.runner))
+                self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)
+            # a drafter with KV of its own shares the budget: both pools hold the same number of tokens
+            draft_bytes = self.speculator.proposer.kv_bytes_per_block(self.config.block_size) if self.speculator else 0
+            num_blocks = self.config.num_kv_blocks or max(
+                1, self.config.kv_cache_bytes // (self.runner.kv_bytes_per_block + draft_bytes))
+            self.runner.allocate_kv(num_blocks)
+            if self.speculator:
+                self.speculator.proposer.allocate_kv(num_blocks)
+            self.block_pool = BlockPool(num_blocks, enable_caching=self.config.enable_prefix_caching)
+            self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
+            self.persisted = None
+            if self.config.persist_kv and self.config.enable_prefix_caching:
+                self.persisted = PersistedKV(Store.open(self.config.resolved_db_url()),
+                                             self.config.resolved_data_dir() / "kv", self.fingerprint,
+                                             self.runner, self.config.kv_disk_budget_bytes)
+            self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint, self.persisted)
+            model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
+            self.max_model_len = min(self.config.max_model_len or model_len, model_len)
+            self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
+                                       self.config.max_num_batched_tokens)
+        except BaseException:
+            if hasattr(self.runner, "close"):  # tensor-parallel ranks are processes: do not leave them behind
+                self.runner.close()
+            raise
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -284,11 +293,17 @@ class LLMEngine:
     # --- stats --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish writing queued KV blocks to disk."""
+        """Finish writing queued KV blocks to disk; stop the tensor-parallel ranks."""
         if self.speculator is not None:
             self.speculator.proposer.close()
         if self.persisted is not None:
             self.persisted.close()
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel rank died), or None while it can."""
+        return getattr(self.runner, "failure", None)
 
     def stats(self) -> EngineStats:
         pool = self.block_pool
@@ -316,7 +331,7 @@ def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) ->
     identity = {
         "weights": weights, "config": (model_path / "config.json").read_text(),
         "dtype": str(config.torch_dtype), "quant": config.quant, "quant_options": config.quant_options,
-        "kv_dtype": str(config.torch_dtype), "block_size": config.block_size, "tp_size": tp_size(),
+        "kv_dtype": str(config.torch_dtype), "block_size": config.block_size, "tp_size": config.tp_size,
         "tokenizer": tokenizer.fingerprint(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()[:16]

@@ -9,7 +9,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvforge.core.context import set_context
 from kvforge.core.request import Sequence
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import ScheduledSeq
@@ -32,12 +31,8 @@ def perplexity(engine, token_ids: list[int], chunk: int = 256) -> float:
             n = min(chunk, len(token_ids) - 1 - start)
             if not engine.kv.allocate(seq, n):
                 raise ValueError("the text does not fit in the free KV pool")
-            input_ids, context, _ = runner.prepare([ScheduledSeq(seq, n)])
-            set_context(context)
-            try:
-                logits = runner.model.compute_logits(runner.model(input_ids, context.positions)).float()
-            finally:
-                set_context(None)
+            inputs, _ = runner.plan([ScheduledSeq(seq, n)], all_logits=True)
+            logits = runner.forward(inputs)
             log_probs = F.log_softmax(logits, dim=-1)
             total -= log_probs.gather(1, targets[start:start + n].view(-1, 1).to(logits.device)).sum().item()
             seq.num_computed_tokens += n

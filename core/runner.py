@@ -1,21 +1,37 @@
-"""ModelRunner: owns the model and the KV pool; turns a scheduled batch into tensors, runs one
-forward over the flat batch and returns the logits of every sequence whose chunk reached its end."""
+"""ModelRunner: owns the model and the KV pool; plans a scheduled batch as plain lists (`StepInputs`),
+runs one forward over the flat batch and returns the logits of every sequence whose chunk reached its
+end. Under tensor parallelism rank 0 plans and every rank runs the same StepInputs (core/tp.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
 from kvforge.core.context import DecodeGroup, PrefillSeq, StepContext, set_context
-from kvforge.core.distributed import tp_size
+from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.scheduler import ScheduledSeq
 
 DECODE_GROUP_SIZE = 8  # decode tokens attended together; similar lengths keep the padding small
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch as plain lists: what rank 0 sends to the other tensor-parallel ranks."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # KV slot of each new token (block * block_size + offset)
+    # rows [first, last) of the flat batch, each context's block table (padded to one length), context lengths
+    decode_groups: list[tuple[int, int, list[list[int]], list[int]]]
+    # rows [first, last), context length, block table of the whole context (None: nothing cached before)
+    prefills: list[tuple[int, int, int, list[int] | None]]
+    logits_rows: list[int]  # rows whose logits the step returns
 
 
 class ModelRunner:
@@ -32,9 +48,14 @@ class ModelRunner:
             model = self._load(config, model_path, hf_config, progress)
         self.model = model.eval()
 
-        self.num_kv_heads = hf_config.num_key_value_heads // tp_size()
+        heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size(), tp_rank())
+        self.first_kv_head, self.num_kv_heads = heads.kv_first, heads.kv_count
         self.head_dim = head_dim_of(hf_config)
+        # one block of every layer with all the model's KV heads: the persisted tier's unit (rank-independent)
+        self.kv_block_shape = (hf_config.num_hidden_layers, 2, hf_config.num_key_value_heads, self.block_size,
+                               self.head_dim)
         self.num_layers = hf_config.num_hidden_layers
+        self.kv_dtype = config.torch_dtype
         self.kv_bytes_per_block = self.block_size * kv_bytes_per_token(
             self.num_layers, self.num_kv_heads, self.head_dim, config.torch_dtype)
         self.num_blocks = 0
@@ -83,15 +104,16 @@ class ModelRunner:
         blocks = torch.tensor(tables, dtype=torch.long).unsqueeze(2)  # [seqs, blocks, 1]
         return (self._plane_blocks + blocks.transpose(1, 2)).view(-1)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext, list[ScheduledSeq]]:
-        """Order the batch (decode tokens by context length, then prefill chunks) and build the step's
-        tensors. Returns the input ids, the context and the batch in its new order."""
+    def plan(self, batch: list[ScheduledSeq], all_logits: bool = False) -> tuple[StepInputs, list[ScheduledSeq]]:
+        """Order the batch (decode tokens by context length, then prefill chunks) and lay it out flat.
+        Returns the step's inputs and the items whose chunk reached the end of their sequence (they get
+        a next token): one logits row each, or 1 + drafts rows for a sequence verifying draft tokens (the
+        logits after its last token and after each draft), in item order. `all_logits`: every row's."""
         decodes = sorted((item for item in batch if item.num_new_tokens == 1),
                          key=lambda item: item.seq.num_computed_tokens)
         prefills = [item for item in batch if item.num_new_tokens > 1]
         size = self.block_size
-        input_ids, positions, slots = [], [], []
-        groups: list[DecodeGroup] = []
+        inputs = StepInputs([], [], [], [], [], [])
         for first in range(0, len(decodes), DECODE_GROUP_SIZE):
             items = decodes[first:first + DECODE_GROUP_SIZE]
             lengths = [item.seq.num_computed_tokens + 1 for item in items]
@@ -100,52 +122,69 @@ class ModelRunner:
             for item, length in zip(items, lengths):
                 own = item.seq.block_table[:blocks]
                 tables.append(own + [0] * (blocks - len(own)))
-                input_ids.append(item.seq.token_ids[length - 1])
-                positions.append(length - 1)
-                slots.append(own[(length - 1) // size] * size + (length - 1) % size)
-            groups.append(DecodeGroup(first, first + len(items), self._gather_rows(tables), blocks * size,
-                                      torch.tensor(lengths, dtype=torch.long)))
-        prefill_seqs: list[PrefillSeq] = []
+                inputs.input_ids.append(item.seq.token_ids[length - 1])
+                inputs.positions.append(length - 1)
+                inputs.slots.append(own[(length - 1) // size] * size + (length - 1) % size)
+            inputs.decode_groups.append((first, first + len(items), tables, lengths))
         for item in prefills:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids_with_drafts[start:end])
-            positions.extend(range(start, end))
+            inputs.input_ids.extend(seq.token_ids_with_drafts[start:end])
+            inputs.positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            gather = self._gather_rows([table[: -(-end // size)]]) if start > 0 else None
-            row = len(positions) - item.num_new_tokens
-            prefill_seqs.append(PrefillSeq(row, row + item.num_new_tokens, end, gather))
-        # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
-        write_rows = (self._plane_slots + torch.tensor(slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
-        context = StepContext(
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            write_rows=write_rows.to(self.device), prefills=prefill_seqs, decode_groups=groups,
-            kv_cache=self.kv_cache,
-        )
-        return torch.tensor(input_ids, dtype=torch.long, device=self.device), context, decodes + prefills
-
-    @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """One forward over the batch. Returns the items whose chunk reached the end of their sequence
-        (they get a next token) and their fp32 logits: one row each, or 1 + drafts rows for a sequence
-        verifying draft tokens (the logits after its last token and after each draft), in item order."""
-        input_ids, context, ordered = self.prepare(batch)
-        rows, sampled = [], []
-        row = 0
-        for item in ordered:
+            inputs.slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            row = len(inputs.positions) - item.num_new_tokens
+            inputs.prefills.append((row, row + item.num_new_tokens, end, table[: -(-end // size)] if start else None))
+        sampled, row = [], 0
+        for item in decodes + prefills:
             row += item.num_new_tokens
             seq = item.seq
             if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens + len(seq.spec_token_ids):
-                rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
+                inputs.logits_rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
                 sampled.append(item)
+        if all_logits:
+            inputs.logits_rows = list(range(row))
+        return inputs, sampled
+
+    def _context(self, inputs: StepInputs) -> StepContext:
+        size = self.block_size
+        groups = [DecodeGroup(first, last, self._gather_rows(tables), len(tables[0]) * size,
+                              torch.tensor(lengths, dtype=torch.long))
+                  for first, last, tables, lengths in inputs.decode_groups]
+        prefills = [PrefillSeq(first, last, end, None if table is None else self._gather_rows([table]))
+                    for first, last, end, table in inputs.prefills]
+        # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
+        write_rows = (self._plane_slots + torch.tensor(inputs.slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
+        return StepContext(
+            positions=torch.tensor(inputs.positions, dtype=torch.long, device=self.device),
+            write_rows=write_rows.to(self.device), prefills=prefills, decode_groups=groups, kv_cache=self.kv_cache)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward over the flat batch; the fp32 logits of `inputs.logits_rows`."""
+        context = self._context(inputs)
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         set_context(context)
         try:
             hidden = self.model(input_ids, context.positions)
-            logits = self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
+            rows = inputs.logits_rows
+            return self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
         finally:
             set_context(None)
-        return sampled, logits
+
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Plan and run one step: the items that get a next token and their logits (see `plan`)."""
+        inputs, sampled = self.plan(batch)
+        return sampled, self.forward(inputs)
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """A copy of pool block `block` in every layer: [layers, 2, this rank's KV heads, block_size, head_dim]."""
+        return self.kv_cache[:, :, :, block].clone()
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Fill pool block `block` from `data` of `kv_block_shape` (all KV heads; this rank keeps its own)."""
+        heads = data.narrow(2, self.first_kv_head, self.num_kv_heads)
+        self.kv_cache[:, :, :, block].copy_(heads)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

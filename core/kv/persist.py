@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import struct
@@ -26,6 +27,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -39,6 +41,18 @@ MAX_PENDING_BYTES = 256 << 20  # blocks copied but not yet written; past this, n
 # eviction takes a conversation's tail before its head, so what remains is still a reachable prefix.
 DEPTH_STEP_S = 1e-3
 SWEEP_MIN_AGE_S = 600  # younger unindexed files may belong to another process's write in progress
+
+
+class KVBlockAccess(Protocol):
+    """The KV pool as the persisted tier sees it: whole blocks with every KV head (a tensor-parallel pool
+    gathers its ranks' heads on read and hands each rank its own on write)."""
+
+    kv_block_shape: tuple[int, ...]  # [layers, 2, kv_heads, block_size, head_dim]
+    kv_dtype: torch.dtype
+
+    def read_block(self, block: int) -> torch.Tensor: ...
+
+    def write_block(self, block: int, data: torch.Tensor) -> None: ...
 
 
 class CorruptBlock(ValueError):
@@ -76,16 +90,17 @@ class PersistStats:
 
 
 class PersistedKV:
-    def __init__(self, store: Store, directory: Path, fingerprint: bytes, kv_cache: torch.Tensor,
+    def __init__(self, store: Store, directory: Path, fingerprint: bytes, pool: KVBlockAccess,
                  budget_bytes: int = 2 << 30) -> None:
         self.store, self.directory, self.fingerprint = store, Path(directory), fingerprint
         self.budget_bytes = budget_bytes
-        self._kv_cache = kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_dim]
-        self._block_shape = kv_cache[:, :, :, 0].shape
+        self._pool = pool
+        self._block_shape = tuple(pool.kv_block_shape)
+        self._dtype = pool.kv_dtype
         self._model_dir = self.directory / fingerprint.hex()
         self._model_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._block_nbytes = kv_cache[:, :, :, 0].numel() * kv_cache.element_size()
+        self._block_nbytes = math.prod(self._block_shape) * torch.empty((), dtype=self._dtype).element_size()
         # this model's blocks on disk (recency lives in the store's index: eviction spans every model)
         self._index: dict[bytes, KVEntry] = {e.hash: e for e in store.kv_entries(fingerprint)}
         self._total_bytes = self._stored_bytes()
@@ -120,7 +135,7 @@ class PersistedKV:
                 self._counters.dropped_writes += 1  # the disk is behind: never stall the step loop
                 return
             self._pending.add(digest)
-        self._queue.put(_Write(digest, parent, tuple(token_ids), self._kv_cache[:, :, :, block].clone(),
+        self._queue.put(_Write(digest, parent, tuple(token_ids), self._pool.read_block(block),
                                (when or time.time()) - depth * DEPTH_STEP_S))
 
     def load(self, digest: bytes, token_ids: Sequence[int], block: int, depth: int = 0,
@@ -139,7 +154,7 @@ class PersistedKV:
                 self._counters.load_failures += 1
             self._queue.put(("drop", entry))
             return False
-        self._kv_cache[:, :, :, block].copy_(data)
+        self._pool.write_block(block, data)
         with self._lock:
             self._counters.loaded_blocks += 1
         self.touch(digest, depth, when)
@@ -160,7 +175,7 @@ class PersistedKV:
         if (header["hash"] != entry.hash.hex() or header["fingerprint"] != self.fingerprint.hex()
                 or header["tokens"] != list(token_ids)):
             raise CorruptBlock(f"{path}: holds another block")
-        dtype = self._kv_cache.dtype
+        dtype = self._dtype
         if header["dtype"] != str(dtype) or tuple(header["shape"]) != tuple(self._block_shape):
             raise CorruptBlock(f"{path}: holds a block of another shape or dtype")
         payload = torch.frombuffer(raw, dtype=torch.uint8, offset=start + header_len)

@@ -12,9 +12,10 @@ output features on axis 0, input features on axis 1.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from kvforge.core.distributed import all_reduce, tp_rank, tp_size
+from kvforge.core.distributed import HeadShard, tp_rank, tp_size
 from kvforge.core.plugins import QuantMethod
 
 
@@ -105,18 +106,20 @@ class ColumnParallelLinear(LinearBase):
         self.output_sizes = output_sizes
         super().__init__(in_features, [s // self.tp_size for s in output_sizes], bias, quant_method, params_dtype)
 
-    def _shard_offset(self, shard_id: int) -> tuple[int, int]:
-        sizes = self.out_features_per_shard
-        return sum(sizes[:shard_id]), sizes[shard_id]
-
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         dim = output_dim_of(param)
         if dim is None:
             _copy_shared(param, loaded)
             return
-        offset, size = self._shard_offset(0 if shard_id is None else self._shard_index(shard_id))
-        offset, size = stored_size(param, dim, offset), stored_size(param, dim, size)
-        _copy(param.data.narrow(dim, offset, size), loaded.narrow(dim, self.tp_rank * size, size))
+        index = 0 if shard_id is None else self._shard_index(shard_id)
+        sizes = self.out_features_per_shard
+        offset, size, source = (stored_size(param, dim, features) for features in (
+            sum(sizes[:index]), sizes[index], self._source_start(index)))
+        _copy(param.data.narrow(dim, offset, size), loaded.narrow(dim, source, size))
+
+    def _source_start(self, index: int) -> int:
+        """Where this rank's output features of shard `index` start in the checkpoint tensor."""
+        return self.tp_rank * self.out_features_per_shard[index]
 
     def _shard_index(self, shard_id: str | int) -> int:
         return int(shard_id)
@@ -129,39 +132,58 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; query heads and kv heads are split across ranks separately."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
-        if num_kv_heads % tp_size():
-            raise ValueError(f"{num_kv_heads} kv heads cannot be split across {tp_size()} ranks")
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, quant_method, params_dtype)
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, heads: HeadShard,
+                 bias: bool = False, quant_method: QuantMethod | None = None,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.heads, self.head_dim = heads, head_dim
+        self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        LinearBase.__init__(self, hidden_size, [heads.q_count * head_dim, heads.kv_count * head_dim,
+                                                heads.kv_count * head_dim], bias, quant_method, params_dtype)
+
+    def _source_start(self, index: int) -> int:
+        # this rank's heads (a KV head may be replicated on several ranks)
+        return (self.heads.q_first if index == 0 else self.heads.kv_first) * self.head_dim
 
     def _shard_index(self, shard_id: str | int) -> int:
         return {"q": 0, "k": 1, "v": 2}[shard_id]
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial products summed with an all-reduce."""
+    """Input features split across ranks; partial products summed with an all-reduce. `input_shard`
+    (first, count) gives this rank's input features when they are not an even split (the attention
+    output of whole heads)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 input_shard: tuple[int, int] | None = None) -> None:
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
-        if in_features % self.tp_size:
-            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp_size}")
-        super().__init__(in_features // self.tp_size, [out_features], bias, quant_method, params_dtype)
+        if input_shard is None:
+            if in_features % self.tp_size:
+                raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp_size}")
+            input_shard = (self.tp_rank * in_features // self.tp_size, in_features // self.tp_size)
+        self.input_first = input_shard[0]
+        self.input_split = self.tp_size > 1  # a quant method may need to know (e.g. GPTQ's group indices)
+        super().__init__(input_shard[1], [out_features], bias, quant_method, params_dtype)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         dim = input_dim_of(param)
         if dim is not None:  # keep this rank's input features; the bias is not split
-            size = param.shape[dim]
-            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+            size = param.shape[dim]  # in the parameter's own units along dim: features, packed words or groups
+            if size != loaded.shape[dim]:
+                start, inside = divmod(self.input_first * size, self.in_features)
+                if inside:
+                    raise ValueError(f"this rank's input features start at {self.input_first}, inside one of the "
+                                     f"checkpoint's words or groups of {self.in_features // size} features: "
+                                     "this tensor-parallel split cannot be aligned with it")
+                loaded = loaded.narrow(dim, start, size)
         _copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial products are summed.
         out = self.quant_method.apply(self, x, self.bias if self.tp_size == 1 else None)
         if self.tp_size > 1:
-            out = all_reduce(out)
+            dist.all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias
         return out

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvforge.core.distributed import tp_size
+from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.attention import Attention
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -40,16 +40,16 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, quant: QuantFactory, dtype: torch.dtype) -> None:
         super().__init__()
-        tp = tp_size()
         self.head_dim = head_dim_of(config)
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = config.num_key_value_heads // tp
+        heads = heads_of_rank(config.num_attention_heads, config.num_key_value_heads, tp_size(), tp_rank())
+        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, heads,
             bias=attention_bias or config.model_type == "qwen2", quant_method=quant(), params_dtype=dtype)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=attention_bias, quant_method=quant(), params_dtype=dtype)
+                                        bias=attention_bias, quant_method=quant(), params_dtype=dtype,
+                                        input_shard=(heads.q_first * self.head_dim, heads.q_count * self.head_dim))
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)

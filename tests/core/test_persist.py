@@ -96,6 +96,20 @@ def make_llm(embedded_path, tmp_path):
         llm.engine.close()
 
 
+
+class Pool:
+    """A bare KV tensor [layers, K/V, kv_heads, blocks, block_size, head_dim] as the persisted tier's pool."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv, self.kv_block_shape, self.kv_dtype = kv, kv[:, :, :, 0].shape, kv.dtype
+
+    def read_block(self, block: int) -> torch.Tensor:
+        return self.kv[:, :, :, block].clone()
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        self.kv[:, :, :, block].copy_(data)
+
+
 def hashes(llm: LLM, prompt: list[int], n: int) -> list[bytes]:
     """The hash chain of the prompt's first n blocks (rooted in the engine's model fingerprint)."""
     chain = [llm.engine.fingerprint]
@@ -251,7 +265,7 @@ def test_load_failure_drops_the_entry(db_url, tmp_path):
     kv = torch.randn(2, 2, 1, 6, 4, 3)  # [layers, K/V, kv_heads, blocks, block_size, head_dim]
     fp = b"F" * 16
     h1, h2, h3 = block_hash(fp, [1, 2, 3, 4]), block_hash(fp, [5, 6, 7, 8]), block_hash(fp, [9, 9, 9, 9])
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
     try:
         persisted.save(h1, fp, [1, 2, 3, 4], 0)
         persisted.save(h2, h1, [5, 6, 7, 8], 1)
@@ -281,7 +295,7 @@ def test_load_failure_drops_the_entry(db_url, tmp_path):
 
     # A file that holds another block, with a row that vouches for it (checksum and all), is refused.
     good = store.kv_entries(fp)[0]
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
     try:
         persisted.save(h2, h1, [5, 6, 7, 8], 1)
         assert persisted.flush()
@@ -290,7 +304,7 @@ def test_load_failure_drops_the_entry(db_url, tmp_path):
         store.kv_add([replace(swapped, nbytes=good.nbytes, checksum=good.checksum)])
     finally:
         persisted.close()
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
     try:
         assert not persisted.load(h2, [5, 6, 7, 8], 5)
         assert persisted.load(h1, [1, 2, 3, 4], 5)
@@ -308,7 +322,7 @@ def test_a_block_dropped_and_saved_again_in_one_batch_is_kept(db_url, tmp_path):
     kv = torch.randn(2, 2, 1, 6, 4, 3)
     fp = b"G" * 16
     h1, h2 = block_hash(fp, [1, 2, 3, 4]), block_hash(fp, [5, 6, 7, 8])
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
     try:
         persisted.save(h1, fp, [1, 2, 3, 4], 0)
         assert persisted.flush()
@@ -425,13 +439,13 @@ def test_eviction_takes_a_chain_tail_first_and_never_leaves_unreachable_blocks(d
     h2 = block_hash(h1, [5, 6, 7, 8])
     h3 = block_hash(h2, [9, 10, 11, 12])
     h4 = block_hash(fp, [7, 7, 7, 7])
-    probe = PersistedKV(store, tmp_path / "probe", b"P" * 16, kv)
+    probe = PersistedKV(store, tmp_path / "probe", b"P" * 16, Pool(kv))
     probe.save(block_hash(b"P" * 16, [1, 2, 3, 4]), b"P" * 16, [1, 2, 3, 4], 0)
     probe.close()
     file_bytes = store.kv_entries(b"P" * 16)[0].nbytes  # every test block has the same size
     store.kv_clear()
 
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv, budget_bytes=2 * file_bytes)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv), budget_bytes=2 * file_bytes)
     try:
         for depth, (digest, parent, tokens) in enumerate([(h1, fp, [1, 2, 3, 4]), (h2, h1, [5, 6, 7, 8]),
                                                           (h3, h2, [9, 10, 11, 12])]):
@@ -518,7 +532,7 @@ def test_orphans_are_swept_when_opened(db_url, tmp_path):
     kv = torch.randn(2, 2, 1, 4, 4, 3)
     fp, other_fp = b"S" * 16, b"T" * 16
     h1 = block_hash(fp, [1, 2, 3, 4])
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
     persisted.save(h1, fp, [1, 2, 3, 4], 0)
     persisted.close()
     kept = tmp_path / "kv" / store.kv_entries(fp)[0].file
@@ -535,7 +549,7 @@ def test_orphans_are_swept_when_opened(db_url, tmp_path):
             os.utime(path, (old, old))
     (model_dir / "ef" / "a-directory").mkdir(parents=True)  # never fails the start
 
-    persisted = PersistedKV(store, tmp_path / "kv", fp, kv)
+    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
     try:
         assert not stray.exists() and not temp.exists()
         assert kept.exists() and foreign.exists() and fresh.exists()

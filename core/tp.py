@@ -1,0 +1,247 @@
+"""Tensor parallelism across processes: rank 0 (the engine's process) schedules and plans each step;
+every rank runs the same forward on its share of the weights and KV heads.
+
+Ranks are spawned here (`tp_size` N on one machine: N - 1 worker processes), or started by torchrun
+(several machines): there a process with RANK > 0 runs `worker_main` instead of the server.
+
+Two process groups: the default one (gloo on CPU; NCCL for CUDA tensors) carries the layers'
+collectives; a gloo group with no practical timeout carries rank 0's commands, because workers wait
+on it for as long as the server is idle. Commands are (method name, arguments) of ModelRunner, sent
+with `broadcast_object_list` (pickle between our own processes; checkpoints are never unpickled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvforge.core.config import EngineConfig
+from kvforge.core.distributed import heads_of_rank, tensor_parallel
+from kvforge.core.runner import ModelRunner, StepInputs
+from kvforge.core.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT = timedelta(days=365)  # workers wait on the command group while the server is idle
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one collective inside a forward (or rank start-up)
+GATHERED = ("read_block", "weight_bytes")  # commands whose result every rank sends back to rank 0
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel rank died or failed mid-step: the ranks are out of step, the engine cannot go on."""
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def _backend() -> str:
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ParallelRunner:
+    """Rank 0's handle on the model runners of all ranks, with ModelRunner's interface: each call is
+    sent to the workers, then run here. Anything else (sizes, the model) is rank 0's own."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, progress: bool = True) -> None:
+        self.size = config.tp_size
+        if config.device == "cpu" and config.num_threads is None:  # the ranks share this machine's cores
+            config = dataclasses.replace(config, num_threads=max(1, torch.get_num_threads() // self.size))
+        self.failure: str | None = None  # why the ranks can no longer run, once they cannot
+        self.on_failure: Callable[[], None] | None = None  # called from the monitor thread on a failure
+        self._processes: dict[int, subprocess.Popen] = {}  # rank -> the worker process spawned for it
+        self._closing = False
+        self._kv_firsts = [heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, self.size,
+                                         rank).kv_first for rank in range(self.size)]  # first KV head of each rank
+        if launched_by_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            if world != self.size or int(os.environ["RANK"]) != 0:
+                raise ValueError(f"torchrun started {world} ranks (this is rank {os.environ['RANK']}); "
+                                 f"tp_size is {self.size}: they must match, and rank 0 runs the server")
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            # plain `python -m` processes: multiprocessing's spawn would re-import the caller's __main__
+            for rank in range(1, self.size):
+                self._processes[rank] = subprocess.Popen(
+                    [sys.executable, "-m", "kvforge.core.tp", str(rank), str(self.size), init_method])
+        try:
+            dist.init_process_group(_backend(), init_method=init_method, rank=0, world_size=self.size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+            self._commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+            for rank in self._processes:
+                threading.Thread(target=self._monitor, args=(rank,), name=f"kvforge-tp-monitor-{rank}",
+                                 daemon=True).start()
+            self._send("load", config)
+            with tensor_parallel(self.size, 0):
+                self.local = ModelRunner(config, model_path, hf_config, progress)
+            errors = [e for e in self._gather(None) if e]
+            if errors:
+                raise ValueError(f"a tensor-parallel rank could not load the model: {errors[0]}")
+        except BaseException:
+            self.close()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "local":  # not built yet
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    # --- ModelRunner's interface --------------------------------------------------------------
+
+    def plan(self, batch: list[ScheduledSeq], all_logits: bool = False) -> tuple[StepInputs, list[ScheduledSeq]]:
+        return self.local.plan(batch, all_logits)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self._call("forward", inputs)
+
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        inputs, sampled = self.plan(batch)
+        return sampled, self.forward(inputs)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self._call("allocate_kv", num_blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self._call("copy_blocks", pairs)
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        self._call("write_block", block, data)
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """The whole block (every KV head) gathered from the ranks; a replicated head is taken once."""
+        shards = self._gather(self._call("read_block", block))
+        firsts = self._kv_firsts
+        unique = [shard for rank, shard in enumerate(shards) if firsts.index(firsts[rank]) == rank]
+        return torch.cat([shard.to(self.local.device) for shard in unique], dim=2)
+
+    def weight_bytes(self) -> int:
+        return sum(self._gather(self._call("weight_bytes")))
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def _send(self, name: str, *args: Any) -> None:
+        if self.failure:
+            raise WorkerLost(self.failure)
+        try:
+            dist.broadcast_object_list([(name, args)], src=0, group=self._commands)
+        except Exception as exc:
+            raise self._lost(f"sending {name!r} to the tensor-parallel ranks failed: {exc}") from exc
+
+    def _call(self, name: str, *args: Any) -> Any:
+        self._send(name, *args)
+        try:
+            return getattr(self.local, name)(*args)
+        except Exception as exc:  # mid-step: the other ranks are out of step with this one now
+            raise self._lost(f"tensor-parallel {name!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _gather(self, mine: Any) -> list[Any]:
+        results: list[Any] = [None] * self.size
+        try:
+            dist.gather_object(mine, results, dst=0, group=self._commands)
+        except Exception as exc:
+            raise self._lost(f"a tensor-parallel rank did not answer: {exc}") from exc
+        return results
+
+    def _lost(self, why: str) -> WorkerLost:
+        if self.failure is None:
+            self.failure = why
+        return WorkerLost(self.failure)
+
+    def _monitor(self, rank: int) -> None:
+        """A spawned rank that exits while the engine runs is fatal, even while the server is idle."""
+        code = self._processes[rank].wait()
+        if self._closing:
+            return
+        if self.failure is None:
+            self.failure = f"tensor-parallel rank {rank} exited (exit code {code})"
+        log.error("%s", self.failure)
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def close(self) -> None:
+        """Stop the workers (they exit on their own; stragglers are terminated) and leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.failure is None and dist.is_initialized():
+            try:
+                dist.broadcast_object_list([("stop", ())], src=0, group=self._commands)
+            except Exception:  # a rank is gone already: the ones left are terminated below
+                pass
+        for process in self._processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker_main(rank: int | None = None, size: int | None = None, init_method: str = "env://") -> None:
+    """A tensor-parallel rank > 0: join the group, load this rank's share of the model, then run rank 0's
+    commands until it says stop. Under torchrun rank and size come from the environment."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    size = int(os.environ["WORLD_SIZE"]) if size is None else size
+    logging.basicConfig(level=logging.INFO, format=f"kvforge tp rank {rank}: %(message)s")
+    dist.init_process_group(_backend(), init_method=init_method, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    runner = None
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=commands)
+        name, args = message[0]
+        if name == "stop":
+            break
+        if name == "load":
+            error = None
+            try:
+                runner = _load(args[0], rank)
+            except Exception as exc:
+                log.exception("loading the model failed")
+                error = f"rank {rank}: {type(exc).__name__}: {exc}"
+            dist.gather_object(error, None, dst=0, group=commands)
+            if error:
+                return
+            continue
+        result = getattr(runner, name)(*args)  # an exception ends this process: rank 0 sees the rank go
+        if name in GATHERED:
+            dist.gather_object(result, None, dst=0, group=commands)
+    dist.destroy_process_group()
+
+
+def _load(config: EngineConfig, rank: int) -> ModelRunner:
+    from kvforge.core.loader import load_config, resolve_model
+
+    if config.device.startswith("cuda"):  # one GPU per rank on each machine
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        config = dataclasses.replace(config, device=f"cuda:{local_rank}")
+        torch.cuda.set_device(local_rank)
+    model_path = resolve_model(config.model)  # converted by rank 0 already when on the same machine
+    with tensor_parallel(config.tp_size, rank):
+        return ModelRunner(config, model_path, load_config(model_path), progress=False)
+
+
+if __name__ == "__main__":  # a rank spawned by ParallelRunner: rank, size, init method
+    worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
