@@ -18,6 +18,32 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of equal prefixes")
     _plugin_args(parser, default="none")
+    _tp_arg(parser)
+
+
+def tp_ranks(value: str) -> int:
+    """--tp: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        ranks = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if ranks < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {ranks}")
+    return ranks
+
+
+def check_tp(tp: int) -> int:
+    """A tensor-parallel rank count from anywhere (flag, settings file, environment): >= 1, else an error
+    naming --tp, raised before a model loads."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp (setting tp) must be an integer >= 1, got {tp!r}")
+    return tp
+
+
+def _tp_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=tp_ranks, default=None, metavar="N",
+                        help="tensor-parallel ranks: N processes, each holding 1/N of the weights and KV heads "
+                        "(default 1)")
 
 
 def _plugin_args(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -71,10 +97,12 @@ def _engine(args: argparse.Namespace, quant: str | None = None, quant_options: d
     if decoding_options is None:
         decoding_options = options_of(args, "decoding")
     check_decoding(decoding, decoding_options)  # an unknown plugin or a bad option fails before the model loads
+    tp = getattr(args, "tp", None)
+    tp = check_tp(1 if tp is None else tp)
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
                                   quant_options=options, decoding=decoding, decoding_options=decoding_options,
                                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
-                                  enable_prefix_caching=not args.no_prefix_caching, **persist))
+                                  enable_prefix_caching=not args.no_prefix_caching, tp_size=tp, **persist))
 
 
 def options_of(args: argparse.Namespace, plugin: str) -> dict:
@@ -174,6 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.app.settings import resolve
 
     settings = resolve(args)
+    check_tp(settings.tp)  # a bad tp from the settings file or KVFORGE_TP fails before anything starts
     args = argparse.Namespace(**{**vars(args), **vars(settings)})  # the resolved values drive everything below
     if not is_loopback(settings.host) and not settings.api_key:
         raise ValueError(f"refusing to bind {settings.host} without an API key: pass --api-key or set "
@@ -196,13 +225,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    kv_disk_budget_bytes=int(settings.kv_disk_gb * (1 << 30)))
 
     def factory(spec: ModelSpec) -> AsyncEngine:
-        args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype,
+        args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype, "tp": spec.tp,
                                          "kv_cache_gb": spec.kv_cache_gb or args.kv_cache_gb})
         return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options,
                                    decoding=spec.decoding, decoding_options=spec.decoding_options, **persist))
 
     spec = ModelSpec(args.model, args.dtype, args.quant, options_of(args, "quant"), served_name=served_model_name(args),
-                     decoding=args.decoding, decoding_options=options_of(args, "decoding"))
+                     decoding=args.decoding, decoding_options=options_of(args, "decoding"), tp=args.tp)
     first = build_off_main_thread(lambda: factory(spec))
     host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
     app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
@@ -300,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget in GiB (default: 1)")
     serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
     _plugin_args(serve, default=None)
+    _tp_arg(serve)
     serve.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     serve.add_argument("--no-prefix-caching", action="store_true", default=None,
                        help="do not reuse KV of equal prefixes (turns the persisted tier off too)")

@@ -1,9 +1,11 @@
 """ModelHost: the model the server is serving, swapped without a process restart.
 
-A swap (load / unload / change of dtype, quant or decoding plugin) stops admitting new requests (they wait),
-lets the in-flight ones finish, builds the new engine off the event loop, then resumes. A failed
-load keeps the old model. Model paths given over the API are confined to the models directory, and so
-is a decoding plugin's draft model (its `model` option).
+A swap (load / unload / change of dtype, quant or decoding plugin, tensor-parallel ranks) stops admitting
+new requests (they wait), lets the in-flight ones finish, builds the new engine off the event loop, then
+resumes. A failed load keeps the old model, except when the old and the new model are both tensor-parallel
+(tp > 1): the old one is closed before the new one is built, so a failed load leaves no model loaded.
+Model paths given over the API are confined to the models directory, and so is a decoding plugin's draft
+model (its `model` option).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ModelSpec:
     kv_cache_gb: float | None = None  # None: the server's --kv-cache-gb
     decoding: str = "none"  # speculative decoding plugin; "none": off
     decoding_options: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel ranks, one process each
 
     @property
     def name(self) -> str:
@@ -73,6 +76,7 @@ class ModelHost:
     def __init__(self, factory: Callable[[ModelSpec], AsyncEngine], spec: ModelSpec,
                  engine: AsyncEngine | None = None, models_dir: Path | None = None) -> None:
         self.factory, self.spec, self.engine = factory, spec, engine
+        self.default_tp = spec.tp  # the server's --tp: what a load that names no tp uses
         self.models_dir = models_dir.resolve() if models_dir else None
         self.in_flight = 0
         self._ready = asyncio.Event()
@@ -114,7 +118,10 @@ class ModelHost:
 
     def check(self, spec: ModelSpec) -> ModelSpec:
         """The spec with its paths confined to the models directory (the model, and a decoding plugin's
-        draft model, option `model`) and its decoding plugin checked; InvalidSpec when refused."""
+        draft model, option `model`), its tensor-parallel ranks and its decoding plugin checked; InvalidSpec
+        when refused."""
+        if isinstance(spec.tp, bool) or not isinstance(spec.tp, int) or spec.tp < 1:
+            raise InvalidSpec(f"tp (tensor-parallel ranks) must be an integer >= 1, got {spec.tp!r}", "tp")
         try:
             model = self.confine(spec.model)
         except ValueError as exc:
@@ -141,6 +148,12 @@ class ModelHost:
         async with self._swap_lock:
             await self._drain()
             try:
+                if self.engine is not None and self.spec.tp > 1 and spec.tp > 1:
+                    # Two tensor-parallel engines cannot coexist in one process: each owns the process's one
+                    # torch.distributed default process group. So the old one goes first; if the new build
+                    # then fails, no model is loaded (as after unload) and last_error says why.
+                    old, self.engine = self.engine, None
+                    await asyncio.to_thread(old.close)
                 new = await asyncio.to_thread(self.factory, spec)
             except Exception as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"

@@ -101,6 +101,7 @@ class LoadModelRequest(BaseModel):
     kv_cache_gb: float | None = Field(default=None, gt=0, le=4096)
     decoding: str = "none"  # a speculative decoding plugin
     decoding_options: dict[str, Any] = Field(default_factory=dict)
+    tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
 
 
 class SessionSettings(BaseModel):

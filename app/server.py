@@ -40,7 +40,8 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
     sized = {"kv_cache_bytes": int(spec.kv_cache_gb * (1 << 30))} if spec.kv_cache_gb else {}
     return AsyncEngine(LLMEngine(EngineConfig(model=spec.model, dtype=spec.dtype, quant=spec.quant,
                                               quant_options=spec.quant_options, decoding=spec.decoding,
-                                              decoding_options=spec.decoding_options, **sized), progress=False))
+                                              decoding_options=spec.decoding_options, tp_size=spec.tp, **sized),
+                                 progress=False))
 
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
@@ -50,7 +51,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     `store`, the sessions API (/v1/sessions) keeps conversations in it, and `ui` mounts the browser
     UI at / (it needs the store)."""
     if isinstance(host, AsyncEngine):
-        host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name), host, models_dir)
+        host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name, tp=host.engine.config.tp_size),
+                         host, models_dir)
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(host)
     app.state.host, app.state.metrics = host, metrics
@@ -107,7 +109,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         return {"id": host.name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
-                "max_model_len": core.max_model_len,
+                "tp": core.config.tp_size, "max_model_len": core.max_model_len,
                 "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes}}
 
     @app.get("/v1/models")
@@ -122,17 +124,18 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     @app.post("/admin/models/load")
     async def admin_load(body: LoadModelRequest):
         spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name,
-                         body.kv_cache_gb, body.decoding, body.decoding_options)
+                         body.kv_cache_gb, body.decoding, body.decoding_options,
+                         host.default_tp if body.tp is None else body.tp)
         try:
             await host.load(spec)
-        except InvalidSpec as exc:  # refused before the swap began: a path or the decoding plugin / options
+        except InvalidSpec as exc:  # refused before the swap began: a path, tp or the decoding plugin / options
             raise APIError(400, str(exc), exc.param) from None
-        except ValueError as exc:  # bad path, unknown plugin, bad dtype: the old model keeps serving
+        except ValueError as exc:  # bad path, unknown plugin, bad dtype: the old model keeps serving (as below)
             about_decoding = body.decoding != "none" and f"plugin {body.decoding!r}" in str(exc)
             raise APIError(400, str(exc), "decoding_options" if about_decoding else "model") from None
-        except Exception as exc:
-            raise APIError(400, f"loading failed, the previous model keeps serving: {type(exc).__name__}: {exc}",
-                           "model") from None
+        except Exception as exc:  # the old model keeps serving, unless a tensor-parallel one was closed first
+            after = "the previous model keeps serving" if host.engine is not None else "no model is loaded"
+            raise APIError(400, f"loading failed, {after}: {type(exc).__name__}: {exc}", "model") from None
         return {"loaded": model_card()}
 
     @app.post("/admin/models/unload")

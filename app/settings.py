@@ -7,6 +7,7 @@ TOML keys are the flag names with underscores, at the top level or under [serve]
     models_dir = "~/models"
     decoding = "ngram"
     decoding_options = { k = 4 }
+    tp = 2  # tensor-parallel ranks (--tp): 2 processes, each with half the weights and KV heads
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ServeSettings:
     quant_options: str | None = None  # JSON object (a TOML table works too)
     decoding: str = "none"  # speculative decoding plugin (ngram, draft...); "none": off
     decoding_options: str | None = None  # JSON object (a TOML table works too)
+    tp: int = 1  # tensor-parallel ranks (--tp), one process each; checked (>= 1) before the model loads
     kv_cache_gb: float = 1.0
     block_size: int = 16
     threads: int | None = None

@@ -3,8 +3,9 @@
 Conversations come from the session store (the same ChatService as /v1/sessions, so a reload or a
 restart shows the same history); replies stream; Stop aborts the request (the partial reply is
 kept); Regenerate and Edit rework the last turn. Model settings (model, dtype, quant plugin and its
-options, speculative decoding plugin and its options, KV budget) swap through the same ModelHost as
-the admin API: in-flight replies finish first, a refused choice keeps the old model. The dashboard
+options, speculative decoding plugin and its options, KV budget, tensor-parallel ranks) swap through
+the same ModelHost as the admin API: in-flight replies finish first, a refused choice keeps the old
+model (not when both are tensor-parallel: see ModelHost.load). The dashboard
 reads the one server-side sampler every second. Nothing is fetched from outside 127.0.0.1: a built-in
 theme with bundled fonts, no analytics (GRADIO_ANALYTICS_ENABLED is off before gradio is imported).
 """
@@ -62,8 +63,10 @@ def dashboard_markdown(sampler: DashboardSampler) -> str:
     if not st:
         return "**No model loaded**"
     decoding = s.config.get("decoding") or "none"
-    lines = [f"**Model** {s.model} · {s.config.get('dtype')} · quant **{s.config.get('quant')}** · "
-             f"decoding **{decoding}**", "", "| Engine | Now |", "|---|---|"]
+    tp = s.config.get("tp") or 1
+    header = (f"**Model** {s.model} · {s.config.get('dtype')} · quant **{s.config.get('quant')}** · "
+              f"decoding **{decoding}**" + (f" · tp **{tp}**" if tp > 1 else ""))
+    lines = [header, "", "| Engine | Now |", "|---|---|"]
     if s.gpus:
         for g in s.gpus:
             lines.append(f"| VRAM {g['device']} | {human_bytes(g['used'])} / {human_bytes(g['total'])} |")
@@ -306,11 +309,16 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                 json.dumps(core.quant_options if core else {}),
                 gr.update(choices=decodings, value=core.decoding if core else "none"),
                 json.dumps(core.decoding_options if core else {}),
-                round(core.kv_cache_bytes / (1 << 30), 3) if core else 1.0)
+                round(core.kv_cache_bytes / (1 << 30), 3) if core else 1.0,
+                core.tp_size if core else host.spec.tp)
 
     async def apply_settings(model: str, dtype: str, quant: str, options: str, decoding: str, decoding_json: str,
-                             kv_gb: float):
-        """Swap model / dtype / quant / decoding / KV budget without a restart; in-flight replies finish first."""
+                             kv_gb: float, tp: int | None):
+        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks without a restart; in-flight
+        replies finish first."""
+        if tp is None:
+            yield "Refused: tensor-parallel ranks: enter a whole number >= 1"
+            return
         decoding = decoding or "none"
         parsed = {}
         for what, raw in (("quant", options), ("decoding", decoding_json)):
@@ -324,8 +332,10 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         if decoding == "none":
             parsed["decoding"] = {}  # the box may still hold another plugin's options: they do not apply
         served = host.spec.served_name if model == current_model_name(host) else None
-        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, float(kv_gb), decoding, parsed["decoding"])
-        what = f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
+        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, float(kv_gb), decoding, parsed["decoding"],
+                         int(tp))
+        what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
+                + (f", tp {int(tp)}" if int(tp) != 1 else ""))
         started = time.monotonic()
         task = asyncio.ensure_future(host.load(spec))
         while not task.done():
@@ -334,8 +344,9 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
             await asyncio.wait([task], timeout=0.5)
         try:
             task.result()
-        except Exception as exc:  # a bad choice: the old model keeps serving
-            yield f"Refused: {exc} — {host.name} keeps serving."
+        except Exception as exc:  # a bad choice: the old model keeps serving (unless a tensor-parallel one went first)
+            yield f"Refused: {exc} — " + (f"{host.name} keeps serving." if host.engine is not None
+                                          else "no model is loaded.")
             return
         yield f"Loaded {host.name} ({what}) in {time.monotonic() - started:.1f} s; new replies use it."
 
@@ -397,6 +408,8 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                                               decoding_options, "decoding")
 
                     kv_gb = gr.Number(label="KV cache budget (GiB)", minimum=0.01, elem_id="settings-kv-gb")
+                    tp_ranks = gr.Number(label="Tensor-parallel ranks", value=1, minimum=1, precision=0,
+                                         elem_id="settings-tp")
                     context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
                                         minimum=1, precision=0, elem_id="settings-context")
                     estimate = gr.Markdown(elem_id="settings-estimate")
@@ -423,7 +436,8 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         stop_button.click(None, cancels=sending).then(stopped_stats, [session], [stats])
         edit_button.click(edit_last, [session], [chatbot, textbox, stats])
 
-        settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, decoding_options, kv_gb]
+        settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, decoding_options, kv_gb,
+                    tp_ranks]
         demo.load(settings_values, outputs=settings)
         for component in (model_choice, dtype_choice, context, quant_choice, quant_options):
             component.change(lambda m, d, c, q, o: memory_estimate_markdown(host, m, d, c or 1, q, o),

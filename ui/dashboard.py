@@ -46,7 +46,7 @@ class Sample:
     stats: dict[str, Any]  # EngineStats.as_dict(), empty when no model is loaded
     rss_bytes: int
     gpus: list[dict[str, Any]]
-    config: dict[str, Any] = field(default_factory=dict)  # dtype, quant and decoding plugins and their options
+    config: dict[str, Any] = field(default_factory=dict)  # dtype, quant and decoding plugins and their options, tp
 
 
 class DashboardSampler:
@@ -81,7 +81,7 @@ class DashboardSampler:
             core = engine.engine.config
             config = {"dtype": core.dtype, "quant": core.quant, "quant_options": core.quant_options,
                       "decoding": core.decoding or "none", "decoding_options": core.decoding_options,
-                      "persist_kv": core.persist_kv and core.enable_prefix_caching}
+                      "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching}
         return Sample(time.time(), self.host.name, stats, process_rss_bytes(), gpu_memory(), config)
 
     def latest(self) -> Sample:

@@ -91,6 +91,41 @@ def test_bad_decoding_plugin_or_option_is_one_line_error(args, fragment):
     assert len(lines) == 1 and fragment in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("command", [("serve",), ("generate", "hi"), ("chat",)])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_tp_below_one_is_refused_naming_the_flag(command, value, capsys):
+    """Refused as the arguments are parsed, before anything loads."""
+    from kvforge.app.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*command, "--tp", value])
+    assert exc.value.code == 2
+    assert "argument --tp" in capsys.readouterr().err
+
+
+def test_tp_in_the_settings_file_below_one_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from kvforge.app.cli import main
+
+    for name in ("KVFORGE_TP", "KVFORGE_CONFIG", "KVFORGE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "kvforge.toml"
+    config.write_text("[serve]\ntp = 0\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "--tp" in err and "must be an integer >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_tp_is_in_the_help_of_serve_generate_and_chat(monkeypatch, capsys):
+    from kvforge.app.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option: no wrapping inside the help text
+    for command in ("serve", "generate", "chat"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        out = capsys.readouterr().out
+        assert "--tp N" in out and "tensor-parallel ranks: N processes" in out, out
+
+
 def test_bench_latency_prints_ratios_against_hf():
     result = run_cli("bench", "latency", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1",
                      "--dtypes", "float32")

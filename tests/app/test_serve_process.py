@@ -34,8 +34,20 @@ def test_settings_precedence_flags_over_env_over_toml(tmp_path):
     assert resolve(_args(), {}).port == 8000
 
 
+def test_tp_setting_flag_over_env_over_toml(tmp_path):
+    config = tmp_path / "kvforge.toml"
+    config.write_text('[serve]\ndecoding = "ngram"\ntp = 2\n')
+    assert resolve(_args("--config", str(config)), {}).tp == 2
+    assert resolve(_args("--config", str(config)), {"KVFORGE_TP": "3"}).tp == 3
+    assert resolve(_args("--config", str(config), "--tp", "4"), {"KVFORGE_TP": "3"}).tp == 4
+    top_level = tmp_path / "top.toml"
+    top_level.write_text("tp = 2\n")
+    assert resolve(_args("--config", str(top_level)), {}).tp == 2
+    assert resolve(_args(), {}).tp == 1
+
+
 @pytest.mark.parametrize("content, fragment", [("bogus_key = 1", "unknown settings"), ("port = ", "config file"),
-                                               ("port = 'eighty'", "port")])
+                                               ("port = 'eighty'", "port"), ("tp = 'two'", "setting tp")])
 def test_bad_settings_are_clear_errors(tmp_path, content, fragment):
     config = tmp_path / "bad.toml"
     config.write_text(content)

@@ -1,8 +1,8 @@
 """The UI's model settings against a real `kvforge serve` with two third-party quant plugins installed:
 a memory estimate before applying, a swap to another quant plugin without a restart (a reply in flight
 finishes first; the next uses the new plugin, shown in the dashboard and in /v1/models), a refusal
-of a plugin that cannot run on this device (the old model keeps serving), and a swap to speculative
-decoding (n-gram) with its acceptance figures on the dashboard."""
+of a plugin that cannot run on this device (the old model keeps serving), a swap to speculative
+decoding (n-gram) with its acceptance figures on the dashboard, and the tensor-parallel ranks input."""
 
 from __future__ import annotations
 
@@ -180,3 +180,24 @@ def test_swap_to_ngram_decoding_then_the_engine_speculates(page, server):
     assert server.metric("spec_drafted_tokens") > 0  # the engine drafts and verifies
     page.locator("#dashboard").filter(has_text="decoding ngram").wait_for()
     page.locator("#dashboard").filter(has_text="Mean accepted length").wait_for()
+
+
+
+def test_tensor_parallel_ranks_show_the_running_value_and_below_one_is_refused(page, server):
+    page.wait_for_function("document.querySelector('#settings-tp input').value === '1'")
+    before = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert before["tp"] == 1
+    page.locator("#dashboard").filter(has_text="decoding").wait_for()
+    assert "· tp" not in page.locator("#dashboard").inner_text()  # named on the dashboard only when > 1
+    tp = page.locator("#settings-tp input")
+    tp.fill("0")
+    tp.press("Enter")
+    page.click("#settings-apply")
+    page.get_by_text("less than minimum value 1").wait_for()  # refused by the input before any swap
+    after = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert {k: after[k] for k in ("id", "tp", "quant", "decoding")} == {k: before[k] for k in ("id", "tp", "quant",
+                                                                                             "decoding")}
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
+    assert reply.status_code == 200
+    tp.fill("1")
+    tp.press("Enter")
