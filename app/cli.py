@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -30,6 +31,11 @@ def tp_ranks(value: str) -> int:
     if ranks < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {ranks}")
     return ranks
+
+
+def torchrun_world_size() -> int:
+    """How many ranks torchrun started (1 when it did not start this process)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
 def check_tp(tp: int) -> int:
@@ -98,7 +104,10 @@ def _engine(args: argparse.Namespace, quant: str | None = None, quant_options: d
         decoding_options = options_of(args, "decoding")
     check_decoding(decoding, decoding_options)  # an unknown plugin or a bad option fails before the model loads
     tp = getattr(args, "tp", None)
-    tp = check_tp(1 if tp is None else tp)
+    tp = 1 if tp is None else tp
+    if tp == 1 and torchrun_world_size() > 1:  # under torchrun every rank is a tensor-parallel rank
+        tp = torchrun_world_size()
+    check_tp(tp)
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
                                   quant_options=options, decoding=decoding, decoding_options=decoding_options,
                                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
@@ -140,7 +149,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params, engine = _params(args), _engine(args)  # bad sampling values fail before the model loads
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
-    stream(engine, prompt, params)
+    try:
+        stream(engine, prompt, params)
+    finally:
+        engine.close()  # queued KV writes; tensor-parallel ranks
     return 0
 
 
@@ -228,7 +240,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args_for = argparse.Namespace(**{**vars(args), "model": spec.model, "dtype": spec.dtype, "tp": spec.tp,
                                          "kv_cache_gb": spec.kv_cache_gb or args.kv_cache_gb})
         return AsyncEngine(_engine(args_for, quant=spec.quant, quant_options=spec.quant_options,
-                                   decoding=spec.decoding, decoding_options=spec.decoding_options, **persist))
+                                   decoding=spec.decoding, decoding_options=spec.decoding_options, **persist),
+                           on_fatal=stop_serving)
+
+    fatal: list[str] = []
+
+    def stop_serving(why: str) -> None:
+        """A tensor-parallel rank died: say so, shut down (open streams have failed already), exit 1."""
+        print(f"kvforge: error: {why}; shutting down", file=sys.stderr, flush=True)
+        fatal.append(why)
+        server.should_exit = True
 
     spec = ModelSpec(args.model, args.dtype, args.quant, options_of(args, "quant"), served_name=served_model_name(args),
                      decoding=args.decoding, decoding_options=options_of(args, "decoding"), tp=args.tp)
@@ -260,7 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         host.close()
-    return 0
+    return 1 if fatal else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -410,6 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if torchrun_world_size() > 1 and os.environ["RANK"] != "0":
+        # a rank > 0 started by torchrun (multi-machine tensor parallelism): whatever the command line,
+        # it serves rank 0's commands; rank 0 runs the command and sends it the model to load
+        from kvforge.core.tp import worker_main
+
+        worker_main()
+        return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvforge.core.loader import ModelNotFoundError

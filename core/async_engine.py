@@ -81,8 +81,13 @@ def build_off_main_thread(build: Callable[[], Any]) -> Any:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | None = None, **config: Any) -> None:
+    def __init__(self, engine: LLMEngine | None = None, on_fatal: Callable[[str], None] | None = None,
+                 **config: Any) -> None:
+        """`on_fatal(why)` is called (from the engine thread) when the engine can no longer run at all -- a
+        tensor-parallel rank died -- after every open request has failed with that error."""
         self.engine = engine or build_off_main_thread(lambda: LLMEngine(**config))
+        self.on_fatal = on_fatal
+        self.fatal: str | None = None
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -91,6 +96,8 @@ class AsyncEngine:
         self._stopped = False
         self._ids = itertools.count()
         self._stats = self.engine.stats()
+        if hasattr(self.engine.runner, "on_failure"):  # a rank dying while the server idles wakes the loop
+            self.engine.runner.on_failure = self._wakeup.set
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
         self._thread.start()
 
@@ -139,6 +146,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopped:
+            if self.engine.failure():
+                self._die(self.engine.failure())
+                return
             self._apply_commands()
             if not self.engine.has_unfinished():
                 self._stats = self.engine.stats()
@@ -150,7 +160,7 @@ class AsyncEngine:
             except Exception as exc:  # fail the requests of this step, keep serving the others
                 log.exception("engine step failed")
                 self._fail_all(exc)
-                continue
+                continue  # unless the engine cannot run any more (checked at the top)
             for output in outputs:
                 self._deliver(output)
             self._stats = self.engine.stats()
@@ -184,6 +194,17 @@ class AsyncEngine:
             self._unfinished[output.request_id] -= 1
             if self._unfinished[output.request_id] == 0:
                 del self._streams[output.request_id], self._unfinished[output.request_id]
+
+    def _die(self, why: str) -> None:
+        self.fatal = why
+        log.error("the engine cannot run any more: %s", why)
+        self._stopped = True
+        error = RuntimeError(f"the engine stopped: {why}")
+        for request_id in list(self._streams):  # no engine.abort: the engine cannot run (or free) anything now
+            self._unfinished.pop(request_id, None)
+            self._streams.pop(request_id)._put(error)
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):

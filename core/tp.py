@@ -12,6 +12,7 @@ with `broadcast_object_list` (pickle between our own processes; checkpoints are 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -44,7 +45,7 @@ class WorkerLost(RuntimeError):
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def _backend() -> str:
@@ -63,8 +64,9 @@ class ParallelRunner:
 
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, progress: bool = True) -> None:
         self.size = config.tp_size
+        self._threads = torch.get_num_threads()  # restored at close: the thread count is process-wide
         if config.device == "cpu" and config.num_threads is None:  # the ranks share this machine's cores
-            config = dataclasses.replace(config, num_threads=max(1, torch.get_num_threads() // self.size))
+            config = dataclasses.replace(config, num_threads=max(1, self._threads // self.size))
         self.failure: str | None = None  # why the ranks can no longer run, once they cannot
         self.on_failure: Callable[[], None] | None = None  # called from the monitor thread on a failure
         self._processes: dict[int, subprocess.Popen] = {}  # rank -> the worker process spawned for it
@@ -83,6 +85,7 @@ class ParallelRunner:
             for rank in range(1, self.size):
                 self._processes[rank] = subprocess.Popen(
                     [sys.executable, "-m", "kvforge.core.tp", str(rank), str(self.size), init_method])
+        atexit.register(self.close)  # a caller that never closes the engine still stops its ranks
         try:
             dist.init_process_group(_backend(), init_method=init_method, rank=0, world_size=self.size,
                                     timeout=COLLECTIVE_TIMEOUT)
@@ -91,9 +94,11 @@ class ParallelRunner:
                 threading.Thread(target=self._monitor, args=(rank,), name=f"kvforge-tp-monitor-{rank}",
                                  daemon=True).start()
             self._send("load", config)
-            with tensor_parallel(self.size, 0):
-                self.local = ModelRunner(config, model_path, hf_config, progress)
-            errors = [e for e in self._gather(None) if e]
+            try:
+                with tensor_parallel(self.size, 0):
+                    self.local = ModelRunner(config, model_path, hf_config, progress)
+            finally:  # the ranks answer whether this one loaded or not: the group stays in step
+                errors = [e for e in self._gather(None) if e]
             if errors:
                 raise ValueError(f"a tensor-parallel rank could not load the model: {errors[0]}")
         except BaseException:
@@ -183,6 +188,7 @@ class ParallelRunner:
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.close)
         if self.failure is None and dist.is_initialized():
             try:
                 dist.broadcast_object_list([("stop", ())], src=0, group=self._commands)
@@ -196,6 +202,7 @@ class ParallelRunner:
                 process.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
 
 
 def worker_main(rank: int | None = None, size: int | None = None, init_method: str = "env://") -> None:
@@ -222,9 +229,7 @@ def worker_main(rank: int | None = None, size: int | None = None, init_method: s
                 log.exception("loading the model failed")
                 error = f"rank {rank}: {type(exc).__name__}: {exc}"
             dist.gather_object(error, None, dst=0, group=commands)
-            if error:
-                return
-            continue
+            continue  # after a failed load rank 0 closes the group: the next command is stop
         result = getattr(runner, name)(*args)  # an exception ends this process: rank 0 sees the rank go
         if name in GATHERED:
             dist.gather_object(result, None, dst=0, group=commands)

@@ -162,7 +162,7 @@ class RowParallelLinear(LinearBase):
             if in_features % self.tp_size:
                 raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp_size}")
             input_shard = (self.tp_rank * in_features // self.tp_size, in_features // self.tp_size)
-        self.input_first = input_shard[0]
+        self.full_in_features, self.input_first = in_features, input_shard[0]
         self.input_split = self.tp_size > 1  # a quant method may need to know (e.g. GPTQ's group indices)
         super().__init__(input_shard[1], [out_features], bias, quant_method, params_dtype)
 

@@ -69,6 +69,10 @@ class DraftModelProposer(Proposer):
                              "'layers' (draft with the target's first N layers)")
         config = dataclasses.replace(target.config, quant="none", quant_options={}, decoding="none",
                                      decoding_options={}, num_threads=None)
+        if layers and target.config.tp_size > 1:
+            raise ValueError("option 'layers' of plugin 'draft' drafts with the target's own layers, which are split "
+                             "across the tensor-parallel ranks: use option 'model' (a draft model runs whole on "
+                             "rank 0) or the ngram plugin")
         if layers:
             total = target.hf_config.num_hidden_layers
             if layers > total:

@@ -49,9 +49,14 @@ class GptqMethod(GroupQuantMethod):
             raise ValueError(f"gptq: {in_features} input features do not fill {self.bits}-bit words")
         self.add_param(layer, "qweight", (in_features // per, n), torch.int32,
                        input_dim=0, output_dim=1, packed_dim=0, pack_factor=per)
+        group_axis = 0
+        if getattr(layer, "input_split", False) and self.options["desc_act"]:
+            # a row-parallel shard under act-order: its rows' g_idx point at groups anywhere in the
+            # layer, so every rank keeps all the groups' zeros and scales (not split along the input)
+            groups, group_axis = self.groups(layer.full_in_features), None
         self.add_param(layer, "qzeros", (groups, n // per), torch.int32,
-                       input_dim=0, output_dim=1, packed_dim=1, pack_factor=per)
-        self.add_param(layer, "scales", (groups, n), torch.float32, input_dim=0, output_dim=1)
+                       input_dim=group_axis, output_dim=1, packed_dim=1, pack_factor=per)
+        self.add_param(layer, "scales", (groups, n), torch.float32, input_dim=group_axis, output_dim=1)
         # optional: checkpoints without act-order may leave it out (-1 marks "not loaded")
         self.add_param(layer, "g_idx", (in_features,), torch.int32, input_dim=0, output_dim=None, optional=True)
         layer.g_idx.data.fill_(-1)
@@ -62,8 +67,13 @@ class GptqMethod(GroupQuantMethod):
             delattr(layer, name)
         if bool((tensors["g_idx"] == -1).all()):
             del tensors["g_idx"]  # contiguous groups
-        quant = unpack_gptq(tensors, self.bits, self.options["checkpoint_format"])
         groups = tensors["scales"].shape[0]
+        if "g_idx" in tensors and getattr(layer, "input_split", False) and not self.options["desc_act"] \
+                and self.group_size != -1:
+            # a row-parallel shard holds its own groups only: number them from 0 (act-order, or one group
+            # for the whole layer, keeps them all)
+            tensors["g_idx"] = tensors["g_idx"] - layer.input_first // self.group_size
+        quant = unpack_gptq(tensors, self.bits, self.options["checkpoint_format"])
         if int(quant.g_idx.min()) < 0 or int(quant.g_idx.max()) >= groups:
             raise ValueError(f"gptq: g_idx refers to groups outside 0..{groups - 1}")
         return quant

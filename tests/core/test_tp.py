@@ -1,0 +1,241 @@
+"""Tensor parallelism on real torch.distributed process groups (gloo, CPU): every rank is its own process.
+
+TP = 2 must give the tokens TP = 1 gives: the embedded model (9 query / 3 KV heads: split 6 + 3 / 2 + 1),
+tiny models of each architecture (one with fewer KV heads than ranks: replicated), with the prefix cache
+hit on a second round, with speculative decoding, with the persisted KV tier (blocks written by TP = 2,
+loaded by a restarted TP = 2 engine), and quantized (bitsandbytes, GPTQ with and without act-order, AWQ).
+Failures: a split that cannot be made is a clear error; a rank that dies makes the engine fail (no hang);
+no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from kvforge.core import LLM, SamplingParams
+from kvforge.core.tp import WorkerLost
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "Give me three tips for learning to code.",
+         "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden."]
+
+
+def _children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def _tokens(path, prompts, rounds: int = 1, **config) -> tuple[list[list[list[int]]], dict]:
+    """Greedy tokens of `prompts` for each round, and the engine's final stats; the engine is closed."""
+    llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **config)
+    try:
+        results = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
+        stats = llm.engine.stats()
+        assert stats.kv_blocks_used == 0
+        return results, stats
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(embedded_path):
+    from kvforge.core.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(embedded_path)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_path, chat_prompts):
+    (tokens,), _ = _tokens(embedded_path, chat_prompts)
+    return tokens
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"decoding": "ngram", "decoding_options": {"min_n": 1}},
+    {"decoding": "draft", "decoding_options": {"model": "embedded"}},
+], ids=["plain", "ngram", "draft-model"])
+def test_tp2_equals_tp1_on_the_embedded_model(embedded_path, chat_prompts, reference, config):
+    """Two rounds: the second hits the prefix cache (its prompts' blocks were computed by the first)."""
+    if config.get("decoding") == "draft":
+        config = {**config, "decoding_options": {"model": str(embedded_path)}}
+    (first, second), stats = _tokens(embedded_path, chat_prompts, rounds=2, tp_size=2, **config)
+    assert first == reference
+    assert second == reference
+    assert stats.cached_tokens_total >= sum(len(p) // 16 * 16 for p in chat_prompts)
+    if config:
+        assert stats.spec_drafted_tokens_total > 0 and stats.spec_accepted_tokens_total > 0
+    assert not _children()
+
+
+def _tiny(tmp_path_factory, embedded_path, name: str, config) -> tuple:
+    from transformers import AutoModelForCausalLM
+
+    config.vocab_size = 49152
+    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_path / file, path / file)
+    gen = torch.Generator().manual_seed(7)
+    return path, [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 63)]
+
+
+def _tiny_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6)
+    return {
+        "llama3": lambda: LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=False),
+        "mistral": lambda: MistralConfig(**common, sliding_window=16, tie_word_embeddings=False),
+        "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
+        # fewer KV heads than ranks: each rank holds the one KV head and half of the query heads
+        "llama-1-kv-head": lambda: LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False),
+    }
+
+
+@pytest.mark.parametrize("arch", list(_tiny_configs()))
+def test_tp2_equals_tp1_on_tiny_models(tmp_path_factory, embedded_path, arch):
+    path, prompts = _tiny(tmp_path_factory, embedded_path, arch, _tiny_configs()[arch]())
+    (tp1,), _ = _tokens(path, prompts)
+    (tp2, cached), stats = _tokens(path, prompts, rounds=2, tp_size=2, max_num_batched_tokens=32)  # chunked
+    assert tp2 == tp1 and cached == tp1
+    assert stats.cached_tokens_total > 0
+
+
+@pytest.mark.parametrize("arch", ["embedded", "llama-1-kv-head"])
+def test_whole_blocks_are_gathered_from_and_handed_to_the_ranks(tmp_path_factory, embedded_path, arch):
+    """The persisted tier's view of the pool: a block of every KV head, split unevenly (2 + 1 heads) or
+    replicated (1 head on both ranks); what is written is read back exactly."""
+    path = embedded_path if arch == "embedded" else _tiny(tmp_path_factory, embedded_path, arch,
+                                                          _tiny_configs()[arch]())[0]
+    llm = LLM(str(path), progress=False, num_kv_blocks=8, tp_size=2)
+    try:
+        runner = llm.engine.runner
+        data = torch.randn(runner.kv_block_shape)
+        runner.write_block(5, data)
+        assert torch.equal(runner.read_block(5), data)
+        assert not torch.equal(runner.read_block(4), data)
+    finally:
+        llm.engine.close()
+
+
+def test_persisted_kv_written_by_tp2_is_loaded_by_a_restarted_tp2_engine(embedded_path, chat_prompts,
+                                                                          reference, tmp_path):
+    persist = dict(persist_kv=True, data_dir=str(tmp_path), tp_size=2)
+    (first,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    assert first == reference and stats.kv_disk_blocks > 0
+    (second,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    assert second == reference
+    assert stats.kv_disk_loaded_blocks_total >= sum(len(p) // 16 for p in chat_prompts) - len(chat_prompts)
+
+
+@pytest.fixture(scope="module")
+def quantized(embedded_path, tmp_path_factory):
+    """Round-to-nearest GPTQ / AWQ checkpoints of the embedded model (its o_proj splits 384 + 192 inputs)."""
+    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+
+    made = {}
+
+    def get(name: str, **options):
+        if name not in made:
+            made[name] = write_rtn_checkpoint(embedded_path, tmp_path_factory.mktemp(name), **options)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("case", ["bnb-int8", "gptq-act-order", "gptq", "awq"])
+def test_quantized_tp2_equals_tp1(embedded_path, chat_prompts, quantized, case):
+    """bitsandbytes quantizes each rank's shard; GPTQ / AWQ shards stay group-aligned (act-order keeps every
+    group's scales on each rank; plain GPTQ renumbers a row shard's groups)."""
+    if case == "bnb-int8":
+        path, config = embedded_path, {"quant": "bnb-int8"}
+    else:
+        options = {"gptq-act-order": dict(method="gptq", group_size=64, sym=False, desc_act=True),
+                   "gptq": dict(method="gptq", group_size=64, sym=True),
+                   "awq": dict(method="awq", group_size=64, sym=False)}[case]
+        path, config = quantized(case, **options), {"quant_options": {"kernel": "dequant"}}
+    (tp1,), _ = _tokens(path, chat_prompts[:2], **config)
+    (tp2,), _ = _tokens(path, chat_prompts[:2], tp_size=2, **config)
+    assert tp2 == tp1
+
+
+def test_a_split_that_cannot_be_made_is_refused_and_leaves_no_process(embedded_path):
+    with pytest.raises(ValueError, match="3 KV heads cannot be split across 4"):
+        LLM(str(embedded_path), progress=False, num_kv_blocks=8, tp_size=4)
+    assert not _children()
+
+
+def test_group_size_that_a_rank_split_cannot_align_with_is_refused(tmp_path_factory, embedded_path):
+    """down_proj's 192 inputs quantized in groups of 64 split into 96 per rank: not whole groups."""
+    from transformers import LlamaConfig
+
+    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    path, _ = _tiny(tmp_path_factory, embedded_path, "g64", config)
+    quantized = write_rtn_checkpoint(path, tmp_path_factory.mktemp("g64-gptq"), method="gptq", group_size=64)
+    with pytest.raises(ValueError, match="group size 64 does not divide the layer's 96 input features"):
+        LLM(str(quantized), progress=False, num_kv_blocks=8, tp_size=2)
+    assert not _children()
+
+
+def test_draft_with_the_targets_own_layers_is_refused_under_tp(embedded_path):
+    with pytest.raises(ValueError, match="split across the tensor-parallel ranks"):
+        LLM(str(embedded_path), progress=False, num_kv_blocks=8, tp_size=2, decoding="draft",
+            decoding_options={"layers": 4})
+    assert not _children()
+
+
+def test_a_rank_that_dies_fails_the_engine_instead_of_hanging(embedded_path, chat_prompts):
+    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, tp_size=2)
+    try:
+        (worker,) = _children()
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+        with pytest.raises(WorkerLost):
+            llm.generate(chat_prompts[:1], GREEDY)
+        assert "rank 1" in llm.engine.failure() or "closed by peer" in llm.engine.failure()
+    finally:
+        llm.engine.close()
+    assert not _children()
+
+
+def test_two_processes_started_by_torchrun_over_tcp_rendezvous(embedded_path, reference, chat_prompts):
+    """Multi-machine tensor parallelism, two local processes standing in for two hosts: each torchrun is one
+    node (static rendezvous at the master address); rank 0 runs the command, rank 1 serves its commands."""
+    from kvforge.app.threaded_server import free_port
+    from kvforge.core.tokenizer import Tokenizer
+
+    port = free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", "kvforge.app.cli", "generate", "--model", str(embedded_path), "--temperature", "0",
+                "--max-tokens", str(NEW_TOKENS), "--kv-cache-gb", "0.0625", "--chat", CHATS[0]]
+        nodes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    expected = Tokenizer(embedded_path).decode(reference[0])
+    assert outputs[0][0].strip() == expected.strip()
+    assert outputs[1][0].strip() == ""  # rank 1 prints nothing: it only runs rank 0's forwards
