@@ -1,0 +1,68 @@
+"""`kvforge serve --tp 2` as a real process: the `openai` client gets the tokens a one-rank engine gives; a
+shutdown leaves no rank process behind; a rank that dies makes the server report it and exit (no hang)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from kvforge.core import LLM, SamplingParams
+from server_process import ServeProcess
+
+QUESTION = "Name three primary colors."
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference_text(embedded_path):
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20)
+    (out,) = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    return out.text
+
+
+def _serve(tmp_path) -> tuple[ServeProcess, psutil.Process]:
+    server = ServeProcess("--tp", "2", "--data-dir", str(tmp_path), "--kv-cache-gb", "0.0625", "--no-ui")
+    (rank1,) = psutil.Process(server.process.pid).children(recursive=True)
+    return server, rank1
+
+
+def _gone(process: psutil.Process, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_serve_tp2_answers_the_openai_client_and_leaves_no_process(tmp_path, reference_text):
+    from openai import OpenAI
+
+    server, rank1 = _serve(tmp_path)
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=MAX_TOKENS,
+                                               messages=[{"role": "user", "content": QUESTION}])
+        assert reply.choices[0].message.content == reference_text
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=MAX_TOKENS, stream=True,
+            messages=[{"role": "user", "content": QUESTION}]) if chunk.choices)
+        assert streamed == reference_text
+        (card,) = client.models.list().data
+        assert card.model_extra["tp"] == 2
+    finally:
+        server.stop("sigterm")
+    assert _gone(rank1), "rank 1 outlived the server"
+
+
+def test_a_dying_rank_makes_the_server_report_it_and_exit(tmp_path):
+    server, rank1 = _serve(tmp_path)
+    try:
+        rank1.send_signal(signal.SIGKILL)
+        assert server.process.wait(timeout=60) == 1
+        assert "tensor-parallel rank 1 exited" in server.output()
+    finally:
+        server.stop("kill")
