@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kvforge.core.plugins import QuantMethod
@@ -125,6 +126,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scb.float()
 
 
+def _with_whole_row_absmax(shard: torch.Tensor) -> torch.Tensor:
+    """A row-parallel shard [N, K / ranks] plus one column holding each row's absmax over all the ranks:
+    quantized by bitsandbytes (then the column dropped), it gets the codes and scales the whole weight
+    gets -- the int8 scale is per row, and a rank only sees its part of the row."""
+    absmax = shard.detach().to(torch.float16).abs().amax(dim=1, keepdim=True).float()
+    dist.all_reduce(absmax, op=dist.ReduceOp.MAX)  # every rank processes its layers in the same order
+    return torch.cat([shard, absmax.to(shard.dtype)], dim=1)
+
+
 def dequantize_int8(codes: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
     return _bnb().functional.int8_vectorwise_dequant(codes, scb.float())
 
@@ -170,7 +180,12 @@ class BnbInt8Method(_BnbMethod):
 
     def process_after_loading(self, layer) -> None:
         bnb = _bnb()
-        codes, scb = quantize_int8(_take_dense_weight(layer))
+        weight = _take_dense_weight(layer)
+        if getattr(layer, "input_split", False):
+            weight = _with_whole_row_absmax(weight)
+        codes, scb = quantize_int8(weight)
+        if getattr(layer, "input_split", False):
+            codes = codes[:, :-1].contiguous()
         layer.bnb_codes, layer.bnb_scb = codes, scb
         compute = COMPUTE_DTYPES[self.options["compute_dtype"]]
         layer.bnb_scales = None  # what the CPU weight-only kernel multiplies the int8 rows by

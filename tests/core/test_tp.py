@@ -176,6 +176,25 @@ def test_quantized_tp2_equals_tp1(embedded_path, chat_prompts, quantized, case):
     assert tp2 == tp1
 
 
+def test_bnb_int8_row_shards_take_the_whole_rows_scale(embedded_path):
+    """A row-parallel layer's int8 scale is per output row: rank 0's share of o_proj (its first 384 of 576
+    inputs) holds exactly the codes and scales of those columns of the one-rank layer."""
+    def o_proj(llm):
+        layer = llm.engine.runner.model.model.layers[3].self_attn.o_proj
+        return layer.bnb_codes.clone(), layer.bnb_scb.clone()
+
+    one = LLM(str(embedded_path), progress=False, num_kv_blocks=8, quant="bnb-int8")
+    codes, scb = o_proj(one)
+    one.engine.close()
+    two = LLM(str(embedded_path), progress=False, num_kv_blocks=8, quant="bnb-int8", tp_size=2)
+    try:
+        shard_codes, shard_scb = o_proj(two)
+    finally:
+        two.engine.close()
+    assert torch.equal(shard_scb, scb)
+    assert torch.equal(shard_codes, codes[:, :384])
+
+
 def test_a_split_that_cannot_be_made_is_refused_and_leaves_no_process(embedded_path):
     with pytest.raises(ValueError, match="3 KV heads cannot be split across 4"):
         LLM(str(embedded_path), progress=False, num_kv_blocks=8, tp_size=4)

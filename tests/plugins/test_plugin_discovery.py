@@ -188,3 +188,30 @@ def test_plugin_claiming_builtin_name_wins_with_override(monkeypatch, squatter_s
     assert not [key for key in registry.errors if key.startswith("none")], registry.errors
     # override only applies to the names listed
     assert discover(QUANT_GROUP, override={"other"}).plugins["none"] is DenseMethod
+
+
+def test_third_party_plugin_is_discovered_in_every_tensor_parallel_rank(monkeypatch, toy_site, tiny_dir):
+    """Each rank is its own process and discovers plugins itself: without the package on its path rank 1
+    cannot load the model (a clear error); with it, TP = 2 runs through the plugin. The toy plugin's
+    per-row int8 scale sees only a rank's part of a row-parallel layer's rows, so TP = 2 is compared with
+    TP = 1 by perplexity, not token for token."""
+    import os
+
+    from kvforge.core.perplexity import perplexity
+
+    _use(monkeypatch, toy_site)
+    path, _ = tiny_dir
+    with pytest.raises(ValueError, match="rank 1: ValueError: unknown kvforge.quant plugin 'toy-int8'"):
+        LLM(str(path), quant="toy-int8", progress=False, num_kv_blocks=64, tp_size=2)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(toy_site), os.environ.get("PYTHONPATH", "")]))
+    text = list(range(3, 200, 3))
+    ppl = {}
+    for tp in (1, 2):
+        llm = LLM(str(path), quant="toy-int8", progress=False, num_kv_blocks=64, tp_size=tp)
+        try:
+            ppl[tp] = perplexity(llm.engine, text)
+        finally:
+            llm.engine.close()
+    dense = LLM(str(path), progress=False, num_kv_blocks=64)
+    dense_ppl = perplexity(dense.engine, text)
+    assert abs(ppl[2] / ppl[1] - 1) < 0.01 and ppl[2] != dense_ppl, (ppl, dense_ppl)
