@@ -37,15 +37,31 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def rank_threads(threads: int | None, tp: int) -> int | None:
+    """Each tensor-parallel rank's share of `threads` (None: the ranks split torch's default themselves)."""
+    return None if threads is None else max(1, threads // tp)
+
+
 def bench_kvforge(model: str | None, dtype: str, ids: list[int], decode_tokens: int, repeats: int,
-                  threads: int | None) -> Result:
-    from kvforge.core import LLMEngine, SamplingParams
+                  threads: int | None, tp: int = 1) -> Result:
+    from kvforge.core import LLMEngine
     from kvforge.core.config import EngineConfig
 
     # prefix caching off: every repeat must prefill the whole prompt again
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=256 << 20, num_threads=threads,
-                                    enable_prefix_caching=False),
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=256 << 20,
+                                    num_threads=rank_threads(threads, tp), enable_prefix_caching=False,
+                                    tp_size=tp),
                        progress=False)
+    try:
+        prefill, decode = _time_requests(engine, ids, decode_tokens, repeats)
+    finally:
+        engine.close()
+    return Result("kvforge" if tp == 1 else f"kvforge tp {tp}", dtype, _median(prefill[1:]), _median(decode[1:]))
+
+
+def _time_requests(engine, ids: list[int], decode_tokens: int, repeats: int) -> tuple[list[float], list[float]]:
+    from kvforge.core import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     prefill, decode = [], []
     for _ in range(repeats + 1):  # the first run warms up
@@ -58,7 +74,7 @@ def bench_kvforge(model: str | None, dtype: str, ids: list[int], decode_tokens: 
         end = time.perf_counter()
         prefill.append(len(ids) / (first - start))
         decode.append((decode_tokens - 1) / (end - first))
-    return Result("kvforge", dtype, _median(prefill[1:]), _median(decode[1:]))
+    return prefill, decode
 
 
 def bench_hf(path, dtype: str, ids: list[int], decode_tokens: int, repeats: int) -> Result:
@@ -89,6 +105,12 @@ def run_latency(args: argparse.Namespace) -> list[Result]:
     from kvforge.core.loader import resolve_model
     from kvforge.core.tokenizer import Tokenizer
 
+    try:
+        tp_counts = [int(n) for n in str(args.tp).split(",")]
+    except ValueError:
+        raise ValueError(f"--tp must be rank counts separated by commas, e.g. 1,2; got {args.tp!r}") from None
+    if any(n < 1 for n in tp_counts):
+        raise ValueError(f"--tp rank counts must be >= 1, got {args.tp!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -98,8 +120,10 @@ def run_latency(args: argparse.Namespace) -> list[Result]:
     results = []
     if not args.no_hf:
         results.append(bench_hf(path, "float32", ids, args.decode_tokens, args.repeats))
-    for dtype in args.dtypes.split(","):
-        results.append(bench_kvforge(str(path), dtype.strip(), ids, args.decode_tokens, args.repeats, args.threads))
+    for tp in tp_counts:
+        for dtype in args.dtypes.split(","):
+            results.append(bench_kvforge(str(path), dtype.strip(), ids, args.decode_tokens, args.repeats,
+                                         args.threads, tp))
     baseline = results[0] if not args.no_hf else None
     print(f"{'engine':<16} {'dtype':<9} {'prefill tok/s':>14} {'decode tok/s':>13} "
           f"{'prefill vs HF fp32':>19} {'decode vs HF fp32':>18}")
@@ -237,15 +261,25 @@ def _warm_ids(prompts: list[list[int]]) -> list[int]:
 
 
 def throughput_kvforge(model: str, dtype: str, prompts: list[list[int]], output_len: int, args) -> dict:
-    from kvforge.core import LLMEngine, SamplingParams
+    from kvforge.core import LLMEngine
     from kvforge.core.config import EngineConfig
 
+    tp = getattr(args, "tp", 1)
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    num_threads=args.threads,
+                                    num_threads=rank_threads(args.threads, tp), tp_size=tp,
                                     enable_prefix_caching=not getattr(args, "no_prefix_caching", False)),
                        progress=False)
+    try:
+        return _throughput_run(engine, prompts, output_len)
+    finally:
+        engine.close()
+
+
+def _throughput_run(engine, prompts: list[list[int]], output_len: int) -> dict:
+    from kvforge.core import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request(_warm_ids(prompts), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():  # warm-up, outside the measurement
@@ -337,7 +371,8 @@ def _ms(seconds: float | None) -> str:
 
 def _print_throughput(r: dict) -> None:
     p, k = r["prompt_tokens"], r["kvforge"]
-    print(f"model {r['model']}; dtype {r['dtype']}; {r['threads']} threads")
+    ranks = f"; kvforge on {r['tp']} tensor-parallel ranks" if r.get("tp", 1) > 1 else ""
+    print(f"model {r['model']}; dtype {r['dtype']}; {r['threads']} threads{ranks}")
     print(f"requests          {r['num_requests']} chat prompts, all submitted at once; "
           f"{r['output_len']} output tokens each (greedy, ignore_eos)")
     print(f"prompt tokens     total {p['total']}, mean {p['mean']:.1f}, min {p['min']}, max {p['max']}")
@@ -391,7 +426,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
     prompts = [tokenizer.apply_chat_template(m) for m in chat_messages(args.num_requests)]
     lengths = [len(ids) for ids in prompts]
     result = {
-        "model": path.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "model": path.name, "dtype": args.dtype, "threads": torch.get_num_threads(), "tp": args.tp,
         "num_requests": len(prompts), "output_len": args.output_len,
         "prompt_tokens": {"total": sum(lengths), "mean": sum(lengths) / len(lengths),
                           "min": min(lengths), "max": max(lengths)},

@@ -388,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_argument("--decode-tokens", type=int, default=64)
     latency.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is kept")
     latency.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    latency.add_argument("--threads", type=int, default=None)
+    latency.add_argument("--threads", type=int, default=None, help="CPU threads in all (split among --tp ranks)")
+    latency.add_argument("--tp", default="1", metavar="N[,N...]",
+                         help="kvforge tensor-parallel rank counts to measure, e.g. 1,2 (default: 1)")
     latency.set_defaults(func=cmd_bench)
     throughput = bench_sub.add_parser(
         "throughput", help="output tok/s of many chat requests at once, against HF sequential and static batches")
@@ -408,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="HF static batches to run (default: all, covering every request)")
     throughput.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     throughput.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    throughput.add_argument("--threads", type=int, default=None)
+    throughput.add_argument("--threads", type=int, default=None, help="CPU threads in all (split among --tp ranks)")
+    throughput.add_argument("--tp", type=tp_ranks, default=1, metavar="N", help="kvforge tensor-parallel ranks")
     throughput.set_defaults(func=cmd_bench_throughput)
     from kvforge.app.bench_chat import add_parser as add_chat_bench
     from kvforge.app.bench_quant import add_parser as add_quant_bench

@@ -135,6 +135,17 @@ def test_bench_latency_prints_ratios_against_hf():
     assert rows["kvforge"].rstrip().endswith("x")  # decode ratio against HF fp32, measured in this run
 
 
+def test_bench_latency_measures_each_tensor_parallel_rank_count():
+    result = run_cli("bench", "latency", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1",
+                     "--dtypes", "float32", "--tp", "1,2")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("HF", "kvforge"))]
+    assert [row[:3] for row in rows[1:]] == [["kvforge", "float32", rows[1][2]], ["kvforge", "tp", "2"]]
+    assert all(row[-1].endswith("x") for row in rows[1:])  # ratios against HF fp32, measured in this run
+    bad = run_cli("bench", "latency", "--tp", "1,two")
+    assert bad.returncode == 2 and "--tp must be rank counts" in bad.stderr
+
+
 def test_serve_refuses_a_public_address_without_an_api_key():
     result = run_cli("serve", "--host", "0.0.0.0", "--port", "0")
     assert result.returncode == 2
