@@ -77,6 +77,22 @@ def test_tp2_equals_tp1_on_the_embedded_model(embedded_path, chat_prompts, refer
     assert not _children()
 
 
+def test_forked_samples_get_their_partial_block_copied_on_every_rank(embedded_path, chat_prompts):
+    """n = 3 seeded samples fork at the prompt's end: each gets a copy of its partial last block, on every
+    rank (a rank that skipped the copy would attend to another sample's KV)."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, n=3, seed=11, max_tokens=16)
+    samples = {}
+    for tp in (1, 2):
+        llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, tp_size=tp)
+        try:
+            (outs,) = llm.generate([chat_prompts[1]], params)
+            samples[tp] = [o.token_ids for o in outs]
+        finally:
+            llm.engine.close()
+    assert len(chat_prompts[1]) % 16 and len({tuple(t) for t in samples[1]}) > 1
+    assert samples[2] == samples[1]
+
+
 def _tiny(tmp_path_factory, embedded_path, name: str, config) -> tuple:
     from transformers import AutoModelForCausalLM
 
