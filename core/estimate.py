@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.core.config import DTYPES, kv_bytes_per_token
+from kvforge.core.distributed import heads_of_rank
 from kvforge.core.models.llama import head_dim_of
 
 
@@ -30,7 +31,8 @@ def parameter_count(hf_config) -> int:
     return vocab * hidden + linear_parameter_count(c) + layers * per_layer_rest + hidden + head
 
 
-def estimate_memory(hf_config, dtype: str, context_tokens: int, bits_per_weight: float | None = None) -> dict:
+def estimate_memory(hf_config, dtype: str, context_tokens: int, bits_per_weight: float | None = None,
+                    tp_size: int = 1) -> dict:
     """Bytes of weights and of the KV cache for `context_tokens` tokens. The projections take
     `bits_per_weight` (a quant method's figure, scales included) or the dtype's size; embeddings,
     norms and the LM head stay in `dtype` (a tied head is held twice: the embedding and the head's packed
@@ -38,10 +40,22 @@ copy), and so does the KV cache."""
     torch_dtype = DTYPES[dtype]
     element = torch.empty((), dtype=torch_dtype).element_size()
     params, linear = parameter_count(hf_config), linear_parameter_count(hf_config)
-    weights = (params - linear) * element + linear * (bits_per_weight / 8 if bits_per_weight else element)
+    projection_bytes = linear * (bits_per_weight / 8 if bits_per_weight else element)
+    weights = (params - linear) * element + projection_bytes
     if getattr(hf_config, "tie_word_embeddings", False):  # the LM head keeps its own prepacked copy (speed)
         weights += hf_config.vocab_size * hf_config.hidden_size * element
     kv = context_tokens * kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
                                              head_dim_of(hf_config), torch_dtype)
-    return {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),
-            "total_bytes": int(weights) + int(kv)}
+    estimate = {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),
+                "total_bytes": int(weights) + int(kv)}
+    if tp_size > 1:  # rank 0 holds the largest share (heads split unevenly give it the extra)
+        heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size, 0)
+        c, head_dim = hf_config, head_dim_of(hf_config)
+        rank_linear = c.num_hidden_layers * (c.hidden_size * (2 * heads.q_count + 2 * heads.kv_count) * head_dim
+                                             + 3 * c.hidden_size * c.intermediate_size // tp_size)
+        # the projections by this rank's share; embeddings and head split evenly (norms are noise)
+        rank_weights = (weights - projection_bytes) / tp_size + projection_bytes * rank_linear / linear
+        rank_kv = kv * heads.kv_count / hf_config.num_key_value_heads
+        estimate |= {"rank_weights_bytes": int(rank_weights), "rank_kv_bytes": int(rank_kv),
+                     "rank_total_bytes": int(rank_weights) + int(rank_kv)}
+    return estimate

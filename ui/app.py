@@ -109,7 +109,7 @@ def current_model_name(host) -> str:
 
 
 def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float, quant: str = "none",
-                             options: str = "{}") -> str:
+                             options: str = "{}", tp: float | None = 1) -> str:
     """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
     the chosen context length, before anything is loaded."""
     try:
@@ -122,13 +122,17 @@ def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float
         hf_config = load_config(path)
         quant, quant_options = resolve_quant(quant or "none", json.loads(options or "{}"), hf_config, path)
         bits = discover(QUANT_GROUP).get(quant).bits_per_weight(quant_options)
-        e = estimate_memory(hf_config, dtype, int(context_tokens), bits)
+        ranks = int(tp or 1)
+        e = estimate_memory(hf_config, dtype, int(context_tokens), bits, tp_size=ranks)
     except Exception as exc:  # a broken config or option: say so, never break the page
         return f"No estimate: {type(exc).__name__}: {exc}"
     layers = f"{quant} at {bits:.2f} bits per weight" if bits else f"dense {dtype}"
     return (f"Estimate for {int(context_tokens)} tokens of context: weights {human_bytes(e['weights_bytes'])} "
             f"({e['parameters'] / 1e6:.1f}M parameters, {layers}) + KV {human_bytes(e['kv_bytes'])} = "
-            f"**{human_bytes(e['total_bytes'])}**")
+            f"**{human_bytes(e['total_bytes'])}**"
+            + (f"; on {ranks} tensor-parallel ranks the largest share is **{human_bytes(e['rank_total_bytes'])}** "
+               f"(weights {human_bytes(e['rank_weights_bytes'])} + KV {human_bytes(e['rank_kv_bytes'])})"
+               if ranks > 1 else ""))
 
 
 def plugin_settings(name: str, group: str = QUANT_GROUP) -> dict:
@@ -439,9 +443,9 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, decoding_options, kv_gb,
                     tp_ranks]
         demo.load(settings_values, outputs=settings)
-        for component in (model_choice, dtype_choice, context, quant_choice, quant_options):
-            component.change(lambda m, d, c, q, o: memory_estimate_markdown(host, m, d, c or 1, q, o),
-                             [model_choice, dtype_choice, context, quant_choice, quant_options], estimate,
+        for component in (model_choice, dtype_choice, context, quant_choice, quant_options, tp_ranks):
+            component.change(lambda m, d, c, q, o, t: memory_estimate_markdown(host, m, d, c or 1, q, o, t),
+                             [model_choice, dtype_choice, context, quant_choice, quant_options, tp_ranks], estimate,
                              queue=False)
         quant_choice.change(plugin_help, quant_choice, quant_help, queue=False)
 

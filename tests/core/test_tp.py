@@ -134,6 +134,21 @@ def test_tp2_equals_tp1_on_tiny_models(tmp_path_factory, embedded_path, arch):
     assert stats.cached_tokens_total > 0
 
 
+def test_estimate_of_the_largest_rank_share_matches_rank_0(embedded_path):
+    """The settings panel's estimate for TP = 2: rank 0 (2 of the 3 KV heads) holds what it says."""
+    from kvforge.core.estimate import estimate_memory
+
+    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, tp_size=2)
+    try:
+        runner = llm.engine.runner
+        estimate = estimate_memory(llm.engine.hf_config, "float32", 64 * 16, tp_size=2)
+        assert estimate["rank_kv_bytes"] == runner.kv_cache_bytes
+        assert abs(estimate["rank_weights_bytes"] / runner.local.weight_bytes() - 1) < 0.02
+        assert estimate["rank_total_bytes"] < 0.7 * estimate["total_bytes"]
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.parametrize("arch", ["embedded", "llama-1-kv-head"])
 def test_whole_blocks_are_gathered_from_and_handed_to_the_ranks(tmp_path_factory, embedded_path, arch):
     """The persisted tier's view of the pool: a block of every KV head, split unevenly (2 + 1 heads) or
