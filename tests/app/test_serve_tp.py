@@ -1,11 +1,13 @@
-"""`kvforge serve --tp 2` as a real process: the `openai` client gets the tokens a one-rank engine gives; a
-shutdown leaves no rank process behind; a rank that dies makes the server report it and exit (no hang)."""
+"""`kvforge serve --tp 2` as a real process: the `openai` client gets the tokens a one-rank engine gives; admin
+swaps between tensor-parallel layouts replace the rank processes; a shutdown leaves no rank process behind; a
+rank that dies makes the server report it and exit (no hang)."""
 
 from __future__ import annotations
 
 import signal
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -44,18 +46,33 @@ def test_serve_tp2_answers_the_openai_client_and_leaves_no_process(tmp_path, ref
     server, rank1 = _serve(tmp_path)
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=MAX_TOKENS,
-                                               messages=[{"role": "user", "content": QUESTION}])
-        assert reply.choices[0].message.content == reference_text
+        assert ask(client) == reference_text
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
             model="SmolLM2-135M-Instruct", temperature=0, max_tokens=MAX_TOKENS, stream=True,
             messages=[{"role": "user", "content": QUESTION}]) if chunk.choices)
         assert streamed == reference_text
         (card,) = client.models.list().data
         assert card.model_extra["tp"] == 2
+
+        # swaps: tensor-parallel to tensor-parallel (the old ranks go first), then back to one rank
+        loaded = httpx.post(f"{server.url}/admin/models/load", json={"tp": 2, "dtype": "bfloat16"}, timeout=120)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["loaded"]["tp"] == 2 and loaded.json()["loaded"]["dtype"] == "bfloat16"
+        assert _gone(rank1)
+        (new_rank1,) = psutil.Process(server.process.pid).children(recursive=True)
+        assert ask(client)
+        loaded = httpx.post(f"{server.url}/admin/models/load", json={"tp": 1}, timeout=120)
+        assert loaded.status_code == 200 and loaded.json()["loaded"]["tp"] == 1, loaded.text
+        assert _gone(new_rank1) and not psutil.Process(server.process.pid).children(recursive=True)
+        assert ask(client) == reference_text
     finally:
         server.stop("sigterm")
     assert _gone(rank1), "rank 1 outlived the server"
+
+
+def ask(client) -> str:
+    return client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=MAX_TOKENS,
+                                          messages=[{"role": "user", "content": QUESTION}]).choices[0].message.content
 
 
 def test_a_dying_rank_makes_the_server_report_it_and_exit(tmp_path):
