@@ -16,10 +16,10 @@ import atexit
 import dataclasses
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -52,12 +52,6 @@ def _backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ParallelRunner:
     """Rank 0's handle on the model runners of all ranks, with ModelRunner's interface: each call is
     sent to the workers, then run here. Anything else (sizes, the model) is rank 0's own."""
@@ -78,17 +72,21 @@ class ParallelRunner:
             if world != self.size or int(os.environ["RANK"]) != 0:
                 raise ValueError(f"torchrun started {world} ranks (this is rank {os.environ['RANK']}); "
                                  f"tp_size is {self.size}: they must match, and rank 0 runs the server")
-            init_method = "env://"
+            rendezvous: dict[str, Any] = {"init_method": "env://"}
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                                  wait_for_workers=False)
             # plain `python -m` processes: multiprocessing's spawn would re-import the caller's __main__
             for rank in range(1, self.size):
                 self._processes[rank] = subprocess.Popen(
-                    [sys.executable, "-m", "kvforge.core.tp", str(rank), str(self.size), init_method])
+                    [sys.executable, "-m", "kvforge.core.tp", str(rank), str(self.size), str(store.port)])
+            rendezvous = {"store": store}
         atexit.register(self.close)  # a caller that never closes the engine still stops its ranks
         try:
-            dist.init_process_group(_backend(), init_method=init_method, rank=0, world_size=self.size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+            if self._processes:
+                self._wait_for_workers(rendezvous["store"])
+            dist.init_process_group(_backend(), rank=0, world_size=self.size, timeout=COLLECTIVE_TIMEOUT,
+                                    **rendezvous)
             self._commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
             for rank in self._processes:
                 threading.Thread(target=self._monitor, args=(rank,), name=f"kvforge-tp-monitor-{rank}",
@@ -104,6 +102,20 @@ class ParallelRunner:
         except BaseException:
             self.close()
             raise
+
+    def _wait_for_workers(self, store: dist.TCPStore) -> None:
+        """Each spawned rank checks in on the store before it joins the group: one that exits first is an
+        error here, not a wait in the rendezvous until its timeout."""
+        keys = [f"up/{rank}" for rank in self._processes]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            for rank, process in self._processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited while starting "
+                                       f"(exit code {process.returncode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the tensor-parallel ranks did not start within {COLLECTIVE_TIMEOUT}")
+            time.sleep(0.05)
 
     def __getattr__(self, name: str) -> Any:
         if name == "local":  # not built yet
@@ -205,14 +217,19 @@ class ParallelRunner:
         torch.set_num_threads(self._threads)
 
 
-def worker_main(rank: int | None = None, size: int | None = None, init_method: str = "env://") -> None:
+def worker_main(rank: int | None = None, size: int | None = None, port: int | None = None) -> None:
     """A tensor-parallel rank > 0: join the group, load this rank's share of the model, then run rank 0's
-    commands until it says stop. Under torchrun rank and size come from the environment."""
+    commands until it says stop. Spawned by ParallelRunner: rank 0's store is on `port` of this machine;
+    under torchrun, rank, size and the rendezvous come from the environment."""
     rank = int(os.environ["RANK"]) if rank is None else rank
     size = int(os.environ["WORLD_SIZE"]) if size is None else size
     logging.basicConfig(level=logging.INFO, format=f"kvforge tp rank {rank}: %(message)s")
-    dist.init_process_group(_backend(), init_method=init_method, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT)
+    rendezvous: dict[str, Any] = {"init_method": "env://"}
+    if port is not None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store.set(f"up/{rank}", "1")
+        rendezvous = {"store": store}
+    dist.init_process_group(_backend(), rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **rendezvous)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     runner = None
     while True:
@@ -231,8 +248,9 @@ def worker_main(rank: int | None = None, size: int | None = None, init_method: s
             dist.gather_object(error, None, dst=0, group=commands)
             continue  # after a failed load rank 0 closes the group: the next command is stop
         result = getattr(runner, name)(*args)  # an exception ends this process: rank 0 sees the rank go
-        if name in GATHERED:
-            dist.gather_object(result, None, dst=0, group=commands)
+        if name in GATHERED:  # tensors travel through the CPU (rank 0 may have no device of this index)
+            dist.gather_object(result.cpu() if isinstance(result, torch.Tensor) else result, None, dst=0,
+                               group=commands)
     dist.destroy_process_group()
 
 
@@ -248,5 +266,5 @@ def _load(config: EngineConfig, rank: int) -> ModelRunner:
         return ModelRunner(config, model_path, load_config(model_path), progress=False)
 
 
-if __name__ == "__main__":  # a rank spawned by ParallelRunner: rank, size, init method
-    worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+if __name__ == "__main__":  # a rank spawned by ParallelRunner: rank, size, rank 0's store port
+    worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -254,6 +254,14 @@ def test_draft_with_the_targets_own_layers_is_refused_under_tp(embedded_path):
     assert not _children()
 
 
+def test_a_rank_that_cannot_start_is_an_error_not_a_hang(embedded_path, monkeypatch):
+    """The spawned rank's interpreter exits at once (here: `false` in place of python)."""
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))
+    with pytest.raises(RuntimeError, match="rank 1 exited while starting"):
+        LLM(str(embedded_path), progress=False, num_kv_blocks=8, tp_size=2)
+    assert not _children()
+
+
 def test_a_rank_that_dies_fails_the_engine_instead_of_hanging(embedded_path, chat_prompts):
     llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, tp_size=2)
     try:
