@@ -89,8 +89,7 @@ class LLMEngine:
             self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens)
         except BaseException:
-            if hasattr(self.runner, "close"):  # tensor-parallel ranks are processes: do not leave them behind
-                self.runner.close()
+            self.runner.close()  # tensor-parallel ranks are processes: do not leave them behind
             raise
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
@@ -298,12 +297,11 @@ class LLMEngine:
             self.speculator.proposer.close()
         if self.persisted is not None:
             self.persisted.close()
-        if hasattr(self.runner, "close"):
-            self.runner.close()
+        self.runner.close()
 
     def failure(self) -> str | None:
         """Why the engine can no longer run (a tensor-parallel rank died), or None while it can."""
-        return getattr(self.runner, "failure", None)
+        return self.runner.failure
 
     def stats(self) -> EngineStats:
         pool = self.block_pool

@@ -35,6 +35,9 @@ class StepInputs:
 
 
 class ModelRunner:
+    failure: str | None = None  # a ParallelRunner's ranks can fail; one process cannot, apart from itself
+    on_failure = None
+
     def __init__(self, config: EngineConfig, model_path: Path | None, hf_config, progress: bool = True,
                  model: torch.nn.Module | None = None) -> None:
         """Loads the model from `model_path`, or runs a given `model` (a drafter built on the target's
@@ -185,6 +188,9 @@ class ModelRunner:
         """Fill pool block `block` from `data` of `kv_block_shape` (all KV heads; this rank keeps its own)."""
         heads = data.narrow(2, self.first_kv_head, self.num_kv_heads)
         self.kv_cache[:, :, :, block].copy_(heads)
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process (a ParallelRunner stops its ranks)."""
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
