@@ -191,12 +191,13 @@ def quantized(embedded_path, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", ["bnb-int8", "gptq-act-order", "gptq", "awq"])
+@pytest.mark.parametrize("case", ["bnb-int8", "bnb-nf4", "gptq-act-order", "gptq", "awq"])
 def test_quantized_tp2_equals_tp1(embedded_path, chat_prompts, quantized, case):
-    """bitsandbytes quantizes each rank's shard; GPTQ / AWQ shards stay group-aligned (act-order keeps every
-    group's scales on each rank; plain GPTQ renumbers a row shard's groups)."""
-    if case == "bnb-int8":
-        path, config = embedded_path, {"quant": "bnb-int8"}
+    """bitsandbytes quantizes each rank's shard (nf4's 64-value blocks stay aligned); GPTQ / AWQ shards stay
+    group-aligned (act-order keeps every group's scales on each rank; plain GPTQ renumbers a row shard's
+    groups)."""
+    if case.startswith("bnb"):
+        path, config = embedded_path, {"quant": case}
     else:
         options = {"gptq-act-order": dict(method="gptq", group_size=64, sym=False, desc_act=True),
                    "gptq": dict(method="gptq", group_size=64, sym=True),
