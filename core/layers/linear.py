@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvforge.core.distributed import HeadShard, tp_rank, tp_size
+from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.plugins import QuantMethod
 
 
@@ -132,10 +132,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; query heads and kv heads are split across ranks separately."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, heads: HeadShard,
-                 bias: bool = False, quant_method: QuantMethod | None = None,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        heads = heads_of_rank(num_heads, num_kv_heads, self.tp_size, self.tp_rank)
         self.heads, self.head_dim = heads, head_dim
         self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         LinearBase.__init__(self, hidden_size, [heads.q_count * head_dim, heads.kv_count * head_dim,

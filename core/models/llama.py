@@ -12,7 +12,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.attention import Attention
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -41,12 +40,12 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, quant: QuantFactory, dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
-        heads = heads_of_rank(config.num_attention_heads, config.num_key_value_heads, tp_size(), tp_rank())
-        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, heads,
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
             bias=attention_bias or config.model_type == "qwen2", quant_method=quant(), params_dtype=dtype)
+        heads = self.qkv_proj.heads  # this rank's query and KV heads
+        self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=attention_bias, quant_method=quant(), params_dtype=dtype,
                                         input_shard=(heads.q_first * self.head_dim, heads.q_count * self.head_dim))
