@@ -130,9 +130,11 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             await host.load(spec)
         except InvalidSpec as exc:  # refused before the swap began: a path, tp or the decoding plugin / options
             raise APIError(400, str(exc), exc.param) from None
-        except ValueError as exc:  # bad path, unknown plugin, bad dtype: the old model keeps serving (as below)
+        except ValueError as exc:  # bad path, unknown plugin, bad dtype, a split the model cannot take
             about_decoding = body.decoding != "none" and f"plugin {body.decoding!r}" in str(exc)
-            raise APIError(400, str(exc), "decoding_options" if about_decoding else "model") from None
+            param = "decoding_options" if about_decoding else "tp" if "tensor-parallel" in str(exc) else "model"
+            after = "" if host.engine is not None else " (no model is loaded: the tensor-parallel one went first)"
+            raise APIError(400, f"{exc}{after}", param) from None
         except Exception as exc:  # the old model keeps serving, unless a tensor-parallel one was closed first
             after = "the previous model keeps serving" if host.engine is not None else "no model is loaded"
             raise APIError(400, f"loading failed, {after}: {type(exc).__name__}: {exc}", "model") from None

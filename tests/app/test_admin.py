@@ -3,7 +3,6 @@ finishing first, paths confined to the models directory, a failed load keeping t
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import threading
 import time
@@ -12,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec, NoModelLoaded
+from kvforge.app.models import ModelHost, ModelSpec
 from kvforge.app.server import create_app, default_engine_factory
 from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
@@ -200,76 +199,3 @@ def test_models_show_tp_and_a_bad_tp_is_refused_and_the_old_model_keeps_serving(
     assert host.name == before["id"]
     assert httpx.get(f"{url}/admin/models").json()["loaded"]["tp"] == 1
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-
-
-class FakeEngine:
-    """Stands in for an AsyncEngine in ModelHost's swap logic: records when it is closed."""
-
-    def __init__(self, name: str, events: list) -> None:
-        self.name, self.events = name, events
-
-    def close(self) -> None:
-        self.events.append(("close", self.name))
-
-
-def fake_host(old_tp: int, fail: bool = False) -> tuple[ModelHost, list]:
-    """A ModelHost serving engine "old" (tp `old_tp`) whose factory records each build (and fails if asked)."""
-    events: list = []
-
-    def factory(spec: ModelSpec):
-        events.append(("build", spec.tp))
-        if fail:
-            raise RuntimeError("no GPUs here")
-        return FakeEngine(f"new-tp{spec.tp}", events)
-
-    return ModelHost(factory, ModelSpec(tp=old_tp), FakeEngine("old", events)), events
-
-
-@pytest.mark.parametrize("old_tp, new_tp, closed_first", [(2, 2, True), (2, 4, True), (1, 2, False), (2, 1, False),
-                                                          (1, 1, False)])
-def test_a_tensor_parallel_model_is_closed_before_another_is_built(old_tp, new_tp, closed_first):
-    """Two tensor-parallel engines cannot coexist in one process: from tp > 1 to tp > 1 the old engine is
-    closed first; in every other case the new one is built while the old one still serves."""
-    async def swap():
-        host, events = fake_host(old_tp)
-        await host.load(ModelSpec(tp=new_tp))
-        return host, events
-
-    host, events = asyncio.run(swap())
-    built, closed = ("build", new_tp), ("close", "old")
-    assert events == ([closed, built] if closed_first else [built, closed])
-    assert host.engine.name == f"new-tp{new_tp}" and host.spec.tp == new_tp and host.last_error is None
-
-
-@pytest.mark.parametrize("old_tp, new_tp", [(2, 2), (1, 2), (2, 1)])
-def test_failed_tensor_parallel_load(old_tp, new_tp):
-    """From tp > 1 to tp > 1 a failed build leaves no model loaded (the old one went first) and last_error says
-    why; otherwise the old model keeps serving. Either way requests are not left waiting."""
-    async def swap():
-        host, events = fake_host(old_tp, fail=True)
-        with pytest.raises(RuntimeError, match="no GPUs here"):
-            await host.load(ModelSpec(tp=new_tp))
-        try:
-            engine = await asyncio.wait_for(host.acquire(), timeout=5)  # the swap is over: no waiting
-            host.release()
-        except NoModelLoaded:
-            engine = None
-        return host, events, engine
-
-    host, events, engine = asyncio.run(swap())
-    assert "no GPUs here" in host.last_error
-    if old_tp > 1 and new_tp > 1:
-        assert events == [("close", "old"), ("build", new_tp)]
-        assert engine is None and host.engine is None and host.name is None
-    else:
-        assert events == [("build", new_tp)]
-        assert engine is host.engine and host.engine.name == "old" and host.spec.tp == old_tp
-
-
-@pytest.mark.parametrize("tp", [0, -1, 1.5, True])
-def test_model_host_refuses_a_bad_tp_before_anything_is_built(tp):
-    host, events = fake_host(2)
-    with pytest.raises(InvalidSpec) as exc:
-        asyncio.run(host.load(ModelSpec(tp=tp)))
-    assert exc.value.param == "tp" and "tp" in str(exc.value)
-    assert events == [] and host.engine.name == "old"

@@ -61,9 +61,18 @@ def test_serve_tp2_answers_the_openai_client_and_leaves_no_process(tmp_path, ref
         assert _gone(rank1)
         (new_rank1,) = psutil.Process(server.process.pid).children(recursive=True)
         assert ask(client)
+        # a tensor-parallel load that fails after the old ranks went first leaves no model (and says so) ...
+        refused = httpx.post(f"{server.url}/admin/models/load", json={"tp": 4}, timeout=120)
+        assert refused.status_code == 400 and "3 KV heads cannot be split across 4" in refused.text, refused.text
+        assert "no model is loaded" in refused.text and refused.json()["error"]["param"] == "tp"
+        assert _gone(new_rank1) and not psutil.Process(server.process.pid).children(recursive=True)
         loaded = httpx.post(f"{server.url}/admin/models/load", json={"tp": 1}, timeout=120)
         assert loaded.status_code == 200 and loaded.json()["loaded"]["tp"] == 1, loaded.text
-        assert _gone(new_rank1) and not psutil.Process(server.process.pid).children(recursive=True)
+        assert ask(client) == reference_text
+        # ... while from one rank the old model keeps serving
+        refused = httpx.post(f"{server.url}/admin/models/load", json={"tp": 4}, timeout=120)
+        assert refused.status_code == 400 and "no model is loaded" not in refused.text, refused.text
+        assert not psutil.Process(server.process.pid).children(recursive=True)
         assert ask(client) == reference_text
     finally:
         server.stop("sigterm")
