@@ -26,27 +26,14 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the plugins import this module to ask `triton_available()` on any machine
-    triton = None
-    tl = None
+# the plugins import this module to ask `triton_available()` on any machine, with or without triton
+from kvforge.core.kernels.runtime import Kernel, interpreting, tl, triton, triton_available
+
+__all__ = ["dequant_gemm", "triton_available"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_BLOCK_N = 64
 DEFAULT_BLOCK_K = 32
-
-
-def _interpreting() -> bool:
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
-def triton_available() -> bool:
-    """Whether `dequant_gemm` can run here: triton importable and a CUDA device (or TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    return _interpreting() or torch.cuda.is_available()
 
 
 def _dequant_gemm_kernel(
@@ -107,15 +94,7 @@ def _dequant_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-_jitted: dict[bool, object] = {}
-
-
-def _kernel():
-    """The jitted kernel for the current interpreter setting (triton.jit decides at decoration time)."""
-    interpret = _interpreting()
-    if interpret not in _jitted:
-        _jitted[interpret] = triton.jit(_dequant_gemm_kernel)
-    return _jitted[interpret]
+_kernel = Kernel(_dequant_gemm_kernel)
 
 
 def _block_m(m: int) -> int:
@@ -170,7 +149,7 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    interpret = _interpreting()
+    interpret = interpreting()
     if x.device.type != "cuda" and not interpret:
         raise ValueError(f"dequant_gemm runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got {x.device}")
 
@@ -189,7 +168,7 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     # fp32 dots use IEEE products, not TF32 (input_precision only matters for fp32 operands). Compiled
     # kernels run bf16 tensor-core dots; the interpreter gets the same numbers through fp32 (see kernel).
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _kernel()[grid](
+    _kernel[grid](
         x2, qweight, scales, qzeros, g_idx, out,
         m, n, k,
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),

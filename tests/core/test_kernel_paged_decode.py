@@ -1,0 +1,230 @@
+"""The Triton paged decode attention kernel against a plain torch reference.
+
+Without CUDA the kernels run under the Triton interpreter: a module-scoped fixture sets TRITON_INTERPRET=1
+for this module's tests only (the kernels are jitted at their first call, see core/kernels/runtime.py).
+Every case builds its cache as a strided view into a bigger pool, with shuffled block ids, a query that is
+a strided view of a packed qkv tensor, garbage (1e4) in the slots past each sequence's length and in the
+spare blocks, and spare block table columns pointing at garbage or other sequences' blocks: reading
+anything a sequence should not see would show in the output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from kvforge.core.kernels import paged_decode
+from kvforge.core.kernels.paged_decode import default_num_splits, paged_decode_attention
+from optional_parts import require
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+GARBAGE = 1e4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_here():
+    require(HAS_TRITON, "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
+    with pytest.MonkeyPatch.context() as mp:
+        if not ON_CUDA:
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _case(lengths, kv_heads: int, group: int, head_dim: int, block_size: int, dtype=torch.float32, *,
+          spare_cols: int = 2, seed: int = 0) -> dict:
+    """Arguments for paged_decode_attention (scale excepted), on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads = len(lengths), kv_heads * group
+    used = [-(-length // block_size) for length in lengths]
+    spare_blocks = 3
+    num_blocks = sum(used) + spare_blocks
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # blocks not in order in the pool
+    # two layers, head_dim padded by 3: the layer's cache is a non-contiguous view into the pool
+    pool = torch.randn(2, 2, kv_heads, num_blocks, block_size, head_dim + 3, generator=gen).to(dtype)
+    cache = pool[1, ..., :head_dim]
+    cache[:, :, ids[sum(used):].long()] = GARBAGE
+    tables = torch.randint(0, num_blocks, (batch, max(used, default=0) + spare_cols), generator=gen,
+                           dtype=torch.int32)  # spare columns: garbage blocks or other sequences' blocks
+    first = 0
+    for b, (length, n) in enumerate(zip(lengths, used)):
+        tables[b, :n] = ids[first:first + n]
+        first += n
+        if length % block_size:
+            cache[:, :, tables[b, n - 1].item(), length % block_size:] = GARBAGE  # slots past L
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    return {"q": qkv[:, :heads * head_dim].view(batch, heads, head_dim),  # row stride of the packed qkv
+            "kv_cache": pool.to(DEVICE)[1, ..., :head_dim], "block_tables": tables.to(DEVICE),
+            "context_lens": torch.tensor(lengths, dtype=torch.int32, device=DEVICE)}
+
+
+def _reference(q, kv_cache, block_tables, context_lens, scale, sliding_window=None) -> torch.Tensor:
+    """fp64 [B, H, D]: gather each sequence's keys through its block table, softmax over the visible ones."""
+    q, cache, tables = q.cpu().double(), kv_cache.cpu().double(), block_tables.cpu().long()
+    batch, heads, head_dim = q.shape
+    kv_heads, block_size = cache.shape[1], cache.shape[3]
+    out = torch.zeros(batch, heads, head_dim, dtype=torch.float64)
+    for b, length in enumerate(context_lens.tolist()):
+        low = 0 if sliding_window is None else max(0, length - sliding_window)
+        pos = torch.arange(low, length)
+        if not len(pos):
+            continue
+        blocks, slots = tables[b, pos // block_size], pos % block_size
+        keys = cache[0][:, blocks, slots].repeat_interleave(heads // kv_heads, 0)  # [H, n, D]
+        values = cache[1][:, blocks, slots].repeat_interleave(heads // kv_heads, 0)
+        probs = torch.softmax(torch.einsum("hd,hnd->hn", q[b], keys) * scale, dim=-1)
+        out[b] = torch.einsum("hn,hnd->hd", probs, values)
+    return out
+
+
+def _check(args: dict, scale: float, rtol: float = 1e-5, atol: float = 1e-5, **kwargs) -> torch.Tensor:
+    y = paged_decode_attention(**args, scale=scale, **kwargs)
+    q = args["q"]
+    assert y.shape == q.shape and y.dtype == q.dtype and y.device == q.device
+    ref = _reference(**args, scale=scale, sliding_window=kwargs.get("sliding_window"))
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=rtol, atol=atol)
+    return y
+
+
+@pytest.mark.parametrize("num_splits", (1, None))
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim", "block_size", "lengths"), [
+    pytest.param(2, 1, 64, 16, (15, 16, 17, 32, 1, 40), id="g1-d64-bs16"),
+    pytest.param(2, 3, 80, 5, (4, 5, 6, 10, 23), id="g3-d80-bs5"),
+    pytest.param(1, 4, 64, 8, (7, 8, 9, 16, 33), id="g4-d64-bs8"),
+    pytest.param(1, 8, 24, 16, (31, 1, 50), id="g8-d24-bs16"),
+    pytest.param(3, 2, 32, 1, (1, 3, 9), id="g2-d32-bs1"),
+    pytest.param(1, 2, 256, 16, (17, 40), id="g2-d256-bs16"),  # head_dim 256 takes 16-key tiles
+])
+def test_matches_reference_fp32(kv_heads, group, head_dim, block_size, lengths, num_splits):
+    args = _case(lengths, kv_heads, group, head_dim, block_size)
+    _check(args, 2.0 / math.sqrt(head_dim), num_splits=num_splits)  # 2x the usual scale: peakier softmax
+
+
+def test_num_splits_agree():
+    """More splits than some sequences have blocks (64 > 6): the empty splits contribute nothing."""
+    args = _case((3, 20, 41, 8), 2, 2, 32, 8)
+    outputs = [_check(args, 0.3, num_splits=s) for s in (1, 2, 3, 7, 64)]
+    for y in outputs[1:]:
+        torch.testing.assert_close(y, outputs[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize("window", (1, 7, 8, 13, 100))  # 7 and 13 cross block boundaries, 8 aligns, 100 > L
+def test_sliding_window(window, num_splits):
+    args = _case((1, 9, 16, 17, 30, 45), 1, 3, 32, 8)
+    _check(args, 0.3, sliding_window=window, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_zero_length_rows_are_zero(num_splits):
+    args = _case((0, 17, 0, 5), 2, 2, 32, 8)
+    y = _check(args, 0.3, num_splits=num_splits)
+    assert torch.equal(y[0::2].cpu(), torch.zeros(2, 4, 32))  # exactly 0, no NaN
+    y = _check(args, 0.3, num_splits=num_splits, sliding_window=4)
+    assert torch.equal(y[0::2].cpu(), torch.zeros(2, 4, 32))
+    everything_padding = _case((0, 0), 1, 2, 16, 4)
+    y = paged_decode_attention(**everything_padding, scale=0.3, num_splits=num_splits)
+    assert torch.equal(y.cpu(), torch.zeros(2, 2, 16))
+
+
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_out_is_written_in_place(num_splits):
+    args = _case((5, 19, 12), 2, 2, 32, 8)
+    big = torch.full((3, 4, 40), float("nan"), device=DEVICE)
+    out = big[..., :32]  # a strided destination, filled with NaN beforehand
+    y = paged_decode_attention(**args, scale=0.3, num_splits=num_splits, out=out)
+    assert y is out
+    torch.testing.assert_close(out.cpu().double(), _reference(**args, scale=0.3), rtol=1e-5, atol=1e-5)
+    assert bool(big[..., 32:].isnan().all())  # nothing written outside out
+
+
+# fp32 math on the rounded inputs, then one rounding to the output dtype: <= 1 ulp <= 2**-7 |y| for bf16
+# (the interpreter's cast truncates), half an ulp for fp16; tolerances allow twice that.
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float16, 2.0**-10), (torch.bfloat16, 2.0**-6)],
+                         ids=("fp16", "bf16"))
+def test_half_precision(dtype, rtol, num_splits):
+    args = _case((3, 16, 21, 40), 2, 3, 64, 8, dtype=dtype)
+    _check(args, 0.125, rtol=rtol, atol=1e-4, num_splits=num_splits)
+
+
+def test_output_depends_on_the_keys_it_sees():
+    args = _case((10, 20), 2, 2, 32, 8)
+    cache, tables = args["kv_cache"], args["block_tables"].cpu()
+
+    def run(**kwargs):
+        return paged_decode_attention(**args, scale=0.3, num_splits=2, **kwargs).cpu()
+
+    def slot(b, pos):
+        return int(tables[b, pos // 8]), pos % 8
+
+    base = run()
+    for kv in (0, 1):  # a visible key, then a visible value, of sequence 1, KV head 1: only heads 2, 3 change
+        cache[kv, 1, slot(1, 13)[0], slot(1, 13)[1], 5] += 1.0
+        changed = run()
+        assert not torch.equal(changed[1, 2:], base[1, 2:])
+        assert torch.equal(changed[0], base[0]) and torch.equal(changed[1, :2], base[1, :2])
+        base = changed
+    windowed = run(sliding_window=5)
+    cache[:, :, slot(0, 12)[0], slot(0, 12)[1]] = -GARBAGE  # past sequence 0's length (10)
+    cache[:, :, slot(1, 3)[0], slot(1, 3)[1]] = -GARBAGE  # outside sequence 1's window of 5 (keys 15..19)
+    assert torch.equal(run(sliding_window=5), windowed)
+    assert torch.equal(run()[0], base[0])
+
+
+def test_empty_batch():
+    args = _case((), 2, 2, 16, 4)
+    assert paged_decode_attention(**args, scale=0.3).shape == (0, 4, 16)
+
+
+def _bad(name: str, change):
+    return pytest.param(change, id=name)
+
+
+@pytest.mark.parametrize("change", [
+    _bad("heads-not-multiple", lambda a: a.update(q=torch.randn(2, 5, 16, device=DEVICE))),
+    _bad("q-2d", lambda a: a.update(q=a["q"][:, 0])),
+    _bad("q-int", lambda a: a.update(q=a["q"].to(torch.int32))),
+    _bad("q-other-dtype", lambda a: a.update(q=a["q"].half())),
+    _bad("head-dim", lambda a: a.update(q=torch.randn(2, 4, 8, device=DEVICE))),
+    _bad("cache-4d", lambda a: a.update(kv_cache=a["kv_cache"][0])),
+    _bad("cache-not-k-v", lambda a: a.update(kv_cache=torch.cat([a["kv_cache"]] * 2)[:3])),
+    _bad("block-tables-int64", lambda a: a.update(block_tables=a["block_tables"].long())),
+    _bad("block-tables-batch", lambda a: a.update(block_tables=a["block_tables"][:1])),
+    _bad("context-lens-int64", lambda a: a.update(context_lens=a["context_lens"].long())),
+    _bad("context-lens-batch", lambda a: a.update(context_lens=a["context_lens"][:1])),
+    _bad("window-0", lambda a: a.update(sliding_window=0)),
+    _bad("splits-0", lambda a: a.update(num_splits=0)),
+    _bad("out-dtype", lambda a: a.update(out=torch.empty(2, 4, 16, dtype=torch.float16, device=DEVICE))),
+    _bad("out-shape", lambda a: a.update(out=torch.empty(2, 4, 17, device=DEVICE))),
+])
+def test_bad_inputs(change):
+    args = {**_case((3, 6), 2, 2, 16, 4), "scale": 0.25}
+    change(args)
+    with pytest.raises(ValueError):
+        paged_decode_attention(**args)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks the CPU path without the interpreter")
+def test_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA"):
+        paged_decode_attention(**_case((3,), 1, 1, 16, 4), scale=0.25)
+
+
+def test_default_num_splits(monkeypatch):
+    cpu = torch.device("cpu")
+    assert default_num_splits(1, 1, 256, 16, cpu) == paged_decode.CPU_MAX_SPLITS
+    assert default_num_splits(1, 1, 4, 16, cpu) == 1  # 64 tokens at most: one split
+    monkeypatch.setattr(paged_decode, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert default_num_splits(1, 8, 256, 16, cuda) == 32  # 2 * 132 / 8 programs wanted, capped at 32
+    assert default_num_splits(4, 8, 256, 16, cuda) == 9  # cdiv(264, 32)
+    assert default_num_splits(64, 8, 256, 16, cuda) == 1  # the batch fills the GPU
+    assert default_num_splits(1, 8, 7, 16, cuda) == 2  # 112 tokens: at least 64 per split
+    assert default_num_splits(1, 8, 256, 16, cuda, sliding_window=100) == 2  # 115 tokens at most
+    assert default_num_splits(1, 8, 0, 16, cuda) == 1
