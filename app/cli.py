@@ -14,12 +14,37 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache budget in GiB (default: 1)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None, help=KV_CACHE_HELP)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of equal prefixes")
     _plugin_args(parser, default="none")
     _tp_arg(parser)
+    _device_args(parser)
+
+
+KV_CACHE_HELP = ("KV cache budget in GiB (default: 1 on CPU; on a GPU what --gpu-memory-utilization leaves after "
+                 "the weights and activations)")
+
+
+def _device_args(parser: argparse.ArgumentParser) -> None:
+    """Where the model runs and the GPU fast path's switches (defaults None: settings / EngineConfig decide)."""
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when a GPU is present)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of the GPU's memory kvforge may use: weights, activations and KV (default: 0.9)")
+    parser.add_argument("--kernels", choices=("auto", "triton", "torch"), default=None,
+                        help="Triton kernels or the torch ones (default auto: Triton on CUDA)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="no CUDA graphs: run every decode step eagerly")
+
+
+def resolve_device(device: str | None) -> str:
+    """--device: None / "auto" is cuda when torch sees a GPU, else cpu."""
+    if device in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def tp_ranks(value: str) -> int:
@@ -108,10 +133,14 @@ def _engine(args: argparse.Namespace, quant: str | None = None, quant_options: d
     if tp == 1 and torchrun_world_size() > 1:  # under torchrun every rank is a tensor-parallel rank
         tp = torchrun_world_size()
     check_tp(tp)
+    gpu = {name: getattr(args, name) for name in ("gpu_memory_utilization", "kernels")
+           if getattr(args, name, None) is not None}
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, quant=quant,
                                   quant_options=options, decoding=decoding, decoding_options=decoding_options,
-                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
-                                  enable_prefix_caching=not args.no_prefix_caching, tp_size=tp, **persist))
+                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
+                                  num_threads=args.threads, enable_prefix_caching=not args.no_prefix_caching,
+                                  tp_size=tp, device=resolve_device(getattr(args, "device", None)),
+                                  cuda_graphs=not getattr(args, "enforce_eager", False), **gpu, **persist))
 
 
 def options_of(args: argparse.Namespace, plugin: str) -> dict:
@@ -347,10 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None,
                        help="HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32)")
-    serve.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget in GiB (default: 1)")
+    serve.add_argument("--kv-cache-gb", type=float, default=None, help=KV_CACHE_HELP)
     serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
     _plugin_args(serve, default=None)
     _tp_arg(serve)
+    _device_args(serve)
     serve.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     serve.add_argument("--no-prefix-caching", action="store_true", default=None,
                        help="do not reuse KV of equal prefixes (turns the persisted tier off too)")

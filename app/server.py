@@ -29,6 +29,7 @@ from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec, NoModelLoaded
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.app.sessions import sessions_router
 from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.engine import RequestsFailed
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.store import Store
 
@@ -73,6 +74,10 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     async def _http_error(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), None, kind)
+
+    @app.exception_handler(RequestsFailed)
+    async def _request_failed(_: Request, exc: RequestsFailed):  # e.g. out of GPU memory: this request only
+        return error_response(503, str(exc), None, "server_error", "request_failed")
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):  # never a bare 500 page
@@ -248,6 +253,9 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             if include_usage:
                 yield chunk([], usage=usage(finals.values(), prompt_tokens))
             yield "data: [DONE]\n\n"
+        except RequestsFailed as exc:  # headers are sent: report it in the stream, as OpenAI does
+            error = {"message": str(exc), "type": "server_error", "param": None, "code": "request_failed"}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         finally:
             host.release()
             stream.abort()  # the client disconnected mid-stream: stop it and free its KV blocks

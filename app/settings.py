@@ -39,7 +39,11 @@ class ServeSettings:
     decoding: str = "none"  # speculative decoding plugin (ngram, draft...); "none": off
     decoding_options: str | None = None  # JSON object (a TOML table works too)
     tp: int = 1  # tensor-parallel ranks (--tp), one process each; checked (>= 1) before the model loads
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float | None = None  # None: 1 GiB on CPU; on a GPU, sized from gpu_memory_utilization
+    device: str | None = None  # cpu | cuda | cuda:N; None: cuda when a GPU is present
+    gpu_memory_utilization: float = 0.9
+    kernels: str = "auto"  # auto | triton | torch
+    enforce_eager: bool = False  # no CUDA graphs
     block_size: int = 16
     threads: int | None = None
     no_prefix_caching: bool = False

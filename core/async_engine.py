@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvforge.core.engine import LLMEngine
+from kvforge.core.engine import LLMEngine, RequestsFailed
 from kvforge.core.metrics import EngineStats
 from kvforge.core.output import RequestOutput
 from kvforge.core.sampling import SamplingParams
@@ -156,6 +156,11 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except RequestsFailed as exc:  # e.g. out of device memory: only these requests stop
+                log.warning("%s", exc)
+                for request_id in exc.request_ids:
+                    self._fail(request_id, exc)
+                continue
             except Exception as exc:  # fail the requests of this step, keep serving the others
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -208,5 +213,11 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self.engine.abort(request_id)
-            self._unfinished.pop(request_id, None)
-            self._streams.pop(request_id)._put(exc)
+            self._fail(request_id, exc)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        """End the request's stream with `exc` (the engine has stopped it already)."""
+        self._unfinished.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(exc)

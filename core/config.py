@@ -11,6 +11,9 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
+KERNELS = ("auto", "triton", "torch")
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU pool's default budget
+
 
 @dataclass
 class EngineConfig:
@@ -23,7 +26,12 @@ class EngineConfig:
     device: str = "cpu"  # rank 0's device under tensor parallelism (rank r: cuda:<local rank>)
     tp_size: int = 1  # tensor-parallel ranks, one process each; every rank holds 1/tp_size of the weights and KV
     block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 1 << 30  # KV pool budget; ignored when num_kv_blocks is set
+    # KV pool budget; ignored when num_kv_blocks is set. None: 1 GiB on CPU; on CUDA what
+    # gpu_memory_utilization leaves after the weights and a profiling forward's peak
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory kvforge may use in all
+    kernels: str = "auto"  # auto | triton | torch: Triton kernels (auto: on CUDA when triton is installed)
+    cuda_graphs: bool = True  # CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)
     num_kv_blocks: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True  # reuse the KV of equal prompt prefixes across requests
@@ -47,7 +55,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_disk_budget_bytes < 0:
             raise ValueError(f"kv_disk_budget_bytes must be >= 0, got {self.kv_disk_budget_bytes}")
-        if self.kv_cache_bytes < 1:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tp_size"):
             if getattr(self, name) < 1:

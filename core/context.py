@@ -38,12 +38,30 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelBatch:
+    """The Triton kernels' view of the step (tensors on the model's device). Rows [0, num_decodes) of the
+    flat batch are single decode tokens, the prefill chunks follow. Padded rows (CUDA graphs) have slot -1
+    and context length 0."""
+
+    slots: torch.Tensor  # int32 [tokens] KV slot of each new token (block * block_size + offset)
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # int32 [decodes, width]
+    decode_context_lens: torch.Tensor  # int32 [decodes] context length including the new token
+    prefill_block_tables: torch.Tensor  # int32 [prefills, width]
+    query_start_loc: torch.Tensor  # int32 [prefills + 1] rows of each chunk, counted from the first prefill row
+    prefill_context_lens: torch.Tensor  # int32 [prefills] cached + new tokens
+    max_query_len: int  # the longest chunk
+
+
+@dataclass
 class StepContext:
     positions: torch.Tensor  # [tokens] position of each new token in its sequence
-    write_rows: torch.Tensor  # where each new token's K and V go
-    prefills: list[PrefillSeq]
-    decode_groups: list[DecodeGroup]
     kv_cache: torch.Tensor  # the pool this step runs on: [layers, 2, kv_heads, blocks, block_size, head_dim]
+    # the torch attention's batch (below); the Triton attention's is `kernel`
+    write_rows: torch.Tensor | None = None  # where each new token's K and V go
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    kernel: KernelBatch | None = None
     # masks shared by all layers, built on first use, keyed by (kind, index, sliding window)
     masks: dict = field(default_factory=dict)
 

@@ -11,13 +11,14 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvforge.core.config import EngineConfig
+from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
@@ -33,6 +34,18 @@ from kvforge.core.scheduler import Scheduler
 from kvforge.core.speculative import Speculator, spec_metrics
 from kvforge.core.store import Store
 from kvforge.core.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 256  # decode batches up to this size replay CUDA graphs; larger ones run eagerly
+
+
+class RequestsFailed(RuntimeError):
+    """A step failed in a way that stops only these requests (the engine aborted them); the others go on."""
+
+    def __init__(self, request_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -69,13 +82,16 @@ class LLMEngine:
                 self.speculator = Speculator(self.config.decoding, self.config.decoding_options, DraftTarget(
                     self.config, self.hf_config, self.model_path, self.tokenizer, self.runner))
                 self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)
+            model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
+            self.max_model_len = min(self.config.max_model_len or model_len, model_len)
             # a drafter with KV of its own shares the budget: both pools hold the same number of tokens
             draft_bytes = self.speculator.proposer.kv_bytes_per_block(self.config.block_size) if self.speculator else 0
             num_blocks = self.config.num_kv_blocks or max(
-                1, self.config.kv_cache_bytes // (self.runner.kv_bytes_per_block + draft_bytes))
+                1, self._kv_budget() // (self.runner.kv_bytes_per_block + draft_bytes))
             self.runner.allocate_kv(num_blocks)
             if self.speculator:
                 self.speculator.proposer.allocate_kv(num_blocks)
+            self._capture_graphs()
             self.block_pool = BlockPool(num_blocks, enable_caching=self.config.enable_prefix_caching)
             self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
             self.persisted = None
@@ -84,8 +100,6 @@ class LLMEngine:
                                              self.config.resolved_data_dir() / "kv", self.fingerprint,
                                              self.runner, self.config.kv_disk_budget_bytes)
             self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint, self.persisted)
-            model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
-            self.max_model_len = min(self.config.max_model_len or model_len, model_len)
             self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens)
         except BaseException:
@@ -100,6 +114,35 @@ class LLMEngine:
         self._generation_rate, self._prompt_rate = RateMeter(), RateMeter()
         self._totals = dict(requests_finished=0, prompt_tokens_total=0, cached_tokens_total=0,
                             generated_tokens_total=0)
+
+    def _kv_budget(self) -> int:
+        """The KV pools' bytes: kv_cache_bytes when given; on CPU 1 GiB; on CUDA what gpu_memory_utilization
+        leaves after the weights and a profiling forward's peak (core/gpu_memory.py)."""
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.runner.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        from kvforge.core import gpu_memory
+
+        if self.config.tp_size > 1:  # the ranks' models live in other processes: size from what is free now
+            free, total = torch.cuda.mem_get_info(self.runner.device)
+            return gpu_memory.kv_cache_budget(total, self.config.gpu_memory_utilization, total - free, 0)
+        return gpu_memory.measure_kv_budget(self.runner, self.config.gpu_memory_utilization,
+                                            self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                            self.max_model_len)
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs for decode batches (CUDA, Triton kernels, one rank); a capture that fails leaves the
+        eager path, with a warning."""
+        runner = self.runner
+        if not (self.config.cuda_graphs and self.config.tp_size == 1 and runner.device.type == "cuda"
+                and runner.kernels == "triton"):
+            return
+        try:
+            runner.enable_decode_graphs(self.max_model_len, min(self.config.max_num_seqs, MAX_GRAPH_BATCH))
+        except Exception:
+            log.warning("capturing CUDA graphs failed; decode runs eagerly", exc_info=True)
+            runner.graphs = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -163,7 +206,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        sampled, logits = self.runner.run(plan.scheduled)
+        try:
+            sampled, logits = self.runner.run(plan.scheduled)
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(plan.scheduled, exc) from exc
         prompt_tokens = 0
         for item in plan.scheduled:
             seq = item.seq
@@ -223,6 +269,19 @@ class LLMEngine:
         self._generation_rate.add(generated)
         self._totals["generated_tokens_total"] += generated
         return [o for o in outputs if o is not None]
+
+    def _out_of_memory(self, scheduled: list, exc: BaseException) -> RequestsFailed:
+        """The device ran out of memory in this step: stop the request with the most tokens in it (the
+        likely cause: a long prefill chunk), free its blocks and memory; the others run again next step
+        (nothing of this step was counted as computed)."""
+        victim = max(scheduled, key=lambda item: (item.num_new_tokens, item.seq.num_computed_tokens)).seq
+        tokens = sum(item.num_new_tokens for item in scheduled)
+        log.warning("out of device memory in a step of %d tokens; stopping request %s", tokens, victim.request_id)
+        self.abort(victim.request_id)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return RequestsFailed([victim.request_id], f"out of device memory while running this request (a step of "
+                                                   f"{tokens} tokens); the request was stopped: {exc}")
 
     def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         child.num_cached_tokens = parent.num_cached_tokens

@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
-from kvforge.core.context import DecodeGroup, PrefillSeq, StepContext, set_context
+from kvforge.core.context import DecodeGroup, KernelBatch, PrefillSeq, StepContext, set_context
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
+from kvforge.core.kernels.runtime import resolve_kernels
+from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, discover
@@ -29,8 +31,8 @@ class StepInputs:
     slots: list[int]  # KV slot of each new token (block * block_size + offset)
     # rows [first, last) of the flat batch, each context's block table (padded to one length), context lengths
     decode_groups: list[tuple[int, int, list[list[int]], list[int]]]
-    # rows [first, last), context length, block table of the whole context (None: nothing cached before)
-    prefills: list[tuple[int, int, int, list[int] | None]]
+    # rows [first, last), context length, block table of the whole context
+    prefills: list[tuple[int, int, int, list[int]]]
     logits_rows: list[int]  # rows whose logits the step returns
 
 
@@ -47,8 +49,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # a drafter built on the target's own layers uses the kernels those layers were built with
+        self.kernels = resolve_kernels(config.kernels, self.device) if model is None else model.kernels
+        self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
         if model is None:
-            model = self._load(config, model_path, hf_config, progress)
+            model = self._load(config, model_path, hf_config, progress, self.kernels)
         self.model = model.eval()
 
         heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size(), tp_rank())
@@ -66,6 +71,8 @@ class ModelRunner:
 
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged KV pool: `num_blocks` blocks of `block_size` tokens for every layer."""
+        self.graphs = None  # captured over the old pool
+        self.kv_cache = torch.empty(0)  # free the old pool before the new one
         self.num_blocks = num_blocks
         # head-major paged layout (see layers/attention.py)
         shape = (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
@@ -76,14 +83,15 @@ class ModelRunner:
         self._plane_slots = planes * num_blocks * self.block_size
 
     @staticmethod
-    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool) -> torch.nn.Module:
+    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool, kernels: str) -> torch.nn.Module:
         quant_cls = discover(QUANT_GROUP).get(config.quant)
         if torch.device(config.device).type not in quant_cls.devices:  # refused before anything is loaded
             raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
                              f"not on {torch.device(config.device).type}")
         options = quant_cls.validate_options(config.quant_options)
-        with torch.device(config.device):
+        with torch.device(config.device), kernel_backend(kernels):
             model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
+        model.kernels = kernels
         load_weights(model, model_path, progress=progress,
                      transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
         return model
@@ -137,7 +145,7 @@ class ModelRunner:
             table = seq.block_table
             inputs.slots.extend(table[p // size] * size + p % size for p in range(start, end))
             row = len(inputs.positions) - item.num_new_tokens
-            inputs.prefills.append((row, row + item.num_new_tokens, end, table[: -(-end // size)] if start else None))
+            inputs.prefills.append((row, row + item.num_new_tokens, end, table[: -(-end // size)]))
         sampled, row = [], 0
         for item in decodes + prefills:
             row += item.num_new_tokens
@@ -150,27 +158,68 @@ class ModelRunner:
         return inputs, sampled
 
     def _context(self, inputs: StepInputs) -> StepContext:
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+        if self.kernels == "triton":
+            return StepContext(positions, self.kv_cache, kernel=self._kernel_batch(inputs))
         size = self.block_size
         groups = [DecodeGroup(first, last, self._gather_rows(tables), len(tables[0]) * size,
                               torch.tensor(lengths, dtype=torch.long))
                   for first, last, tables, lengths in inputs.decode_groups]
-        prefills = [PrefillSeq(first, last, end, None if table is None else self._gather_rows([table]))
+        # a chunk with nothing cached before it attends to its own fresh K/V: no gather
+        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]))
                     for first, last, end, table in inputs.prefills]
         # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
         write_rows = (self._plane_slots + torch.tensor(inputs.slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
-        return StepContext(
-            positions=torch.tensor(inputs.positions, dtype=torch.long, device=self.device),
-            write_rows=write_rows.to(self.device), prefills=prefills, decode_groups=groups, kv_cache=self.kv_cache)
+        return StepContext(positions, self.kv_cache, write_rows.to(self.device), prefills, groups)
+
+    def _kernel_batch(self, inputs: StepInputs) -> KernelBatch:
+        """The Triton kernels' tensors: one int32 buffer built on the host, moved in one copy, then sliced."""
+        decode_tables = [table for group in inputs.decode_groups for table in group[2]]
+        decode_lens = [length for group in inputs.decode_groups for length in group[3]]
+        prefill_tables = [p[3] for p in inputs.prefills]
+        starts = [0]
+        for first, last, _, _ in inputs.prefills:
+            starts.append(starts[-1] + last - first)
+        decode_width = max(map(len, decode_tables), default=0)
+        prefill_width = max(map(len, prefill_tables), default=0)
+        flat = list(inputs.slots) + decode_lens + [n for _, _, n, _ in inputs.prefills] + starts
+        for tables, width in ((decode_tables, decode_width), (prefill_tables, prefill_width)):
+            for table in tables:
+                flat.extend(table)
+                flat.extend([0] * (width - len(table)))
+        buffer = torch.tensor(flat, dtype=torch.int32).to(self.device)
+        sizes = [len(inputs.slots), len(decode_lens), len(prefill_tables), len(starts),
+                 len(decode_tables) * decode_width, len(prefill_tables) * prefill_width]
+        slots, d_lens, p_lens, starts_t, d_tables, p_tables = buffer.split(sizes)
+        return KernelBatch(slots, len(decode_lens), d_tables.view(len(decode_tables), decode_width), d_lens,
+                           p_tables.view(len(prefill_tables), prefill_width), starts_t, p_lens,
+                           max((last - first for first, last, _, _ in inputs.prefills), default=0))
+
+    def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None:
+        """Run decode-only steps of up to `max_batch` sequences through CUDA graphs (core/cuda_graphs.py),
+        captured now over the current KV pool. `capture=False` (CPU tests): the same padded static buffers,
+        run eagerly."""
+        from kvforge.core.cuda_graphs import DecodeGraphs
+
+        if self.kernels != "triton":
+            raise ValueError("CUDA graphs need the Triton kernels (kernels='triton')")
+        self.graphs = None  # a failed capture leaves the eager path
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_batch, capture)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """One forward over the flat batch; the fp32 logits of `inputs.logits_rows`."""
+        rows = inputs.logits_rows
+        if self.graphs is not None and not inputs.prefills and self.graphs.fits(len(inputs.input_ids)):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots,
+                                     [t for group in inputs.decode_groups for t in group[2]],
+                                     [n for group in inputs.decode_groups for n in group[3]])
+            return self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
         context = self._context(inputs)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         set_context(context)
         try:
             hidden = self.model(input_ids, context.positions)
-            rows = inputs.logits_rows
             return self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
         finally:
             set_context(None)

@@ -1,4 +1,4 @@
-"""SiLU-and-multiply over the fused gate_up projection."""
+"""SiLU-and-multiply over the fused gate_up projection (one Triton kernel with the Triton kernels)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.core.layers.backend import use_triton
+
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.triton = use_triton()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kvforge.core.kernels.fused import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

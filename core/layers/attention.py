@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache (CPU / portable path).
+"""Attention over the paged KV cache: the portable torch path (below) or the Triton kernels
+(core/kernels: on CUDA, and on CPU under TRITON_INTERPRET=1 in tests), chosen when the layer is built.
 
 The cache is head-major and paged: [2 (K, V), kv_heads, num_blocks, block_size, head_dim] per
 layer, so a gathered context comes out as [2, kv_heads, tokens, head_dim], the layout the matmuls
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core.context import DecodeGroup, PrefillSeq, StepContext, get_context
+from kvforge.core.context import DecodeGroup, KernelBatch, PrefillSeq, StepContext, get_context
+from kvforge.core.layers.backend import use_triton
 
 
 class Attention(nn.Module):
@@ -25,11 +27,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.triton = use_triton()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
         ctx = get_context()
         cache = ctx.kv_cache[self.layer_index]  # [2, kv_heads, blocks, block_size, head_dim]
+        if self.triton:
+            return self._forward_kernels(ctx.kernel, cache, q, k, v)
         new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
         cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
         if not ctx.prefills and len(ctx.decode_groups) == 1:  # the common decode step: no copies
@@ -40,6 +45,25 @@ class Attention(nn.Module):
         for i, group in enumerate(ctx.decode_groups):
             out[group.start:group.end] = self._decode(ctx, cache, i, q)
         return out
+
+    def _forward_kernels(self, batch: KernelBatch, cache: torch.Tensor, q, k, v) -> torch.Tensor:
+        """Store the new K/V, then decode rows through the split-context decode kernel and prefill chunks
+        through the varlen prefill kernel, both reading the paged cache (cached context and new tokens)."""
+        from kvforge.core.kernels.fused import store_kv
+        from kvforge.core.kernels.paged_decode import paged_decode_attention
+        from kvforge.core.kernels.paged_prefill import paged_prefill_attention
+
+        store_kv(k, v, cache, batch.slots)
+        out = torch.empty_like(q)
+        d = batch.num_decodes
+        if d:
+            paged_decode_attention(q[:d], cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
+                                   self.sliding_window, out=out[:d])
+        if d < q.shape[0]:
+            paged_prefill_attention(q[d:], cache, batch.prefill_block_tables, batch.query_start_loc,
+                                    batch.prefill_context_lens, batch.max_query_len, self.scale,
+                                    self.sliding_window, out=out[d:])
+        return out.view(q.shape[0], -1)
 
     def _prefill(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
         new = seq.end - seq.start

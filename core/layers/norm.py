@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add fused in (the decoder layer's add-then-normalise pattern)."""
+"""RMSNorm, with the residual add fused in (the decoder layer's add-then-normalise pattern); one Triton
+kernel does both when the model is built with the Triton kernels."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.core.layers.backend import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.triton = use_triton()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; bit-identical to the reference in fp32
@@ -24,6 +28,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if self.triton:
+            from kvforge.core.kernels.fused import rms_norm
+
+            shape = x.shape  # the kernel takes rows; q/k norms get [tokens, heads, head_dim]
+            if residual is None:
+                return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+            out, total = rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps, residual.reshape(-1, shape[-1]))
+            return out.view(shape), total.view(shape)
         if residual is None:
             return self._norm(x)
         x = x + residual

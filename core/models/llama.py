@@ -14,6 +14,7 @@ from torch import nn
 
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.attention import Attention
+from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.norm import RMSNorm
@@ -57,6 +58,11 @@ class LlamaAttention(nn.Module):
                               sliding_window_of(config, layer_idx), layer_index=layer_idx)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.rotate = apply_rotary
+        if use_triton():  # rotates in place, in one kernel
+            from kvforge.core.kernels.fused import rotary_inplace
+
+            self.rotate = rotary_inplace
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -65,9 +71,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].reshape(tokens, heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(tokens, -1, self.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
         else:  # q and k sit side by side in the fused output: rotate both in one pass
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim), *rope)
+            qk = self.rotate(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim), *rope)
             q, k = qk[:, :heads], qk[:, heads:]
         return self.o_proj(self.attn(q, k, v))
 

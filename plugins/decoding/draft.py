@@ -33,6 +33,7 @@ class FirstLayers(nn.Module):
     def __init__(self, model: nn.Module, num_layers: int) -> None:
         super().__init__()
         self.model, self.num_layers = model, num_layers
+        self.kernels = model.kernels  # the kernels its layers were built with (the drafter's runner asks)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, num_layers=self.num_layers)

@@ -1,0 +1,29 @@
+"""Which kernels the layers being built use: the torch ones (CPU, any device) or the Triton ones
+(core/kernels: CUDA, or CPU under TRITON_INTERPRET=1 in tests).
+
+Like the tensor-parallel layout, layers read it when they are built (`with kernel_backend("triton"):
+build the model`) and keep it, so two models in one process may use different kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_backend = "torch"
+
+
+@contextmanager
+def kernel_backend(name: str) -> Iterator[None]:
+    if name not in ("torch", "triton"):
+        raise ValueError(f"kernel backend must be 'torch' or 'triton', got {name!r}")
+    global _backend
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def use_triton() -> bool:
+    return _backend == "triton"
