@@ -54,7 +54,7 @@ class Attention(nn.Module):
         from kvforge.core.kernels.paged_prefill import paged_prefill_attention
 
         store_kv(k, v, cache, batch.slots)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous (q is a view into the fused qkv output)
         d = batch.num_decodes
         if d:
             paged_decode_attention(q[:d], cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
