@@ -138,6 +138,9 @@ class LLMEngine:
         if not (self.config.cuda_graphs and self.config.tp_size == 1 and runner.device.type == "cuda"
                 and runner.kernels == "triton"):
             return
+        if not runner.model.cuda_graph_safe:  # e.g. bitsandbytes' int8 matmul finds outliers on the host
+            log.info("the %s quant method is not CUDA-graph safe; decode runs eagerly", self.config.quant)
+            return
         try:
             runner.enable_decode_graphs(self.max_model_len, min(self.config.max_num_seqs, MAX_GRAPH_BATCH))
         except Exception:

@@ -36,6 +36,8 @@ class QuantMethod(ABC):
     description: str = ""
     settings: dict[str, Any] = {}  # JSON-schema-like description of the options the UI renders
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # apply() never syncs with the host or allocates by data, so CUDA graphs may capture decode steps
+    cuda_graph_safe: bool = False
 
     def __init__(self, **options: Any) -> None:
         self.options = self.validate_options(options)

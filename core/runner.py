@@ -92,6 +92,7 @@ class ModelRunner:
         with torch.device(config.device), kernel_backend(kernels):
             model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
         model.kernels = kernels
+        model.cuda_graph_safe = quant_cls.cuda_graph_safe
         load_weights(model, model_path, progress=progress,
                      transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
         return model
@@ -113,7 +114,7 @@ class ModelRunner:
     def _gather_rows(self, tables: list[list[int]]) -> torch.Tensor:
         """Rows ordered (K/V, sequence, head, block): a gather yields [2, seqs, kv_heads, tokens, head_dim]."""
         blocks = torch.tensor(tables, dtype=torch.long).unsqueeze(2)  # [seqs, blocks, 1]
-        return (self._plane_blocks + blocks.transpose(1, 2)).view(-1)
+        return (self._plane_blocks + blocks.transpose(1, 2)).view(-1).to(self.device)
 
     def plan(self, batch: list[ScheduledSeq], all_logits: bool = False) -> tuple[StepInputs, list[ScheduledSeq]]:
         """Order the batch (decode tokens by context length, then prefill chunks) and lay it out flat.
@@ -203,6 +204,8 @@ class ModelRunner:
 
         if self.kernels != "triton":
             raise ValueError("CUDA graphs need the Triton kernels (kernels='triton')")
+        if not getattr(self.model, "cuda_graph_safe", False):
+            raise ValueError(f"the {self.config.quant!r} quant method may sync with the host: no CUDA graphs")
         self.graphs = None  # a failed capture leaves the eager path
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_batch, capture)
 

@@ -67,6 +67,10 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
     Greedy: drafts are accepted while they equal the argmax. Sampling: see `_rejection_sample`.
     A sequence without drafts gets one token, drawn as without speculation.
     """
+    if logits.device.type != "cpu" and not all(p.greedy and not p.uses_penalties for p in batch.params):
+        # sampling draws from per-request CPU generators and penalties count tokens on the host: run them on
+        # the CPU; greedy batches (the argmax, min_tokens masks, logprobs) stay on the device
+        logits = logits.cpu()
     drafts = batch.drafts or [[] for _ in range(batch.size)]
     starts, row_seq, row_outputs = [], [], []
     for s, seq_drafts in enumerate(drafts):

@@ -136,7 +136,7 @@ def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
         if new == length and (window is None or length <= window):
             ctx.masks[key] = CAUSAL
         else:
-            ctx.masks[key] = visible_keys(new, length, window)
+            ctx.masks[key] = visible_keys(new, length, window).to(ctx.kv_cache.device)
     return ctx.masks[key]
 
 
@@ -156,7 +156,8 @@ def short_chunk_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | No
     key = ("short", i, window)
     if key not in ctx.masks:
         visible = visible_keys(seq.end - seq.start, seq.context_len, window, repeat=group)
-        ctx.masks[key] = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(0)
+        additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(0)
+        ctx.masks[key] = additive.to(ctx.kv_cache.device)
     return ctx.masks[key]
 
 
@@ -179,5 +180,5 @@ def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None
             additive = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
             g = valid.shape[0]
             ctx.masks[key] = additive.view(g, 1, 1, padded).expand(g, kv_heads, queries_per_head, padded) \
-                .reshape(g * kv_heads, queries_per_head, padded)
+                .reshape(g * kv_heads, queries_per_head, padded).to(ctx.kv_cache.device)
     return ctx.masks[key]

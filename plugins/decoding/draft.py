@@ -167,5 +167,5 @@ class DraftModelProposer(Proposer):
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if not self.options["sample"] or seq.params.greedy:
             return int(logits.argmax()), None
-        q = sampling_probs(logits.unsqueeze(0), [seq.params])[0]
+        q = sampling_probs(logits.cpu().unsqueeze(0), [seq.params])[0]  # the generators are CPU ones
         return draw(q, seq.generator), q

@@ -44,6 +44,7 @@ def create_dense_weight(layer: torch.nn.Module, in_features: int, out_features_p
 
 
 class DenseMethod(QuantMethod):
+    cuda_graph_safe = True  # plain matmuls: no host syncs
     name = "none"
     description = "Dense weights in the model dtype (no quantization)."
     settings: dict = {}

@@ -34,6 +34,8 @@ GROUP_SIZE_SETTING = {"type": "integer", "default": 128, "minimum": -1,
 class GroupQuantMethod(QuantMethod):
     """Subclasses create the checkpoint's parameters and read them back as a `Quantized`."""
 
+    cuda_graph_safe = True  # every kernel (Triton dequant-GEMM, int4pack, dequantize) runs without host syncs
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.bits: int = self.options["bits"]
