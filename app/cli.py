@@ -444,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--tp", type=tp_ranks, default=1, metavar="N", help="kvforge tensor-parallel ranks")
     throughput.set_defaults(func=cmd_bench_throughput)
     from kvforge.app.bench_chat import add_parser as add_chat_bench
+    from kvforge.app.bench_gpu import add_parser as add_gpu_bench
     from kvforge.app.bench_quant import add_parser as add_quant_bench
     from kvforge.app.bench_serve import add_parser as add_serve_bench
     from kvforge.app.bench_spec import add_parser as add_spec_bench
@@ -453,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_bench(bench_sub)
     add_quant_bench(bench_sub)
     add_spec_bench(bench_sub)
+    add_gpu_bench(bench_sub)
     add_cache(sub)
     from kvforge.app.quantize import add_parser as add_quantize
 

@@ -19,6 +19,7 @@ from parity import compare, hf_greedy
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 NEW_TOKENS = 12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: compiled on a GPU, else interpreted
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,7 +62,7 @@ def _generate(path, prompts, rounds: int = 2, **config) -> tuple[LLM, list[list[
 def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
     path, model, prompts = tiny
     common = dict(block_size=block_size, num_kv_blocks=400 // block_size, max_num_batched_tokens=chunk)
-    llm, triton_runs = _generate(path, prompts, kernels="triton", **common)
+    llm, triton_runs = _generate(path, prompts, kernels="triton", device=DEVICE, **common)
     assert llm.engine.runner.kernels == "triton"
     assert llm.engine.stats().cached_tokens_total > 0  # the second round read cached prefix blocks
     _, torch_runs = _generate(path, prompts, kernels="torch", **common)
@@ -74,7 +75,7 @@ def test_decode_graph_buffers_give_the_eager_tokens(tiny):
     """Decode-only steps through DecodeGraphs' padded buckets (3 sequences run in the 4-bucket: one padded
     row with slot -1 and context length 0) equal the unpadded eager steps."""
     path, _, prompts = tiny
-    common = dict(kernels="triton", num_kv_blocks=40, max_num_seqs=8)
+    common = dict(kernels="triton", device=DEVICE, num_kv_blocks=40, max_num_seqs=8)
     _, eager = _generate(path, prompts[1:], rounds=1, **common)
     llm = LLM(str(path), progress=False, **common)
     engine = llm.engine
@@ -95,7 +96,7 @@ def test_embedded_model_on_triton_kernels_matches_hf(embedded_path):
     """The real model (30 layers, 9 query / 3 KV heads) on the Triton kernels: the HF greedy answer."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(embedded_path), progress=False, kernels="triton", kv_cache_bytes=32 << 20)
+    llm = LLM(str(embedded_path), progress=False, kernels="triton", device=DEVICE, kv_cache_bytes=32 << 20)
     messages = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
     prompt = llm.tokenizer.apply_chat_template(messages)  # token ids
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
