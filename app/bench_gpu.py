@@ -140,7 +140,7 @@ def add_parser(bench_sub) -> None:
     gpu.add_argument("--kernel-tests", default=",".join(KERNEL_TESTS), metavar="GLOB[,GLOB...]",
                      help=f"test files for phase 2, relative to the checkout (default: {','.join(KERNEL_TESTS)})")
     gpu.add_argument("--kernel-test-timeout", type=float, default=180.0,
-                     help="seconds the kernel tests may take (default: 120)")
+                     help="seconds the kernel tests may take (default: 180)")
     gpu.add_argument("--time-budget", type=float, default=None,
                      help="seconds for the whole run (default: 450; --smoke: 900): a model that cannot start within "
                           "it is skipped, one that overruns it is stopped (its finished steps are kept)")
