@@ -305,12 +305,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ui = "" if settings.no_ui else f"chat UI on http://{settings.host}:{settings.port}/, "
     print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
           f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "
-          f"{'off' if settings.no_persist_kv else data_dir / 'kv'})", flush=True)
+          f"{'off' if settings.no_persist_kv else data_dir / 'kv'}; {runs_on(first.engine)})", flush=True)
     try:
         server.run()
     finally:
         host.close()
     return 1 if fatal else 0
+
+
+def runs_on(engine) -> str:
+    """Where and how the engine runs, e.g. "cuda:0, bfloat16, Triton kernels, CUDA graphs, KV 61.2 GiB"."""
+    runner = engine.runner
+    parts = [str(runner.device), engine.config.dtype, f"{getattr(runner, 'kernels', 'torch').capitalize()} kernels"]
+    if getattr(runner, "graphs", None) is not None:
+        parts.append("CUDA graphs")
+    parts.append(f"KV {runner.kv_cache_bytes / (1 << 30):.2f} GiB")
+    return ", ".join(parts)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadM
 from kvforge.app.sessions import sessions_router
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.engine import RequestsFailed
+from kvforge.core.metrics import gpu_memory
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.store import Store
 
@@ -115,7 +116,10 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "tp": core.config.tp_size, "max_model_len": core.max_model_len,
-                "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes}}
+                "device": str(core.runner.device), "kernels": getattr(core.runner, "kernels", "torch"),
+                "cuda_graphs": getattr(core.runner, "graphs", None) is not None,
+                "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes,
+                           "gpus": gpu_memory()}}
 
     @app.get("/v1/models")
     async def list_models():

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
 
 from kvforge.core.request import Sequence
 
@@ -96,3 +99,15 @@ class EngineStats:
         return asdict(self) | {"prefix_cache_hit_rate": self.prefix_cache_hit_rate,
                                "spec_acceptance_rate": self.spec_acceptance_rate,
                                "spec_mean_accepted_length": self.spec_mean_accepted_length}
+
+
+def gpu_memory() -> list[dict[str, Any]]:
+    """Used / total bytes per visible GPU; empty on a CPU-only machine."""
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append({"device": f"cuda:{i}", "name": torch.cuda.get_device_name(i), "used": total - free,
+                     "total": total})
+    return gpus

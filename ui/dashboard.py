@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from kvforge.core.metrics import gpu_memory
 
 
 def process_rss_bytes() -> int:
@@ -25,18 +25,6 @@ def process_rss_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def gpu_memory() -> list[dict[str, Any]]:
-    """Used / total bytes per visible GPU; empty on a CPU-only machine."""
-    if not torch.cuda.is_available():
-        return []
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(i)
-        gpus.append({"device": f"cuda:{i}", "name": torch.cuda.get_device_name(i), "used": total - free,
-                     "total": total})
-    return gpus
 
 
 @dataclass

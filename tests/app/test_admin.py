@@ -115,7 +115,11 @@ def test_quant_swap_with_a_request_in_flight(server, models_dir):
     write_rtn_checkpoint(models_dir / "tiny-llama", models_dir / "tiny-llama-gptq", method="gptq", sym=False)
     r = httpx.post(f"{url}/admin/models/load", json={"model": "tiny-llama"}, timeout=120)
     assert r.status_code == 200, r.text
-    dense_bytes = r.json()["loaded"]["memory"]["weights_bytes"]
+    loaded = r.json()["loaded"]
+    dense_bytes = loaded["memory"]["weights_bytes"]
+    gpus = [] if not torch.cuda.is_available() else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    assert [g["device"] for g in loaded["memory"]["gpus"]] == gpus  # VRAM per device (none on a CPU machine)
+    assert (loaded["device"], loaded["kernels"], loaded["cuda_graphs"]) == ("cpu", "torch", False)
     for body, quant in (({"model": "tiny-llama", "quant": "bnb-nf4"}, "bnb-nf4"),
                         ({"model": "tiny-llama-gptq"}, "gptq")):  # a GPTQ checkpoint picks its plugin
         streamer, done = stream_in_background(url, host)
