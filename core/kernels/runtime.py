@@ -3,11 +3,19 @@
 triton 3.9 decides interpreted vs compiled when a function is jitted, not when it is called. A
 `Kernel` jits its function on first launch, once per interpreter setting, so setting
 `TRITON_INTERPRET=1` after importing triton (as the tests do) still interprets.
+
+`record_launches()` records every `Kernel` launch made inside it (kernel, grid, arguments), so a test can
+compile exactly the launches the code makes ahead of time for a GPU it does not have (see aot.py). With
+`dry_run=True` nothing runs and the host code takes the compiled-GPU path even on a CPU machine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,9 +27,15 @@ except ImportError:  # CPU machines without triton still import the layers; kern
     tl = None
 
 
+# Set only inside `record_launches`: the normal launch path pays one global check for them.
+_recording: list[Launch] | None = None
+_dry_run = False
+
+
 def interpreting() -> bool:
-    """True when TRITON_INTERPRET=1 is in force: kernels run on CPU tensors through the interpreter."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
+    """True when TRITON_INTERPRET=1 is in force: kernels run on CPU tensors through the interpreter.
+    False inside `record_launches(dry_run=True)`, so host code picks what a compiled launch would."""
+    return triton is not None and not _dry_run and bool(triton.knobs.runtime.interpret)
 
 
 def triton_available() -> bool:
@@ -39,7 +53,7 @@ def check_runnable(*tensors: torch.Tensor, name: str) -> None:
     if len(devices) != 1:
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
     device = next(iter(devices))
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not interpreting() and not _dry_run:
         raise ValueError(f"{name} runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got {device}")
 
 
@@ -51,10 +65,53 @@ class Kernel:
         self._jitted: dict[bool, object] = {}
 
     def __getitem__(self, grid):
+        if _recording is not None:
+            return functools.partial(self._record, _recording, _dry_run, grid)
+        return self._jit()[grid]
+
+    def _jit(self):
         interpret = interpreting()
         if interpret not in self._jitted:
             self._jitted[interpret] = triton.jit(self.fn)
-        return self._jitted[interpret][grid]
+        return self._jitted[interpret]
+
+    def _record(self, into: list[Launch], dry_run: bool, grid, *args, **kwargs) -> None:
+        into.append(Launch(self, grid, args, kwargs))
+        if not dry_run:
+            self._jit()[grid](*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded launch `kernel[grid](*args, **kwargs)`; kwargs hold constexprs and launch options
+    (num_warps, num_stages, ...) exactly as passed."""
+
+    kernel: Kernel
+    grid: Any
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@contextlib.contextmanager
+def record_launches(dry_run: bool = False) -> Iterator[list[Launch]]:
+    """Collect every `Kernel` launch made inside the block, in order, into the list it yields.
+
+    Launches still run unless `dry_run`: then nothing runs (outputs stay unwritten) and the host code takes
+    the compiled-GPU path on any machine: `interpreting()` is False and `check_runnable` accepts tensors on
+    any device, so the recorded constexprs are those a GPU launch gets (e.g. no interpreter workarounds).
+    For tests, not thread-safe; blocks may nest (the inner one records alone).
+    """
+    global _recording, _dry_run
+    saved = _recording, _dry_run
+    _recording, _dry_run = [], dry_run
+    try:
+        yield _recording
+    finally:
+        _recording, _dry_run = saved
 
 
 def next_power_of_2(n: int) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 import torch
 
 # the plugins import this module to ask `triton_available()` on any machine, with or without triton
-from kvforge.core.kernels.runtime import Kernel, interpreting, tl, triton, triton_available
+from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, tl, triton, triton_available
 
 __all__ = ["dequant_gemm", "triton_available"]
 
@@ -145,13 +145,8 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         raise ValueError(f"g_idx must be int32 or int64 [K] = [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
     if k and groups == 0:
         raise ValueError("scales and qzeros have no groups")
-    tensors = {"x": x, "qweight": qweight, "scales": scales, "qzeros": qzeros, "g_idx": g_idx}
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    check_runnable(x, qweight, scales, qzeros, g_idx, name="dequant_gemm")
     interpret = interpreting()
-    if x.device.type != "cuda" and not interpret:
-        raise ValueError(f"dequant_gemm runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got {x.device}")
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
