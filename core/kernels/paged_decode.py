@@ -14,8 +14,10 @@ cut into S contiguous ranges of cdiv(blocks, S) blocks, computed in the kernel f
 grid depends on shapes only (CUDA graphs, no host sync). A program walks its range in tiles of BLOCK_N
 tokens; a tile may span several KV blocks (any BS, also odd ones below 16): each token position t is
 translated on its own to its block table entry and slot. Scores (q . k) * scale and an online softmax
-(base 2, scale folded with log2 e) run in fp32: q, k, v are cast to fp32 before the dots (IEEE fp32
-products: the interpreter's bf16 dot is wrong, and decode is memory-bound anyway). Each split writes its
+(base 2, scale folded with log2 e) accumulate in fp32. Compiled with bf16 / fp16 inputs the dots run on
+tensor cores in the input dtype (p cast to v's dtype for p . v, as flash-attention does): fp32 tiles at
+head_dim 128 spilled registers on sm_90. fp32 models and the interpreter (whose bf16 dot is wrong) cast
+q, k, v to fp32 and use IEEE fp32 products (DOT_FP32). Each split writes its
 output normalised by its own sum and its log2-sum-exp into fp32 scratch [B, H, S, D] / [B, H, S]; an
 empty split writes 0 and -inf.
 
@@ -33,7 +35,7 @@ import functools
 
 import torch
 
-from kvforge.core.kernels.runtime import Kernel, check_runnable, next_power_of_2, tl
+from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -51,7 +53,7 @@ def _split_fn(
     stride_btb, stride_btw, stride_cl,
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -74,7 +76,9 @@ def _split_fn(
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h  # query heads of this KV head (int64)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     k_head = k_ptr + kv_head * stride_kvh
     v_head = v_ptr + kv_head * stride_kvh
@@ -94,16 +98,23 @@ def _split_fn(
         rows = block * stride_kvn + (pos % BLOCK_SIZE).to(tl.int64) * stride_kvs
         kv_offs = rows[:, None] + offs_d[None, :] * stride_kvd
         kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_head + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_head + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_head + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + kv_offs, mask=kv_mask, other=0.0)
 
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if DOT_FP32:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # tensor cores, fp32 accumulation: half the registers of fp32 tiles
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(scores, 1, tl.standard._elementwise_max))
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf, m_new finite)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if DOT_FP32:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     nonempty = l_i > 0.0
@@ -250,6 +261,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DIRECT=direct,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+        # the interpreter's tl.dot on bf16 / fp16 operands is wrong (raw bits): fp32 there and for fp32 models
+        DOT_FP32=interpreting() or q.dtype == torch.float32,
     )
     if not direct:
         _combine_kernel[(batch, heads)](

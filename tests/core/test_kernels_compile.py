@@ -124,13 +124,13 @@ for _dt in ("bf16", "fp16"):
     for _d in (128, 64):
         for _g in (4, 1):
             CASES.append((f"decode-{_dt}-d{_d}-g{_g}-splits4", lambda dt=_dt, d=_d, g=_g: _decode(dt, d, g, 4),
-                          ("_split_fn", "_combine_fn"), False))  # decode dots in IEEE fp32 on purpose
+                          ("_split_fn", "_combine_fn"), True))  # the split kernel's dots; combine has none
             for _chunk in (4, 128):  # small tiles (BLOCK_M 16 / 32, 4 warps) and large (BLOCK_M 64, 8 warps)
                 CASES.append((f"prefill-{_dt}-d{_d}-g{_g}-chunk{_chunk}",
                               lambda dt=_dt, d=_d, g=_g, c=_chunk: _prefill(dt, d, g, c),
                               ("_paged_prefill_fn",), True))
     CASES += [
-        (f"decode-{_dt}-d128-g4-splits1", lambda dt=_dt: _decode(dt, 128, 4, 1), ("_split_fn",), False),
+        (f"decode-{_dt}-d128-g4-splits1", lambda dt=_dt: _decode(dt, 128, 4, 1), ("_split_fn",), True),
         (f"rms_norm-{_dt}", lambda dt=_dt: _rms_norm(dt, False), ("_rms_norm",), False),
         (f"rms_norm-{_dt}-residual", lambda dt=_dt: _rms_norm(dt, True), ("_rms_norm",), False),
         (f"silu_and_mul-{_dt}", lambda dt=_dt: _silu_and_mul(dt), ("_silu_and_mul",), False),
@@ -166,7 +166,7 @@ def _compile_cases(out_path: str, case_ids: list[str]) -> None:
                 result["builds"].append({
                     "name": built.name, "summary": built.summary(), "seconds": round(time.perf_counter() - start, 2),
                     "cubin_bytes": len(built.kernel.asm["cubin"]), "sm90": ".target sm_90" in built.kernel.asm["ptx"],
-                    "tensor_cores": built.wgmma or built.mma,
+                    "tensor_cores": built.wgmma or built.mma, "spill_bytes": built.spill_bytes,
                 })
         except Exception as exc:  # reported by the case's test, with triton's message
             result["error"] = "".join(traceback.format_exception(exc))[-6000:]
@@ -219,8 +219,10 @@ def test_compiles_for_sm90(builds, case_id, kernels, tensor_cores):
     for built in result["builds"]:
         print(f"{case_id}: {built['summary']} [{built['seconds']} s]")
         assert built["cubin_bytes"] > 0 and built["sm90"], built["name"]
-        if tensor_cores:  # the GPU path of bf16 / fp16 dots: a regression to fp32 dots would lose them
+        if tensor_cores and built["name"] != "_combine_fn":  # bf16 / fp16 dots: a regression to fp32 loses them
             assert built["tensor_cores"], f"{built['name']}: no tensor-core instructions"
+        # register spills go to local memory: a slow kernel (None: cuobjdump could not tell)
+        assert built["spill_bytes"] in (0, None), f"{built['name']} spills {built['spill_bytes']} B: {built['summary']}"
 
 
 def test_record_launches_runs_and_records(monkeypatch):
