@@ -36,6 +36,17 @@ class StepInputs:
     logits_rows: list[int]  # rows whose logits the step returns
 
 
+def check_device(device: torch.device) -> torch.device:
+    """The device, or a ValueError naming what is missing (before anything is loaded)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} is not available: this torch ({torch.__version__}) sees no "
+                             f"CUDA GPU; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} is not available: torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
 class ModelRunner:
     failure: str | None = None  # a ParallelRunner's ranks can fail; one process cannot, apart from itself
     on_failure = None
@@ -46,7 +57,7 @@ class ModelRunner:
         own layers); `hf_config` shapes the KV pool. The pool itself comes with `allocate_kv`."""
         self.config = config
         self.block_size = config.block_size
-        self.device = torch.device(config.device)
+        self.device = check_device(torch.device(config.device))
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         # a drafter built on the target's own layers uses the kernels those layers were built with

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 QUESTION = "What is the capital of France? Answer briefly."
 
@@ -124,6 +125,34 @@ def test_tp_is_in_the_help_of_serve_generate_and_chat(monkeypatch, capsys):
             build_parser().parse_args([command, "--help"])
         out = capsys.readouterr().out
         assert "--tp N" in out and "tensor-parallel ranks: N processes" in out, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_flags_without_a_gpu_are_one_clear_error():
+    """--device cuda / --kernels triton on a CPU-only machine: one error line naming what is missing, exit 2."""
+    for flags, fragment in ((("--device", "cuda"), "device 'cuda' is not available"),
+                            (("--kernels", "triton"), "kernels='triton' needs triton and a CUDA device")):
+        result = run_cli("generate", "hi", "--max-tokens", "2", *flags)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+def test_gpu_settings_reach_the_engine(tmp_path, monkeypatch):
+    """Flags, then KVFORGE_<NAME>, then the settings file: the GPU keys resolve like every other setting."""
+    from kvforge.app.cli import build_parser
+    from kvforge.app.settings import resolve
+
+    for name in ("KVFORGE_CONFIG", "KVFORGE_DEVICE", "KVFORGE_KERNELS", "KVFORGE_ENFORCE_EAGER",
+                 "KVFORGE_GPU_MEMORY_UTILIZATION"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "kvforge.toml"
+    config.write_text('[serve]\ndevice = "cuda:1"\ngpu_memory_utilization = 0.5\nenforce_eager = true\n')
+    settings = resolve(build_parser().parse_args(["serve", "--config", str(config), "--kernels", "torch"]),
+                       environ={"KVFORGE_GPU_MEMORY_UTILIZATION": "0.7"})
+    assert (settings.device, settings.gpu_memory_utilization, settings.kernels, settings.enforce_eager,
+            settings.kv_cache_gb) == ("cuda:1", 0.7, "torch", True, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--kernels", "cuda"])
 
 
 def test_bench_latency_prints_ratios_against_hf():
