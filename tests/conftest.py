@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -80,3 +81,16 @@ def db_url(request, tmp_path):
         yield f"sqlite:///{tmp_path / 'kvforge.db'}"
     else:
         yield from _postgres_database()
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    """Triton kernels for one test module: compiled on a GPU, else interpreted on CPU (TRITON_INTERPRET=1 for
+    that module's tests only, so later modules still see a CPU machine without the interpreter). Modules use
+    it with `pytestmark = pytest.mark.usefixtures("triton_kernels")`."""
+    require(importlib.util.find_spec("triton") is not None,
+            "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield

@@ -33,6 +33,7 @@ from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotati
 
 import torch
 
+from kvforge.core.kernels.checks import FLOAT_DTYPES
 from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl, triton
 
 try:
@@ -40,7 +41,6 @@ try:
 except ImportError:  # no triton: the public functions raise through check_runnable
     libdevice = None
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_TILE = 2048  # elements per program where a row is split over programs (silu_and_mul, rotary)
 
 
@@ -49,7 +49,7 @@ def _num_warps(elements: int) -> int:
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
 
 

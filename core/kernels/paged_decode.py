@@ -35,9 +35,9 @@ import functools
 
 import torch
 
+from kvforge.core.kernels.checks import check_paged_attention
 from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, combine) outweighs the parallelism
 MAX_SPLITS = 32
@@ -198,31 +198,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     it. Never syncs with the device (CUDA-graph safe): block ids and lengths are trusted, not checked.
     """
     name = "paged_decode_attention"
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"{name}: kv_cache must be [2, kv_heads, blocks, block_size, head_dim], "
-                         f"got shape {tuple(kv_cache.shape)}")
-    batch, heads, head_dim = q.shape
-    _, kv_heads, _, block_size, cache_dim = kv_cache.shape
-    if q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: q must be float16, bfloat16 or float32, got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"{name}: kv_cache dtype {kv_cache.dtype} differs from q's {q.dtype}")
-    if cache_dim != head_dim:
-        raise ValueError(f"{name}: head_dim of q ({head_dim}) and kv_cache ({cache_dim}) differ")
-    if head_dim == 0 or block_size == 0:
-        raise ValueError(f"{name}: head_dim and block_size must be positive, got {head_dim} and {block_size}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"{name}: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    heads, kv_heads, head_dim, block_size = check_paged_attention(name, q, kv_cache, sliding_window)
+    batch = q.shape[0]
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"{name}: block_tables must be int32 [batch={batch}, max_blocks], "
                          f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
         raise ValueError(f"{name}: context_lens must be int32 [batch={batch}], "
                          f"got {context_lens.dtype} {tuple(context_lens.shape)}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{name}: sliding_window must be None or >= 1, got {sliding_window}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1, got {num_splits}")
     tensors = [q, kv_cache, block_tables, context_lens]

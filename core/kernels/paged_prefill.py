@@ -34,9 +34,9 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 
 import torch
 
+from kvforge.core.kernels.checks import check_paged_attention
 from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl, triton
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -167,24 +167,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     (powers of two >= 16). Index values are not checked (that would sync with the device).
     """
     name = "paged_prefill_attention"
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"{name}: kv_cache must be [2, kv_heads, blocks, block_size, head_dim], "
-                         f"got shape {tuple(kv_cache.shape)}")
-    tokens, heads, head_dim = q.shape
-    _, kv_heads, _, block_size, cache_dim = kv_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"{name}: head_dim of q ({head_dim}) and kv_cache ({cache_dim}) differ")
-    if head_dim == 0 or block_size == 0 or kv_heads == 0:
-        raise ValueError(f"{name}: head_dim, block_size and kv_heads must be positive, got kv_cache "
-                         f"{tuple(kv_cache.shape)}")
-    if heads % kv_heads:
-        raise ValueError(f"{name}: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-    if q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: q must be float16, bfloat16 or float32, got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"{name}: kv_cache dtype {kv_cache.dtype} differs from q's {q.dtype}")
+    heads, kv_heads, head_dim, block_size = check_paged_attention(name, q, kv_cache, sliding_window)
+    tokens = q.shape[0]
     for label, t, dims in (("block_tables", block_tables, 2), ("query_start_loc", query_start_loc, 1),
                            ("context_lens", context_lens, 1)):
         if t.dtype != torch.int32 or t.dim() != dims:
@@ -197,8 +181,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         raise ValueError(f"{name}: context_lens needs P = {seqs} entries, got {context_lens.shape[0]}")
     if max_query_len < 0:
         raise ValueError(f"{name}: max_query_len must be >= 0, got {max_query_len}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{name}: sliding_window must be >= 1 or None, got {sliding_window}")
     if out is None:
         out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype:

@@ -27,11 +27,11 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 import torch
 
 # the plugins import this module to ask `triton_available()` on any machine, with or without triton
+from kvforge.core.kernels.checks import FLOAT_DTYPES
 from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, tl, triton, triton_available
 
 __all__ = ["dequant_gemm", "triton_available"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_BLOCK_N = 64
 DEFAULT_BLOCK_K = 32
 
@@ -121,7 +121,7 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     if bits not in (2, 4, 8):
         raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
     per = 32 // bits
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (its last one is K)")
@@ -133,7 +133,7 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     if qweight.dim() != 2 or qweight.shape[0] != k // per:
         raise ValueError(f"qweight must be [K*bits/32, N] = [{k // per}, N] for K = {k}, got {tuple(qweight.shape)}")
     n = qweight.shape[1]
-    if scales.dtype not in _FLOAT_DTYPES:
+    if scales.dtype not in FLOAT_DTYPES:
         raise ValueError(f"scales must be float16, bfloat16 or float32, got {scales.dtype}")
     if scales.dim() != 2 or scales.shape[1] != n:
         raise ValueError(f"scales must be [G, N] = [G, {n}], got {tuple(scales.shape)}")

@@ -10,7 +10,6 @@ in its last bit can flip a rounding). Rotary and the KV store are exact in every
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -19,21 +18,13 @@ import torch
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.norm import RMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, apply_rotary
-from optional_parts import require
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _triton_here():
-    require(HAS_TRITON, "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
 def _fused():

@@ -10,7 +10,6 @@ anything a sequence should not see would show in the output.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -18,21 +17,13 @@ import torch
 
 from kvforge.core.kernels import paged_decode
 from kvforge.core.kernels.paged_decode import default_num_splits, paged_decode_attention
-from optional_parts import require
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 GARBAGE = 1e4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _triton_here():
-    require(HAS_TRITON, "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
 def _case(lengths, kv_heads: int, group: int, head_dim: int, block_size: int, dtype=torch.float32, *,

@@ -12,27 +12,17 @@ with probability 0) gets NaN, since 0 * NaN is NaN.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from kvforge.core.kernels.paged_prefill import paged_prefill_attention
-from optional_parts import require
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 GARBAGE = 1e4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _triton_here():
-    require(HAS_TRITON, "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
 def _case(chunks, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=0,

@@ -6,47 +6,25 @@ same tokens as unpadded steps."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-
 import pytest
 import torch
-from test_parity_tiny import _configs
+from tiny_models import random_prompts, save_tiny_model
 
 from kvforge.core import LLM, SamplingParams
-from optional_parts import require
 from parity import compare, hf_greedy
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 NEW_TOKENS = 12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: compiled on a GPU, else interpreted
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreted():
-    require(HAS_TRITON, "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
-    with pytest.MonkeyPatch.context() as mp:
-        if not torch.cuda.is_available():
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
 @pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory, embedded_path):
-    from transformers import AutoModelForCausalLM
-
-    config = _configs()[request.param]
-    config.vocab_size = 49152
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
-    torch.manual_seed(4321)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded_path / name, path / name)
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (1, 6, 17, 33)]
-    return path, model, prompts
+    model = save_tiny_model(request.param, path, embedded_path, seed=4321)
+    return path, model, random_prompts((1, 6, 17, 33), seed=11)
 
 
 def _generate(path, prompts, rounds: int = 2, **config) -> tuple[LLM, list[list[list[int]]]]:

@@ -9,7 +9,6 @@ at the first call (`test_interpreter_is_chosen_at_first_call` checks this in a f
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import subprocess
@@ -21,20 +20,12 @@ import torch.nn.functional as F
 
 from kvforge.plugins.quant.packing import pack_gptq, quantize_rtn, unpack_gptq
 from kvforge.plugins.quant.triton_gemm import dequant_gemm, triton_available
-from optional_parts import require
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _triton_here():
-    require(HAS_TRITON, "triton is not installed (pip install triton==3.9.0; Linux x86_64 wheels only)")
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
 def _layer(n: int, k: int, bits: int, group: int, sym: bool, desc_act: bool,
