@@ -43,7 +43,7 @@ def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
     llm, triton_runs = _generate(path, prompts, kernels="triton", device=DEVICE, **common)
     assert llm.engine.runner.kernels == "triton"
     assert llm.engine.stats().cached_tokens_total > 0  # the second round read cached prefix blocks
-    _, torch_runs = _generate(path, prompts, kernels="torch", **common)
+    _, torch_runs = _generate(path, prompts, kernels="torch", device=DEVICE, **common)
     assert triton_runs == torch_runs
     report = compare(triton_runs[0], *hf_greedy(model, prompts, NEW_TOKENS, pad_id=0, eos_ids=set()))
     assert report.exact >= len(prompts) - 1, report
