@@ -95,7 +95,7 @@ DEFAULTS = {
     "repeats": (3, 1),
     "parity_tokens": (32, 8),
     "parity_prompt_lens": ("17,64,200", "5,17,40"),
-    "kv_cache_gb": (8.0, 0.0625),
+    "kv_cache_gb": (0.0, 0.0625),  # 0: sized from --gpu-memory-utilization (the profiling forward runs)
     "max_num_batched_tokens": (4096, 2048),
     "bandwidth_gib": (2.0, 0.0625),
     "time_budget": (450.0, 900.0),
@@ -132,7 +132,10 @@ def add_parser(bench_sub) -> None:
     gpu.add_argument("--hf-max-batch", type=int, default=256,
                      help="HF generate runs only batches up to this size (default: 256)")
     gpu.add_argument("--no-hf", action="store_true", help="skip HF transformers (no parity, no ratios)")
-    gpu.add_argument("--kv-cache-gb", type=float, default=None, help="kvforge KV cache in GiB (default: 8)")
+    gpu.add_argument("--kv-cache-gb", type=float, default=None,
+                     help="kvforge KV cache in GiB (default on a GPU: sized from --gpu-memory-utilization)")
+    gpu.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                     help="the engines' share of the GPU when --kv-cache-gb is not given (default: 0.5)")
     gpu.add_argument("--max-num-batched-tokens", type=int, default=None, help="kvforge tokens per step (default: 4096)")
     gpu.add_argument("--bandwidth-gib", type=float, default=None,
                      help="copy-bandwidth buffer size in GiB (default: 2; --smoke: 1/16)")
@@ -187,7 +190,9 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
                  "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("kv_cache_gb", "bandwidth_gib", "time_budget", "kernel_test_timeout", "logprob_tol"):
+    if not (args.kv_cache_gb >= 0 and 0 < args.gpu_memory_utilization <= 1):
+        raise ValueError("--kv-cache-gb must be >= 0 and --gpu-memory-utilization in (0, 1]")
+    for name in ("bandwidth_gib", "time_budget", "kernel_test_timeout", "logprob_tol"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.dtype not in DTYPES:
@@ -443,7 +448,7 @@ def make_engine(path: Path, args, graphs: bool, max_model_len: int):
 
     config = EngineConfig(
         model=str(path), dtype=args.dtype, device=args.device, kernels=args.kernels, cuda_graphs=graphs,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) or None, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=max(max(args.batches), max(args.graph_batches), len(args.parity_prompt_lens)),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=False)  # random prompts share nothing; repeats must prefill again
