@@ -82,3 +82,19 @@ def test_embedded_model_on_triton_kernels_matches_hf(embedded_path):
     ids, _ = hf_greedy(hf, [prompt], 8, pad_id=0, eos_ids={2})
     assert out.token_ids == ids[0]
     assert out.text.startswith("The capital of France is Paris")
+
+
+def test_speculative_verification_on_triton_kernels(tmp_path, embedded_path):
+    """A drafter made of the target's own first layer (built on the Triton kernels, with a KV pool of its own)
+    proposes 3 tokens per step; they are verified as short chunks after a cached context (the prefill kernel)
+    and the rejected ones rolled back: the tokens equal plain decoding on the same kernels (Mistral: sliding
+    window 16)."""
+    save_tiny_model("mistral", tmp_path, embedded_path, seed=99)
+    prompts = random_prompts((5, 23), seed=5)
+    common = dict(kernels="triton", device=DEVICE, num_kv_blocks=60)
+    _, plain = _generate(tmp_path, prompts, rounds=1, **common)
+    llm, spec = _generate(tmp_path, prompts, rounds=1, decoding="draft", decoding_options={"layers": 1, "k": 3},
+                          **common)
+    assert spec == plain
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_drafted_tokens_total, stats  # some rejected
