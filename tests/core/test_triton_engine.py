@@ -98,3 +98,18 @@ def test_speculative_verification_on_triton_kernels(tmp_path, embedded_path):
     assert spec == plain
     stats = llm.engine.stats()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_drafted_tokens_total, stats  # some rejected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tensor parallelism on the Triton kernels is checked on CPU")
+def test_tensor_parallel_ranks_on_triton_kernels(tmp_path, embedded_path):
+    """Two gloo ranks (each a process on the Triton kernels, interpreted) give the one-rank tokens: each rank's
+    kernels see only its own heads (1 KV head of the tiny model's 2 on each rank)."""
+    save_tiny_model("qwen2", tmp_path, embedded_path, seed=7)
+    prompts = random_prompts((3, 18), seed=8)
+    common = dict(kernels="triton", num_kv_blocks=40, max_num_batched_tokens=8)
+    _, one_rank = _generate(tmp_path, prompts, rounds=1, **common)
+    llm, two_ranks = _generate(tmp_path, prompts, rounds=1, tp_size=2, **common)
+    try:
+        assert two_ranks == one_rank
+    finally:
+        llm.engine.close()
