@@ -316,8 +316,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def runs_on(engine) -> str:
     """Where and how the engine runs, e.g. "cuda:0, bfloat16, Triton kernels, CUDA graphs, KV 61.2 GiB"."""
     runner = engine.runner
-    parts = [str(runner.device), engine.config.dtype, f"{getattr(runner, 'kernels', 'torch').capitalize()} kernels"]
-    if getattr(runner, "graphs", None) is not None:
+    parts = [str(runner.device), engine.config.dtype, f"{runner.kernels.capitalize()} kernels"]
+    if runner.graphs is not None:
         parts.append("CUDA graphs")
     parts.append(f"KV {runner.kv_cache_bytes / (1 << 30):.2f} GiB")
     return ", ".join(parts)

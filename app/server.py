@@ -116,8 +116,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "tp": core.config.tp_size, "max_model_len": core.max_model_len,
-                "device": str(core.runner.device), "kernels": getattr(core.runner, "kernels", "torch"),
-                "cuda_graphs": getattr(core.runner, "graphs", None) is not None,
+                "device": str(core.runner.device), "kernels": core.runner.kernels,
+                "cuda_graphs": core.runner.graphs is not None,
                 "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes,
                            "gpus": gpu_memory()}}
 

@@ -41,6 +41,7 @@ class DecodeGraphs:
         self.slots = torch.full((self.max_batch,), -1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_batch, width, dtype=torch.int32, device=device)
+        self.no_prefill = torch.zeros(1, dtype=torch.int32, device=device)  # query_start_loc [0]: no chunks
         self.capture = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -48,9 +49,9 @@ class DecodeGraphs:
             self._capture_all()
 
     def _context(self, size: int) -> StepContext:
-        no_prefill = torch.zeros(1, dtype=torch.int32, device=self.kv_cache.device)  # query_start_loc [0]
+        none = self.no_prefill
         batch = KernelBatch(self.slots[:size], size, self.block_tables[:size], self.context_lens[:size],
-                            no_prefill[:0].view(0, 0), no_prefill, no_prefill[:0], 0)
+                            none[:0].view(0, 0), none, none[:0], 0)
         return StepContext(self.positions[:size], self.kv_cache, kernel=batch)
 
     def _run(self, size: int) -> torch.Tensor:
@@ -67,12 +68,8 @@ class DecodeGraphs:
             self._run(size)  # warm up (Triton compiles, cuBLAS picks its kernels) outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            set_context(self._context(size))
-            try:
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.model(self.input_ids[:size], self.positions[:size])
-            finally:
-                set_context(None)
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._run(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()

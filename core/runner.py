@@ -35,6 +35,11 @@ class StepInputs:
     prefills: list[tuple[int, int, int, list[int]]]
     logits_rows: list[int]  # rows whose logits the step returns
 
+    def decode_rows(self) -> tuple[list[list[int]], list[int]]:
+        """Each decode row's block table and context length, in row order (the groups laid end to end)."""
+        return ([table for group in self.decode_groups for table in group[2]],
+                [length for group in self.decode_groups for length in group[3]])
+
 
 def check_device(device: torch.device) -> torch.device:
     """The device, or a ValueError naming what is missing (before anything is loaded)."""
@@ -60,12 +65,12 @@ class ModelRunner:
         self.device = check_device(torch.device(config.device))
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        # a drafter built on the target's own layers uses the kernels those layers were built with
-        self.kernels = resolve_kernels(config.kernels, self.device) if model is None else model.kernels
         self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
         if model is None:
-            model = self._load(config, model_path, hf_config, progress, self.kernels)
+            model = self._load(config, model_path, hf_config, progress)
         self.model = model.eval()
+        # the kernels its layers were built with (a drafter on the target's own layers: the target's)
+        self.kernels = model.kernels
 
         heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size(), tp_rank())
         self.first_kv_head, self.num_kv_heads = heads.kv_first, heads.kv_count
@@ -94,12 +99,13 @@ class ModelRunner:
         self._plane_slots = planes * num_blocks * self.block_size
 
     @staticmethod
-    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool, kernels: str) -> torch.nn.Module:
+    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool) -> torch.nn.Module:
         quant_cls = discover(QUANT_GROUP).get(config.quant)
         if torch.device(config.device).type not in quant_cls.devices:  # refused before anything is loaded
             raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
                              f"not on {torch.device(config.device).type}")
         options = quant_cls.validate_options(config.quant_options)
+        kernels = resolve_kernels(config.kernels, torch.device(config.device))
         with torch.device(config.device), kernel_backend(kernels):
             model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
         model.kernels = kernels
@@ -186,8 +192,7 @@ class ModelRunner:
 
     def _kernel_batch(self, inputs: StepInputs) -> KernelBatch:
         """The Triton kernels' tensors: one int32 buffer built on the host, moved in one copy, then sliced."""
-        decode_tables = [table for group in inputs.decode_groups for table in group[2]]
-        decode_lens = [length for group in inputs.decode_groups for length in group[3]]
+        decode_tables, decode_lens = inputs.decode_rows()
         prefill_tables = [p[3] for p in inputs.prefills]
         starts = [0]
         for first, last, _, _ in inputs.prefills:
@@ -225,9 +230,7 @@ class ModelRunner:
         """One forward over the flat batch; the fp32 logits of `inputs.logits_rows`."""
         rows = inputs.logits_rows
         if self.graphs is not None and not inputs.prefills and self.graphs.fits(len(inputs.input_ids)):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots,
-                                     [t for group in inputs.decode_groups for t in group[2]],
-                                     [n for group in inputs.decode_groups for n in group[3]])
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, *inputs.decode_rows())
             return self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
         context = self._context(inputs)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)

@@ -36,7 +36,7 @@ import functools
 import torch
 
 from kvforge.core.kernels.checks import check_paged_attention
-from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl
+from kvforge.core.kernels.runtime import Kernel, check_runnable, fp32_dots, next_power_of_2, tl
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, combine) outweighs the parallelism
@@ -244,8 +244,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DIRECT=direct,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
-        # the interpreter's tl.dot on bf16 / fp16 operands is wrong (raw bits): fp32 there and for fp32 models
-        DOT_FP32=interpreting() or q.dtype == torch.float32,
+        DOT_FP32=fp32_dots(q.dtype),
     )
     if not direct:
         _combine_kernel[(batch, heads)](

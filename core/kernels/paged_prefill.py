@@ -35,7 +35,7 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 import torch
 
 from kvforge.core.kernels.checks import check_paged_attention
-from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl, triton
+from kvforge.core.kernels.runtime import Kernel, check_runnable, fp32_dots, next_power_of_2, tl, triton
 
 _LOG2E = 1.4426950408889634
 
@@ -199,14 +199,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     _check_block("block_n", block_n)
     if (block_m, block_n) != (default_m, default_n):
         num_warps = 8 if block_m >= 64 or block_d > 128 else 4
-    interpret = interpreting()
     grid = (triton.cdiv(rows, block_m), seqs, kv_heads)
     _kernel[grid](
         q, kv_cache, block_tables, query_start_loc, context_lens, out,
         scale * _LOG2E, sliding_window or 0,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, GROUP=group, BS=block_size, USE_WINDOW=sliding_window is not None,
-        DOT_FP32=interpret or fp32,
+        DOT_FP32=fp32_dots(q.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=2,
     )

@@ -114,6 +114,13 @@ def record_launches(dry_run: bool = False) -> Iterator[list[Launch]]:
         _recording, _dry_run = saved
 
 
+def fp32_dots(dtype: torch.dtype) -> bool:
+    """Whether a kernel's tl.dot must take fp32 operands (IEEE products): for fp32 inputs, and whenever
+    interpreting -- the interpreter multiplies bf16 / fp16 dot operands as raw bits. Compiled 16-bit inputs
+    dot in their own dtype on tensor cores."""
+    return dtype == torch.float32 or interpreting()
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

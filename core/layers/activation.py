@@ -12,12 +12,14 @@ from kvforge.core.layers.backend import use_triton
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.triton = use_triton()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton:
+        self.fused = None  # the Triton kernel, when the model is built with them
+        if use_triton():
             from kvforge.core.kernels.fused import silu_and_mul
 
-            return silu_and_mul(x)
+            self.fused = silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -28,6 +28,13 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.triton = use_triton()
+        if self.triton:  # bound once here, not per call; imported only with the Triton kernels (triton is optional)
+            from kvforge.core.kernels.fused import store_kv
+            from kvforge.core.kernels.paged_decode import paged_decode_attention
+            from kvforge.core.kernels.paged_prefill import paged_prefill_attention
+
+            self.store_kv, self.decode_kernel, self.prefill_kernel = (store_kv, paged_decode_attention,
+                                                                      paged_prefill_attention)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
@@ -49,18 +56,14 @@ class Attention(nn.Module):
     def _forward_kernels(self, batch: KernelBatch, cache: torch.Tensor, q, k, v) -> torch.Tensor:
         """Store the new K/V, then decode rows through the split-context decode kernel and prefill chunks
         through the varlen prefill kernel, both reading the paged cache (cached context and new tokens)."""
-        from kvforge.core.kernels.fused import store_kv
-        from kvforge.core.kernels.paged_decode import paged_decode_attention
-        from kvforge.core.kernels.paged_prefill import paged_prefill_attention
-
-        store_kv(k, v, cache, batch.slots)
+        self.store_kv(k, v, cache, batch.slots)
         out = q.new_empty(q.shape)  # contiguous (q is a view into the fused qkv output)
         d = batch.num_decodes
         if d:
-            paged_decode_attention(q[:d], cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
+            self.decode_kernel(q[:d], cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
                                    self.sliding_window, out=out[:d])
         if d < q.shape[0]:
-            paged_prefill_attention(q[d:], cache, batch.prefill_block_tables, batch.query_start_loc,
+            self.prefill_kernel(q[d:], cache, batch.prefill_block_tables, batch.query_start_loc,
                                     batch.prefill_context_lens, batch.max_query_len, self.scale,
                                     self.sliding_window, out=out[d:])
         return out.view(q.shape[0], -1)

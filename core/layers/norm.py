@@ -15,7 +15,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.triton = use_triton()
+        self.fused = None  # the Triton kernel (norm and residual add in one), when the model is built with them
+        if use_triton():
+            from kvforge.core.kernels.fused import rms_norm
+
+            self.fused = rms_norm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; bit-identical to the reference in fp32
@@ -28,13 +32,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if self.triton:
-            from kvforge.core.kernels.fused import rms_norm
-
+        if self.fused is not None:
             shape = x.shape  # the kernel takes rows; q/k norms get [tokens, heads, head_dim]
             if residual is None:
-                return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
-            out, total = rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps, residual.reshape(-1, shape[-1]))
+                return self.fused(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+            out, total = self.fused(x.reshape(-1, shape[-1]), self.weight, self.eps, residual.reshape(-1, shape[-1]))
             return out.view(shape), total.view(shape)
         if residual is None:
             return self._norm(x)
