@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from kvforge.app.completion import submit, timings, usage
+from kvforge.app.admission import Admission, Ticket
+from kvforge.app.completion import RequestTimedOut, check_prompt_chars, submit, timings, usage, within
 from kvforge.app.errors import APIError
 from kvforge.app.metrics import ServerMetrics
-from kvforge.app.models import ModelHost, NoModelLoaded
 from kvforge.app.protocol import SamplingFields
 from kvforge.core.async_engine import RequestStream
 from kvforge.core.output import RequestOutput
@@ -63,26 +63,33 @@ class Turn:
     user: Message
     prompt_tokens: int
     stream: RequestStream
+    ticket: Ticket
 
     def abort(self) -> None:
+        """Stop the reply and give back its admission; safe to call more than once."""
+        self.ticket.release()
         self.stream.abort()
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        store, last, final = self.service.store, None, None
+        """Raises RequestTimedOut (after keeping the partial reply, finish_reason "timeout") when the
+        reply runs past the server's request timeout."""
+        store, last, final, ended = self.service.store, None, None, "abort"
         try:
-            async for out in self.stream:
+            async for out in within(self.stream, self.service.request_timeout_s):
                 last = out
                 if out.delta_text:
                     yield {"type": "delta", "content": out.delta_text}
                 if out.finished:
                     final = out
                     self.service.metrics.observe_finished(out)
+        except RequestTimedOut:
+            ended = "timeout"
+            raise
         finally:
-            self.service.host.release()
-            self.stream.abort()  # no-op once finished; frees the KV blocks if the client went away
-            if final is None and last is not None and last.text:  # the consumer went away: keep what was generated
+            self.abort()  # no-op once finished; frees the KV blocks if the client went away
+            if final is None and last is not None and last.text:  # cut short: keep what was generated
                 try:
-                    store.add_message(self.session_id, "assistant", last.text, finish_reason="abort",
+                    store.add_message(self.session_id, "assistant", last.text, finish_reason=ended,
                                       prompt_tokens=self.prompt_tokens, completion_tokens=len(last.token_ids),
                                       cached_tokens=last.num_cached_tokens)
                 except NotFound:
@@ -99,9 +106,10 @@ class Turn:
 
 
 class ChatService:
-    def __init__(self, host: ModelHost, store: Store, metrics: ServerMetrics, default_max_tokens: int) -> None:
-        self.host, self.store, self.metrics = host, store, metrics
-        self.default_max_tokens = default_max_tokens
+    def __init__(self, admission: Admission, store: Store, metrics: ServerMetrics, default_max_tokens: int,
+                 request_timeout_s: float | None = None) -> None:
+        self.admission, self.host, self.store, self.metrics = admission, admission.host, store, metrics
+        self.default_max_tokens, self.request_timeout_s = default_max_tokens, request_timeout_s
 
     def get(self, session_id: str) -> Conversation:
         try:
@@ -112,20 +120,21 @@ class ChatService:
     async def start_turn(self, session_id: str, content: str, overrides: dict[str, Any] | None = None) -> Turn:
         """Validate and queue the reply to `content`, then store `content`; APIError (nothing stored)
         for an unknown session, bad sampling fields, or a conversation too long for the model."""
+        self.admission.check_open()  # a full server refuses before reading the conversation
         conv = await run_in_threadpool(self.get, session_id)
         fields = SamplingFields.model_validate({**(conv.settings or {}).get("sampling", {}), **(overrides or {})})
+        ticket = await self.admission.enter()
         try:
-            engine = await self.host.acquire()  # waits while a model swap is in progress
-        except NoModelLoaded as exc:
-            raise APIError(503, str(exc), None, "server_error", "no_model") from None
-        try:
+            engine = ticket.engine
+            messages = chat_messages(conv, content)
+            check_prompt_chars(engine, sum(len(m["content"]) for m in messages), "content")
             try:
-                prompt = engine.tokenizer.apply_chat_template(chat_messages(conv, content))
+                prompt = await run_in_threadpool(engine.tokenizer.apply_chat_template, messages)
             except Exception as exc:  # a template that rejects this conversation (e.g. role order)
                 raise APIError(400, f"content: {exc}", "content") from None
             stream, _ = submit(engine, prompt, fields, self.default_max_tokens, None, "content")
         except BaseException:
-            self.host.release()
+            ticket.release()
             raise
         try:
             user = await run_in_threadpool(self.store.add_message, session_id, "user", content,
@@ -133,9 +142,9 @@ class ChatService:
             if conv.title == DEFAULT_TITLE and not conv.messages:
                 await run_in_threadpool(self.store.update_conversation, session_id, title=title_from(content))
         except BaseException as exc:
-            self.host.release()
+            ticket.release()
             stream.abort()
             if isinstance(exc, NotFound):  # deleted meanwhile
                 raise not_found(exc) from None
             raise
-        return Turn(self, session_id, user, len(prompt), stream)
+        return Turn(self, session_id, user, len(prompt), stream, ticket)

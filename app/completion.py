@@ -4,6 +4,12 @@ parameters, a max_tokens that fits the context), and engine outputs become OpenA
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import SamplingFields
 from kvforge.core.async_engine import AsyncEngine, RequestStream
@@ -31,6 +37,56 @@ def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default
     except ValueError as exc:
         raise APIError(400, str(exc), prompt_field) from None
     return stream, params
+
+
+def check_prompt_chars(engine: AsyncEngine, chars: int, prompt_field: str) -> None:
+    """Refuse, before tokenizing it, a prompt too long to fit the context whatever its tokens: more than
+    max_model_len times the longest token's characters (see Tokenizer.max_token_chars)."""
+    context = engine.engine.max_model_len
+    if chars > context * engine.tokenizer.max_token_chars:
+        raise APIError(400, f"{prompt_field}: {chars} characters cannot fit this model's context of {context} "
+                       "tokens", prompt_field, code="context_length_exceeded")
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that run `on_close` however the response ends — also when the client went away
+    before the body generator started (its own `finally` never runs then): the admission ticket is
+    released and the request aborted exactly once either way."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class RequestTimedOut(Exception):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request ran past the server's --request-timeout of {seconds:g} s and was aborted")
+
+
+async def within(stream: RequestStream, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
+    """The stream's outputs, aborting the request (its KV blocks freed) and raising RequestTimedOut once
+    `timeout_s` seconds have passed since this call; no limit when None or 0."""
+    if not timeout_s:
+        async for out in stream:
+            yield out
+        return
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            out = await asyncio.wait_for(stream.__anext__(), max(left, 0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            stream.abort()
+            raise RequestTimedOut(timeout_s) from None
+        yield out
 
 
 def finish_reason(out: RequestOutput) -> str:

@@ -12,8 +12,9 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ServerMetrics:
-    def __init__(self, host) -> None:
+    def __init__(self, host, admission) -> None:
         self.host = host  # app.models.ModelHost: the engine changes when the model is swapped
+        self.admission = admission  # app.admission.Admission: requests admitted and not yet done
         self.registry = CollectorRegistry()
         self.recent_ttft: deque[float] = deque(maxlen=20)  # seconds, newest last (the UI dashboard)
         r = self.registry
@@ -28,6 +29,7 @@ class ServerMetrics:
         self.gauges = {name: Gauge(f"kvforge_{name}", help_text, registry=r) for name, help_text in {
             "kv_blocks_used": "KV blocks in use", "kv_blocks_cached": "Unused KV blocks holding a cached prefix",
             "kv_blocks_free": "KV blocks holding nothing", "requests_running": "Sequences running",
+            "requests_admitted": "Requests admitted: preparing their prompt, waiting for a model swap or in the engine",
             "requests_waiting": "Sequences waiting", "generation_tokens_per_second": "Generated tokens/s (10 s)",
             "kv_disk_blocks": "Persisted KV blocks of this model", "kv_disk_bytes": "Bytes of persisted KV on disk",
             "kv_disk_pending": "KV blocks queued for writing to disk",
@@ -55,6 +57,7 @@ class ServerMetrics:
             self.tpot.observe(m["tpot"])
 
     def render(self) -> tuple[bytes, str]:
+        self.gauges["requests_admitted"].set(self.admission.pending)
         if self.host.engine is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         stats = self.host.engine.stats()

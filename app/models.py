@@ -11,6 +11,7 @@ model (its `model` option).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +54,14 @@ def check_decoding(decoding: str | None, options: dict[str, Any] | None) -> None
         raise InvalidSpec(str(exc), "decoding_options") from None
 
 
+def max_tp_ranks() -> int:
+    """One process per rank, each loading its share of the model: a request may start at most 8 of them, or one
+    per CPU core or GPU where there are more."""
+    import torch
+
+    return max(8, os.cpu_count() or 1, torch.cuda.device_count())
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     model: str | None = None  # None: the embedded default
@@ -88,6 +97,11 @@ class ModelHost:
     def name(self) -> str | None:
         return self.spec.name if self.engine is not None else None
 
+    @property
+    def swapping(self) -> bool:
+        """A load or unload is in progress: new requests wait for it."""
+        return not self._ready.is_set()
+
     def current(self) -> AsyncEngine:
         if self.engine is None:
             raise NoModelLoaded("no model is loaded; load one with POST /admin/models/load")
@@ -122,6 +136,9 @@ class ModelHost:
         when refused."""
         if isinstance(spec.tp, bool) or not isinstance(spec.tp, int) or spec.tp < 1:
             raise InvalidSpec(f"tp (tensor-parallel ranks) must be an integer >= 1, got {spec.tp!r}", "tp")
+        if spec.tp > max_tp_ranks():
+            raise InvalidSpec(f"tp (tensor-parallel ranks) must be at most {max_tp_ranks()} on this machine, got "
+                              f"{spec.tp}", "tp")
         try:
             model = self.confine(spec.model)
         except ValueError as exc:

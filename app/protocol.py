@@ -1,16 +1,29 @@
 """OpenAI-compatible request bodies (pydantic) and their translation into SamplingParams.
 
 Unknown fields are ignored (clients send many); known ones are validated, and any error becomes an
-HTTP 400 in OpenAI's error shape naming the field.
+HTTP 400 in OpenAI's error shape naming the field. Numbers must be finite; what a request can make the
+server hold or repeat is capped: messages per request, stop strings (number and length), a stored
+system prompt. The bounds of sampling fields are SamplingParams' (core/sampling.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvforge.core.sampling import SamplingParams
+from kvforge.core.sampling import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
+
+MAX_MESSAGES = 2048  # per request
+MAX_SYSTEM_PROMPT_CHARS = 100_000  # a conversation's stored system prompt
+STRICT_NUMBERS = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -36,25 +49,28 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI names, plus extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT_NUMBERS
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=64)
-    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: StopStrings | Annotated[list[StopStrings], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extras beyond OpenAI's schema (vLLM-style)
     top_k: int = Field(default=0, ge=-1, le=2**63 - 1)  # the sampler holds it in an int64 tensor
     min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
 
@@ -71,10 +87,10 @@ class SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -85,14 +101,14 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
 
 class LoadModelRequest(BaseModel):
     """POST /admin/models/load: a model in the models directory (or the embedded default) and options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quant: str = "none"
@@ -108,7 +124,7 @@ class SessionSettings(BaseModel):
     """A conversation's own settings: its system prompt and sampling defaults (SamplingFields names)."""
 
     model_config = ConfigDict(extra="forbid")
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(default=None, max_length=MAX_SYSTEM_PROMPT_CHARS)
     sampling: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("sampling")
@@ -132,7 +148,7 @@ class SessionCreateRequest(SessionSettings):
 class SessionUpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     title: str | None = Field(default=None, min_length=1, max_length=200)
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(default=None, max_length=MAX_SYSTEM_PROMPT_CHARS)
     sampling: dict[str, Any] | None = None
 
     @field_validator("sampling")

@@ -11,21 +11,34 @@ has its request aborted and its KV blocks freed.
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvforge.app.access import AccessGuard, AccessPolicy
+from kvforge.app.admission import Admission
 from kvforge.app.chat_service import ChatService
-from kvforge.app.completion import finish_reason, format_logprobs, submit, timings, usage
-from kvforge.app.errors import APIError, error_response
+from kvforge.app.completion import (
+    RequestTimedOut,
+    SSEResponse,
+    check_prompt_chars,
+    finish_reason,
+    format_logprobs,
+    submit,
+    timings,
+    usage,
+    within,
+)
+from kvforge.app.errors import APIError, error_response, validation_message
+from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.metrics import ServerMetrics
-from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec, NoModelLoaded
+from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.app.sessions import sessions_router
 from kvforge.core.async_engine import AsyncEngine
@@ -48,33 +61,35 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
                max_pending: int = 256, default_max_tokens: int = 512, models_dir=None,
-               store: Store | None = None, ui: bool = False) -> FastAPI:
+               store: Store | None = None, ui: bool = False, access: AccessPolicy | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout_s: float | None = None) -> FastAPI:
     """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`. With a
     `store`, the sessions API (/v1/sessions) keeps conversations in it, and `ui` mounts the browser
-    UI at / (it needs the store)."""
+    UI at / (it needs the store). `access` says who may call (default: loopback names, no CORS, and
+    `api_key` when given); bodies over `max_request_bytes` get 413; a request still generating after
+    `request_timeout_s` is aborted."""
     if isinstance(host, AsyncEngine):
         host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name, tp=host.engine.config.tp_size),
                          host, models_dir)
+    access = access or AccessPolicy(api_key=api_key)
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(host)
-    app.state.host, app.state.metrics = host, metrics
+    admission = Admission(host, max_pending)
+    metrics = ServerMetrics(host, admission)
+    app.state.host, app.state.metrics, app.state.admission = host, metrics, admission
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param)
+        message, param = validation_message(exc)
+        return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), None, kind)
+        return error_response(exc.status_code, str(exc.detail), None, kind, getattr(exc, "code", None))
 
     @app.exception_handler(RequestsFailed)
     async def _request_failed(_: Request, exc: RequestsFailed):  # e.g. out of GPU memory: this request only
@@ -84,20 +99,11 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     async def _internal_error(_: Request, exc: Exception):  # never a bare 500 page
         return error_response(500, f"internal error: {type(exc).__name__}", None, "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith(("/v1", "/admin")):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                      None, "authentication_error", "invalid_api_key")
-        return await call_next(request)
-
     def check_model(body: SamplingFields) -> None:
-        if host.engine is None:
+        if host.engine is None and not host.swapping:
             raise APIError(503, "no model is loaded; load one with POST /admin/models/load", None,
                            "server_error", "no_model")
-        if body.model not in (None, "", host.name):
+        if body.model not in (None, "", host.name) and not host.swapping:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {host.name!r}",
                            "model", "not_found_error", "model_not_found")
 
@@ -155,61 +161,74 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         return {"loaded": None}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest):
         check_model(body)
-        engine = host.current()
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
-        try:
-            prompt = engine.tokenizer.apply_chat_template(messages)
-        except Exception as exc:  # a template that rejects this conversation (e.g. role order)
-            raise APIError(400, f"messages: {exc}", "messages") from None
-        return await respond(body, prompt, body.logprobs_count(), chat=True)
+
+        def render(engine: AsyncEngine) -> list[int]:
+            try:
+                return engine.tokenizer.apply_chat_template(messages)
+            except Exception as exc:  # a template that rejects this conversation (e.g. role order)
+                raise APIError(400, f"messages: {exc}", "messages") from None
+
+        chars = sum(len(m["content"]) for m in messages)
+        return await respond(body, chars, render, body.logprobs_count(), chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest):
         check_model(body)
-        engine = host.current()
-        try:
-            prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
-        except Exception as exc:  # text the tokenizer cannot take (e.g. a lone UTF-16 surrogate)
-            raise APIError(400, f"prompt: cannot tokenize ({type(exc).__name__})", "prompt") from None
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        return await respond(body, prompt, body.logprobs, chat=False)
 
-    async def respond(body: SamplingFields, prompt: list[int], logprobs: int | None, chat: bool):
-        if host.in_flight >= max_pending:
-            raise APIError(503, f"the server is busy ({max_pending} requests in flight); retry later", None,
-                           "server_busy", "queue_full")
+        def render(engine: AsyncEngine) -> list[int]:
+            if isinstance(body.prompt, list):
+                return body.prompt
+            try:
+                return engine.tokenizer.encode(body.prompt)
+            except Exception as exc:  # text the tokenizer cannot take (e.g. a lone UTF-16 surrogate)
+                raise APIError(400, f"prompt: cannot tokenize ({type(exc).__name__})", "prompt") from None
+
+        chars = len(body.prompt) if isinstance(body.prompt, str) else 0
+        return await respond(body, chars, render, body.logprobs, chat=False)
+
+    async def respond(body: SamplingFields, chars: int, render: Callable[[AsyncEngine], list[int]],
+                      logprobs: int | None, chat: bool):
+        """Admit the request, render and tokenize its prompt off the event loop, queue it, answer."""
+        prompt_field = "messages" if chat else "prompt"
+        ticket = await admission.enter()
         try:
-            engine = await host.acquire()  # waits while a model swap is in progress
-        except NoModelLoaded as exc:
-            raise APIError(503, str(exc), None, "server_error", "no_model") from None
-        try:
-            stream, params = submit(engine, prompt, body, default_max_tokens, logprobs,
-                                    "messages" if chat else "prompt")
+            engine = ticket.engine
+            check_prompt_chars(engine, chars, prompt_field)
+            prompt = await run_in_threadpool(render, engine)
+            if not prompt:
+                raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
+            stream, params = submit(engine, prompt, body, default_max_tokens, logprobs, prompt_field)
         except BaseException:
-            host.release()
+            ticket.release()
             raise
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                sse(engine, stream, request_id, created, chat, params.n, include_usage, len(prompt)),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+            def close() -> None:  # however the response ends: a client that went away stops the request
+                ticket.release()
+                stream.abort()
+
+            return SSEResponse(sse(engine, stream, request_id, created, chat, params.n, include_usage,
+                                   len(prompt)), close)
         try:
             finals: dict[int, RequestOutput] = {}
             token_logprobs: dict[int, list[TokenLogprob]] = {}
-            async for out in stream:
+            async for out in within(stream, request_timeout_s):
                 if out.delta_logprobs:
                     token_logprobs.setdefault(out.index, []).extend(out.delta_logprobs)
                 if out.finished:
                     finals[out.index] = out
                     metrics.observe_finished(out)
+        except RequestTimedOut as exc:
+            raise APIError(504, str(exc), None, "timeout_error", "request_timeout") from None
         finally:
-            host.release()
+            ticket.release()
             stream.abort()  # no-op once finished; frees everything if the client went away
         choices = []
         for i in range(params.n):
@@ -224,8 +243,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 "model": host.name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
                 "timings": timings(finals[0])}
 
-    async def sse(engine, stream, request_id: str, created: int, chat: bool, n: int, include_usage: bool,
-                  prompt_tokens: int) -> AsyncIterator[str]:
+    async def sse(engine: AsyncEngine, stream, request_id: str, created: int, chat: bool, n: int,
+                  include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
@@ -239,7 +258,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 for i in range(n):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-            async for out in stream:
+            async for out in within(stream, request_timeout_s):
                 lp = format_logprobs(out.delta_logprobs, chat, engine.tokenizer) if out.delta_logprobs else None
                 if out.delta_text or lp:
                     if chat:
@@ -257,15 +276,15 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             if include_usage:
                 yield chunk([], usage=usage(finals.values(), prompt_tokens))
             yield "data: [DONE]\n\n"
-        except RequestsFailed as exc:  # headers are sent: report it in the stream, as OpenAI does
-            error = {"message": str(exc), "type": "server_error", "param": None, "code": "request_failed"}
+        except (RequestsFailed, RequestTimedOut) as exc:  # headers are sent: say it in the stream, as OpenAI does
+            kind, code = (("timeout_error", "request_timeout") if isinstance(exc, RequestTimedOut)
+                          else ("server_error", "request_failed"))
+            error = {"message": str(exc), "type": kind, "param": None, "code": code}
             yield f"data: {json.dumps({'error': error})}\n\n"
-        finally:
-            host.release()
-            stream.abort()  # the client disconnected mid-stream: stop it and free its KV blocks
+            yield "data: [DONE]\n\n"
 
     if store is not None:
-        app.state.chat = ChatService(host, store, metrics, default_max_tokens)
+        app.state.chat = ChatService(admission, store, metrics, default_max_tokens, request_timeout_s)
         app.include_router(sessions_router(app.state.chat))
         if ui:  # after every API route: the UI mounted at / would shadow later ones
             from kvforge.ui.app import mount_ui
@@ -273,4 +292,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
 
             app.state.sampler = DashboardSampler(host, metrics).start()
             app = mount_ui(app, app.state.chat, app.state.sampler)
+    # outermost first: Host / Origin / key, then the body cap (add_middleware puts each new one outside)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(AccessGuard, policy=access)
     return app

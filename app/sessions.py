@@ -22,9 +22,9 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from kvforge.app.chat_service import ChatService, not_found
+from kvforge.app.completion import RequestTimedOut, SSEResponse
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import SessionCreateRequest, SessionMessageRequest, SessionUpdateRequest
 from kvforge.core.store import NotFound
@@ -90,7 +90,12 @@ def sessions_router(chat: ChatService) -> APIRouter:
         user, reply = turn.user, turn.events
 
         if not body.stream:
-            done = [event async for event in reply() if event["type"] == "done"][0]
+            try:
+                done = [event async for event in reply() if event["type"] == "done"][0]
+            except RequestTimedOut as exc:
+                raise APIError(504, str(exc), None, "timeout_error", "request_timeout") from None
+            finally:
+                turn.abort()
             return {"user": user.to_dict(), **{k: v for k, v in done.items() if k != "type"}}
 
         async def sse() -> AsyncIterator[str]:
@@ -98,12 +103,14 @@ def sessions_router(chat: ChatService) -> APIRouter:
             try:
                 async for event in reply():
                     yield event_line(event)
+            except RequestTimedOut as exc:
+                yield event_line({"type": "error", "message": str(exc)})
             except Exception as exc:  # the engine failed this request: say so in the stream
                 log.exception("session reply failed")
                 yield event_line({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return SSEResponse(sse(), turn.abort)
 
     return router
 

@@ -23,7 +23,7 @@ from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, safetensors_files
-from kvforge.core.metrics import EngineStats, RateMeter, request_metrics
+from kvforge.core.metrics import EngineStats, RateMeter, available_memory_bytes, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import DraftTarget, resolve_quant
 from kvforge.core.request import Sequence
@@ -118,10 +118,15 @@ class LLMEngine:
     def _kv_budget(self) -> int:
         """The KV pools' bytes: kv_cache_bytes when given; on CPU 1 GiB; on CUDA what gpu_memory_utilization
         leaves after the weights and a profiling forward's peak (core/gpu_memory.py)."""
+        if self.runner.device.type != "cuda":
+            budget = self.config.kv_cache_bytes or CPU_KV_CACHE_BYTES
+            available = available_memory_bytes()
+            if available is not None and budget > available:  # refused, not left to the kernel's OOM killer
+                raise ValueError(f"the KV cache budget of {budget / (1 << 30):.2f} GiB is more than the "
+                                 f"{available / (1 << 30):.2f} GiB of memory available; lower kv_cache_gb")
+            return budget
         if self.config.kv_cache_bytes is not None:
             return self.config.kv_cache_bytes
-        if self.runner.device.type != "cuda":
-            return CPU_KV_CACHE_BYTES
         from kvforge.core import gpu_memory
 
         if self.config.tp_size > 1:  # the ranks' models live in other processes: size from what is free now
@@ -247,11 +252,17 @@ class LLMEngine:
             drafts=[s.spec_token_ids for s in seqs] if drafting else None,
             draft_probs=[s.spec_draft_probs for s in seqs] if drafting else None))
 
+        # Fork every sample before any token is processed: a parent that finishes on its first token (max_tokens
+        # 1, EOS, a stop string) frees its blocks in _process_tokens, and its samples share or copy them.
+        copies = []
+        for parent, seq in zip(parents, seqs):
+            if parent is not None:
+                copies.extend(self._fork(parent, seq))
+        self.runner.copy_blocks(copies)
+
         now = time.monotonic()
-        copies, outputs, generated = [], [], 0
+        outputs, generated = [], 0
         for i, seq in enumerate(seqs):
-            if parents[i] is not None:
-                copies.extend(self._fork(parents[i], seq))
             tokens = result.token_ids[i]
             if seq.spec_token_ids:  # keep the accepted drafts' KV, roll back the rejected ones
                 accepted = len(tokens) - 1
@@ -268,7 +279,6 @@ class LLMEngine:
             generated += len(seq.output_token_ids) - before
             if len(tokens) > 1 and not seq.is_finished:
                 self.kv.cache_computed_blocks(seq)
-        self.runner.copy_blocks(copies)
         self._generation_rate.add(generated)
         self._totals["generated_tokens_total"] += generated
         return [o for o in outputs if o is not None]

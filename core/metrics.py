@@ -28,6 +28,18 @@ def request_metrics(seq: Sequence) -> dict:
     }
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give this process without swapping (Linux MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class RateMeter:
     """Events per second over a sliding window."""
 

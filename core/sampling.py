@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_STOP_STRINGS = 32  # each is matched against the text's tail after every token
+MAX_STOP_CHARS = 512
+REPETITION_PENALTY_RANGE = (0.01, 10.0)  # logits are multiplied or divided by it: 1e-308 makes them inf
 
 
 def _is_int(value) -> bool:
@@ -13,7 +17,8 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (NaN and infinities are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -43,8 +48,9 @@ class SamplingParams:
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", _is_int(self.top_k) and -1 <= self.top_k < 2**62, "an integer >= -1 (0 or -1 = off)"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-             "a number > 0"),
+            ("repetition_penalty", _is_number(self.repetition_penalty)
+             and REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+             f"a number in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]:g}]"),
             ("presence_penalty", _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              "a number in [-2, 2]"),
             ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -54,7 +60,10 @@ class SamplingParams:
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
             ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= (
                 self.max_tokens if _is_int(self.max_tokens) else 0), "an integer in [0, max_tokens]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "a non-empty string or list of them"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS
+             and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, each at most {MAX_STOP_CHARS} "
+             "characters"),
             ("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of non-negative integers"),
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -7,6 +7,7 @@ valid text, which is exactly the job, so we use it rather than re-implementing o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -35,6 +36,15 @@ class Tokenizer:
         """Identifies the vocabulary, normalisation and chat template (part of the KV hash root)."""
         content = self.hf.backend_tokenizer.to_str() + (self.hf.chat_template or "")
         return hashlib.sha256(content.encode()).hexdigest()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token in characters (added tokens included): a text longer than N times this cannot
+        be fewer than N tokens, so an over-long prompt is refused before it is tokenized. A vocabulary entry
+        never decodes to more characters than it has (byte-level and SentencePiece pieces map one character
+        to at most one character)."""
+        pieces = list(self.hf.get_vocab()) + [str(t) for t in self.hf.added_tokens_decoder.values()]
+        return max(map(len, pieces), default=1)
 
     @property
     def vocab_size(self) -> int:
