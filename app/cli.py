@@ -244,22 +244,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = resolve(args)
     check_tp(settings.tp)  # a bad tp from the settings file or KVFORGE_TP fails before anything starts
+    if args.api_key is not None:
+        print("kvforge: warning: --api-key on the command line is visible to other users (ps); set KVFORGE_API_KEY "
+              "or use --api-key-file", file=sys.stderr, flush=True)
     args = argparse.Namespace(**{**vars(args), **vars(settings)})  # the resolved values drive everything below
     if not is_loopback(settings.host) and not settings.api_key:
-        raise ValueError(f"refusing to bind {settings.host} without an API key: pass --api-key or set "
-                         "KVFORGE_API_KEY, or bind 127.0.0.1")
+        raise ValueError(f"refusing to bind {settings.host} without an API key: set KVFORGE_API_KEY or pass "
+                         "--api-key-file, or bind 127.0.0.1")
     import asyncio
     from pathlib import Path
 
     import uvicorn
 
+    from kvforge.app.access import AccessPolicy, split_list
+    from kvforge.app.limits import connection_limits
     from kvforge.app.models import ModelHost, ModelSpec
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
     from kvforge.core.async_engine import build_off_main_thread
+    from kvforge.core.private_files import private_dir
     from kvforge.core.store import Store, default_data_dir, default_db_url
 
-    data_dir = Path(settings.data_dir).expanduser() if settings.data_dir else default_data_dir()
+    data_dir = private_dir(settings.data_dir if settings.data_dir else default_data_dir())
     db_url = settings.db or default_db_url(data_dir)
     store = Store.open(db_url)  # created (or upgraded) on first start
     persist = dict(persist_kv=not settings.no_persist_kv, data_dir=str(data_dir), db_url=db_url,
@@ -284,8 +290,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      decoding=args.decoding, decoding_options=options_of(args, "decoding"), tp=args.tp)
     first = build_off_main_thread(lambda: factory(spec))
     host = ModelHost(factory, spec, first, Path(args.models_dir).expanduser() if args.models_dir else None)
-    app = create_app(host, api_key=settings.api_key, max_pending=settings.max_pending,
-                     default_max_tokens=settings.default_max_tokens, store=store, ui=not settings.no_ui)
+    access = AccessPolicy(settings.api_key, settings.host, split_list(settings.allowed_hosts),
+                          split_list(settings.allowed_origins))
+    app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
+                     store=store, ui=not settings.no_ui, access=access, max_request_bytes=settings.max_request_bytes,
+                     request_timeout_s=settings.request_timeout)
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -301,7 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await asyncio.to_thread(host.close)
 
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, **connection_limits(settings)))
     ui = "" if settings.no_ui else f"chat UI on http://{settings.host}:{settings.port}/, "
     print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
           f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "
@@ -376,8 +385,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="TOML settings file (keys = flag names with underscores)")
     serve.add_argument("--host", default=None, help="bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="default: 8000")
-    serve.add_argument("--api-key", default=None, help="required to bind any non-loopback address "
-                       "(or KVFORGE_API_KEY); clients send 'Authorization: Bearer <key>'")
+    serve.add_argument("--api-key", default=None, help="required to bind any non-loopback address; with a key "
+                       "every route but /health needs it (clients send 'Authorization: Bearer <key>', browsers log "
+                       "in). Prefer KVFORGE_API_KEY or --api-key-file: a flag is visible to other users in ps")
+    serve.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+    serve.add_argument("--allowed-hosts", default=None, help="comma-separated host names served besides "
+                       "localhost, IP addresses and the bound host ('.example.com' covers subdomains; '*': any); "
+                       "other Host headers get 403 (DNS rebinding)")
+    serve.add_argument("--allowed-origins", default=None, help="comma-separated browser origins allowed to call the "
+                       "API from their pages, e.g. http://localhost:3000 (patterns like http://localhost:*; '*': "
+                       "any); default: none (no CORS)")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="larger request bodies get 413 before they are read (default: 4194304)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may generate before it is aborted and its KV freed (default: none)")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="open connections before new requests get 503 (default: 1024)")
+    serve.add_argument("--header-timeout", type=float, default=None,
+                       help="seconds a connection may take to send a request head before it is closed (default: 10)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
     serve.add_argument("--max-pending", type=int, default=None, help="requests in flight before 503 (256)")
     serve.add_argument("--default-max-tokens", type=int, default=None, help="when a request sets none (512)")

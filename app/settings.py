@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -29,7 +31,10 @@ else:  # pragma: no cover - Python 3.10
 class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None  # better from KVFORGE_API_KEY or api_key_file: a flag is visible in `ps`
+    api_key_file: str | None = None  # a file holding the key (its first line)
+    allowed_hosts: str | None = None  # comma-separated names served beside loopback and the bound host
+    allowed_origins: str | None = None  # comma-separated browser origins allowed to call the API (CORS)
     models_dir: str | None = None
     model: str | None = None
     served_model_name: str | None = None
@@ -54,6 +59,10 @@ class ServeSettings:
     no_ui: bool = False
     max_pending: int = 256
     default_max_tokens: int = 512
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body gets 413 before it is parsed
+    request_timeout: float | None = None  # seconds a request may generate before it is aborted; None: no limit
+    max_connections: int = 1024  # open connections and requests before uvicorn answers 503
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's head
     log_level: str = "info"
 
 
@@ -62,6 +71,8 @@ def _convert(name: str, raw, target: type) -> object:
         return None
     if isinstance(raw, dict):  # quant_options / decoding_options as a TOML table under [serve]
         return json.dumps(raw)
+    if isinstance(raw, list):  # allowed_hosts / allowed_origins as a TOML list
+        return ",".join(map(str, raw))
     kind = target if isinstance(target, type) else str(target)
     try:
         if kind in (bool, "bool"):
@@ -109,4 +120,26 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             value = flag
         if value is not None:
             setattr(settings, f.name, _convert(f.name, value, f.type))
+    if settings.api_key is None and settings.api_key_file:
+        settings.api_key = read_key_file(Path(settings.api_key_file).expanduser())
+    for name, low in (("max_request_bytes", 1), ("max_connections", 1), ("max_pending", 1)):
+        if getattr(settings, name) < low:
+            raise ValueError(f"setting {name}: must be >= {low}, got {getattr(settings, name)}")
+    for name in ("header_timeout", "request_timeout"):
+        value = getattr(settings, name)
+        if value is not None and not (0 < value < float("inf")):
+            raise ValueError(f"setting {name}: must be a number of seconds > 0, got {value}")
     return settings
+
+
+def read_key_file(path: Path) -> str:
+    try:
+        key = path.read_text().strip().splitlines()
+    except OSError as exc:
+        raise ValueError(f"setting api_key_file: cannot read {path}: {exc.strerror}") from None
+    if not key or not key[0].strip():
+        raise ValueError(f"setting api_key_file: {path} is empty")
+    if path.stat().st_mode & 0o077:
+        print(f"kvforge: warning: the API key file {path} is readable by other users (chmod 600 it)",
+              file=sys.stderr)
+    return key[0].strip()
