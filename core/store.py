@@ -38,6 +38,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
+from kvforge.core.private_files import DIR_MODE, private_file
+
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
@@ -168,8 +170,10 @@ class Store:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            path = Path(url.removeprefix("sqlite:///")).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)  # a new one is private; a given one kept
+            private_file(path)  # SQLite gives its -wal / -shm / -journal files the database file's mode
         self.engine = create_engine(url, pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)

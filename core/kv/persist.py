@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from kvforge.core.private_files import DIR_MODE, open_private, private_dir
 from kvforge.core.store import KVEntry, Store
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,7 @@ class PersistedKV:
         self._pool = pool
         self._block_shape = tuple(pool.kv_block_shape)
         self._dtype = pool.kv_dtype
-        self._model_dir = self.directory / fingerprint.hex()
-        self._model_dir.mkdir(parents=True, exist_ok=True)
+        self._model_dir = private_dir(private_dir(self.directory) / fingerprint.hex())
         self._lock = threading.Lock()
         self._block_nbytes = math.prod(self._block_shape) * torch.empty((), dtype=self._dtype).element_size()
         # this model's blocks on disk (recency lives in the store's index: eviction spans every model)
@@ -243,9 +243,9 @@ class PersistedKV:
                          data.view(torch.uint8).view(-1).numpy().tobytes()))
         relative = Path(self.fingerprint.hex()) / item.digest.hex()[:2] / f"{item.digest.hex()}.kv"
         path = self.directory / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        with open_private(tmp) as f:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
