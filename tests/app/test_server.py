@@ -145,11 +145,11 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 def test_metrics_in_prometheus_format(client, server):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-    text = httpx.get(f"{server[0]}/metrics").text
-    for name in ("kvforge_requests_total", "kvforge_prompt_tokens_total", "kvforge_cached_tokens_total",
-                 "kvforge_generated_tokens_total", "kvforge_ttft_seconds_bucket", "kvforge_tpot_seconds_bucket",
-                 "kvforge_kv_blocks_used", "kvforge_kv_blocks_free", "kvforge_requests_running",
-                 "kvforge_requests_waiting"):
+    text = httpx.get(f"{server[0]}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    for name in ("kvforge_requests_admitted", "kvforge_requests_total", "kvforge_prompt_tokens_total",
+                 "kvforge_cached_tokens_total", "kvforge_generated_tokens_total", "kvforge_ttft_seconds_bucket",
+                 "kvforge_tpot_seconds_bucket", "kvforge_kv_blocks_used", "kvforge_kv_blocks_free",
+                 "kvforge_requests_running", "kvforge_requests_waiting"):
         assert name in text, name
 
 
@@ -166,6 +166,7 @@ def test_full_queue_is_503_and_frees_on_close(server):
             assert response.status_code == 200
         busy = httpx.post(f"{url}/v1/chat/completions", json=payload, headers=headers)
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "queue_full"
+        assert busy.headers["retry-after"] == "1"
     assert wait_idle(engine)
     ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=headers)
     assert ok.status_code == 200

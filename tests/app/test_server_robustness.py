@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api_checks import assert_openai_error
 from engine_helpers import wait_idle
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import serve_in_thread
@@ -44,17 +45,6 @@ def fuzz_server(engine):
 def load_server(engine):
     with serve_in_thread(create_app(engine, MODEL, api_key=API_KEY, max_pending=128)) as url:
         yield url
-
-
-def assert_openai_error(response: httpx.Response) -> None:
-    body = response.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    assert error["param"] is None or isinstance(error["param"], str)
-    assert error["code"] is None or isinstance(error["code"], str)
 
 
 # --- strategies --------------------------------------------------------------------------------------

@@ -1,0 +1,22 @@
+"""Assertions about HTTP responses shared by the server tests (httpx, requests and schemathesis responses
+alike: anything with a .json() method)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def assert_openai_error(response: Any) -> None:
+    """The body is exactly OpenAI's error shape: {"error": {"message": non-empty str, "type": non-empty str,
+    "param": str | None, "code": str | None}} and nothing else."""
+    try:
+        body = response.json()
+    except ValueError:
+        raise AssertionError(f"not a JSON body: {response.text[:500]!r}") from None
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], str), error
