@@ -18,8 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from kvforge.app.access import AccessGuard, AccessPolicy
 from kvforge.app.admission import Admission
@@ -57,6 +59,43 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
                                               quant_options=spec.quant_options, decoding=spec.decoding,
                                               decoding_options=spec.decoding_options, tp_size=spec.tp, **sized),
                                  progress=False))
+
+
+class ApiFallback:
+    """Answers, in OpenAI's shape, what the API routes do not: 405 (with Allow) for a method an API path does
+    not take, 404 for an unknown path under /v1 or /admin. Without it Starlette hands such requests to the
+    UI mounted at /, which answers Gradio's own 404 page."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.routes = list(http_routes(app.router.routes))
+
+    async def __call__(self, scope, receive, send) -> None:
+        allowed = sorted({m for r in self.routes if r.path_regex.match(scope["path"]) for m in (r.methods or ())})
+        if allowed:
+            response = error_response(405, f"method {scope['method']} is not allowed on {scope['path']} (allowed: "
+                                      f"{', '.join(allowed)})", None, "invalid_request_error", "method_not_allowed",
+                                      {"Allow": ", ".join(allowed)})
+        else:
+            response = error_response(404, f"no route {scope['path']}", None, "not_found_error", "not_found")
+        await response(scope, receive, send)
+
+
+def http_routes(routes):
+    """The HTTP routes of a route table, those of included routers too."""
+    for route in routes:
+        if hasattr(route, "original_router"):  # FastAPI's include_router()
+            yield from http_routes(route.original_router.routes)
+        elif isinstance(route, APIRoute | Route):
+            yield route
+
+
+def add_api_fallbacks(app: FastAPI) -> None:
+    """After the API's routes, before the UI's mount: every API path with any other method, and the rest of
+    /v1 and /admin, go to ApiFallback (an ASGI endpoint: a Route with methods=None takes every method)."""
+    fallback = ApiFallback(app)
+    paths = {r.path for r in fallback.routes} | {"/v1/{rest:path}", "/admin/{rest:path}"}
+    for path in sorted(paths):
+        app.router.routes.append(Route(path, fallback, include_in_schema=False))
 
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
@@ -286,12 +325,13 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     if store is not None:
         app.state.chat = ChatService(admission, store, metrics, default_max_tokens, request_timeout_s)
         app.include_router(sessions_router(app.state.chat))
-        if ui:  # after every API route: the UI mounted at / would shadow later ones
-            from kvforge.ui.app import mount_ui
-            from kvforge.ui.dashboard import DashboardSampler
+    add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
+    if store is not None and ui:  # last: the UI mounted at / would shadow later routes
+        from kvforge.ui.app import mount_ui
+        from kvforge.ui.dashboard import DashboardSampler
 
-            app.state.sampler = DashboardSampler(host, metrics).start()
-            app = mount_ui(app, app.state.chat, app.state.sampler)
+        app.state.sampler = DashboardSampler(host, metrics).start()
+        app = mount_ui(app, app.state.chat, app.state.sampler)
     # outermost first: Host / Origin / key, then the body cap (add_middleware puts each new one outside)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(AccessGuard, policy=access)
