@@ -113,6 +113,30 @@ def test_n_greedy_samples_all_equal_the_greedy_output(embedded_llm):
     assert_idle(embedded_llm)
 
 
+@pytest.mark.parametrize("ending", ["max_tokens", "stop"])
+def test_n_samples_when_sample_zero_finishes_on_its_first_token(embedded_llm, ending):
+    """The other samples fork from sample 0 at the prompt's end, in the step where sample 0 gets its first
+    token: that token may finish it (freeing its blocks) before they took their share (a 500 found by
+    fuzzing the server with n=2, max_tokens=1)."""
+    prompt = embedded_llm.tokenizer.encode("My favourite animal is the")
+    assert len(prompt) % embedded_llm.engine.config.block_size  # the prompt ends in a partial block
+    if ending == "max_tokens":
+        params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=1)
+    else:  # sample 0 is the seed's n=1 stream: a stop string ends it at its first token, the others go on
+        free = embedded_llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6))[0]
+        first = embedded_llm.tokenizer.decode(free[0].token_ids[:1])
+        assert first.strip() and not any(first in o.text for o in free[1:]), [o.text for o in free]
+        params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, stop=[first])
+    outs = embedded_llm.generate(prompt, params)[0]
+    assert [o.index for o in outs] == [0, 1, 2]
+    if ending == "max_tokens":
+        assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in outs)
+    else:
+        assert outs[0].finish_reason == "stop" and outs[0].text == ""
+        assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in free[1:]]  # as if sample 0 went on
+    assert_idle(embedded_llm)
+
+
 # --- logprobs ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
