@@ -43,5 +43,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     best = next((e for e in same_field if e.get("type") not in TYPE_MISMATCHES), first)
     # field names and list indices; union member tags ("constrained-str", "list[...]") say nothing to a client
     loc = [str(p) for p in best.get("loc", ()) if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
-    message = "must be a finite number" if best.get("type") == "finite_number" else best.get("msg", "invalid value")
+    message = best.get("msg", "invalid value")
+    if best.get("type") == "finite_number":
+        message = "must be a finite number"
+    elif best.get("type") == "value_error":  # our validators' own words, without pydantic's "Value error, "
+        message = str((best.get("ctx") or {}).get("error", message.removeprefix("Value error, ")))
     return f"{'.'.join(loc) or 'body'}: {message}", (loc[0] if loc else None)

@@ -114,7 +114,7 @@ class LoadModelRequest(BaseModel):
     quant: str = "none"
     quant_options: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
-    kv_cache_gb: float | None = Field(default=None, gt=0, le=4096)
+    kv_cache_gb: float | None = Field(default=None, ge=1 / 1024, le=4096)  # at least 1 MiB
     decoding: str = "none"  # a speculative decoding plugin
     decoding_options: dict[str, Any] = Field(default_factory=dict)
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
@@ -130,15 +130,20 @@ class SessionSettings(BaseModel):
     @field_validator("sampling")
     @classmethod
     def _known_valid_sampling(cls, sampling: dict[str, Any]) -> dict[str, Any]:
-        allowed = set(SamplingFields.model_fields) - {"model", "stream", "stream_options", "n"}
-        unknown = sorted(set(sampling) - allowed)
-        if unknown:
-            raise ValueError(f"unknown sampling settings {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
-        fields = SamplingFields.model_validate(sampling)  # the same bounds as a request's fields
-        # and SamplingParams' own checks (non-empty stop strings, min_tokens <= max_tokens), or every message
-        # of the session would be rejected; a max_tokens left to each reply's default is not checked here
-        fields.sampling_params(max(1, fields.min_tokens), None)
-        return sampling
+        return check_sampling(sampling)
+
+
+def check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """A conversation's sampling settings: SamplingFields names with the same bounds as a request's."""
+    allowed = set(SamplingFields.model_fields) - {"model", "stream", "stream_options", "n"}
+    unknown = sorted(set(sampling) - allowed)
+    if unknown:
+        raise ValueError(f"unknown sampling settings {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+    fields = SamplingFields.model_validate(sampling)
+    # and SamplingParams' own checks (non-empty stop strings, min_tokens <= max_tokens), or every message
+    # of the session would be rejected; a max_tokens left to each reply's default is not checked here
+    fields.sampling_params(max(1, fields.min_tokens), None)
+    return sampling
 
 
 class SessionCreateRequest(SessionSettings):
@@ -154,7 +159,7 @@ class SessionUpdateRequest(BaseModel):
     @field_validator("sampling")
     @classmethod
     def _valid_sampling(cls, sampling: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if sampling is None else SessionSettings(sampling=sampling).sampling
+        return None if sampling is None else check_sampling(sampling)
 
 
 class SessionMessageRequest(SamplingFields):
