@@ -36,6 +36,8 @@ from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover, resolve_
 from kvforge.core.store import Conversation, NotFound  # noqa: E402
 from kvforge.ui.dashboard import DashboardSampler  # noqa: E402
 
+KV_BUDGET_INFO = ("Empty: the server's --kv-cache-gb, or without one automatic: 1 GiB on CPU; on a GPU, what "
+                  "--gpu-memory-utilization leaves after the weights.")
 CSS = """
 #reply-stats { font-size: 0.85em; opacity: 0.8; }
 #dashboard table { font-size: 0.85em; }
@@ -73,7 +75,8 @@ def dashboard_markdown(sampler: DashboardSampler) -> str:
     else:
         lines.append(f"| Process RSS | {human_bytes(s.rss_bytes)} |")
     lines += [
-        f"| KV pool | {human_bytes(st['kv_cache_bytes'])} |",
+        f"| KV pool | {human_bytes(st['kv_cache_bytes'])}"
+        + (" (automatic)" if s.config.get("kv_cache_bytes") is None else "") + " |",
         f"| KV blocks used / cached / free | {st['kv_blocks_used']} / {st['kv_blocks_cached']} / "
         f"{st['kv_blocks_free']} |",
         f"| Requests running / waiting | {st['running']} / {st['waiting']} |",
@@ -133,6 +136,22 @@ def memory_estimate_markdown(host, model: str, dtype: str, context_tokens: float
             + (f"; on {ranks} tensor-parallel ranks the largest share is **{human_bytes(e['rank_total_bytes'])}** "
                f"(weights {human_bytes(e['rank_weights_bytes'])} + KV {human_bytes(e['rank_kv_bytes'])})"
                if ranks > 1 else ""))
+
+
+def kv_budget_gb(host) -> float | None:
+    """The KV budget the running model was configured with, in GiB (None: sized automatically); with no model
+    loaded, the last load's."""
+    core = host.engine.engine.config if host.engine is not None else None
+    if core is None:
+        return host.spec.kv_cache_gb
+    return None if core.kv_cache_bytes is None else round(core.kv_cache_bytes / (1 << 30), 3)
+
+
+def kv_budget_update(host):
+    """The KV budget box: the configured value, or empty (automatic) with the pool's present size as placeholder."""
+    value = kv_budget_gb(host)
+    pool = host.engine.stats().kv_cache_bytes if host.engine is not None and value is None else None
+    return gr.update(value=value, placeholder=f"automatic ({human_bytes(pool)} now)" if pool else "automatic")
 
 
 def plugin_settings(name: str, group: str = QUANT_GROUP) -> dict:
@@ -256,6 +275,10 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         if not message:
             yield gr.update(), gr.update(), gr.update(), gr.update(), session_id
             return
+        try:
+            chat.admission.check_open()  # a full server refuses before anything is stored (start_turn checks again)
+        except APIError as exc:
+            raise gr.Error(exc.message) from None
         if not session_id:
             session_id = store.create_conversation(DEFAULT_TITLE, chat.host.name,
                                                    {"system_prompt": system or None}).id
@@ -312,14 +335,14 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                 core.dtype if core else "float32", gr.update(choices=quants, value=core.quant if core else "none"),
                 json.dumps(core.quant_options if core else {}),
                 gr.update(choices=decodings, value=core.decoding if core else "none"),
-                json.dumps(core.decoding_options if core else {}),
-                round(core.kv_cache_bytes / (1 << 30), 3) if core else 1.0,
+                json.dumps(core.decoding_options if core else {}), kv_budget_update(host),
                 core.tp_size if core else host.spec.tp)
 
     async def apply_settings(model: str, dtype: str, quant: str, options: str, decoding: str, decoding_json: str,
-                             kv_gb: float, tp: int | None):
+                             kv_gb: float | None, tp: int | None):
         """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks without a restart; in-flight
-        replies finish first."""
+        replies finish first. An empty KV budget (None) keeps the server's default: its --kv-cache-gb, else the
+        automatic size."""
         if tp is None:
             yield "Refused: tensor-parallel ranks: enter a whole number >= 1"
             return
@@ -336,8 +359,8 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         if decoding == "none":
             parsed["decoding"] = {}  # the box may still hold another plugin's options: they do not apply
         served = host.spec.served_name if model == current_model_name(host) else None
-        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, float(kv_gb), decoding, parsed["decoding"],
-                         int(tp))
+        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, None if kv_gb is None else float(kv_gb),
+                         decoding, parsed["decoding"], int(tp))
         what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
                 + (f", tp {int(tp)}" if int(tp) != 1 else ""))
         started = time.monotonic()
@@ -411,7 +434,8 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
                         render_plugin_options(plugin_settings(decoding or "none", DECODING_GROUP), options,
                                               decoding_options, "decoding")
 
-                    kv_gb = gr.Number(label="KV cache budget (GiB)", minimum=0.01, elem_id="settings-kv-gb")
+                    kv_gb = gr.Number(label="KV cache budget (GiB; empty: automatic)", minimum=0.01,
+                                      info=KV_BUDGET_INFO, elem_id="settings-kv-gb")
                     tp_ranks = gr.Number(label="Tensor-parallel ranks", value=1, minimum=1, precision=0,
                                          elem_id="settings-tp")
                     context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
@@ -443,13 +467,19 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
         settings = [model_choice, dtype_choice, quant_choice, quant_options, decoding_choice, decoding_options, kv_gb,
                     tp_ranks]
         demo.load(settings_values, outputs=settings)
-        for component in (model_choice, dtype_choice, context, quant_choice, quant_options, tp_ranks):
-            component.change(lambda m, d, c, q, o, t: memory_estimate_markdown(host, m, d, c or 1, q, o, t),
-                             [model_choice, dtype_choice, context, quant_choice, quant_options, tp_ranks], estimate,
-                             queue=False)
+        estimate_inputs = [model_choice, dtype_choice, context, quant_choice, quant_options, tp_ranks]
+
+        def update_estimate(m, d, c, q, o, t):
+            return memory_estimate_markdown(host, m, d, c or 1, q, o, t)
+
+        for component in (model_choice, dtype_choice, context, quant_options, tp_ranks):
+            component.change(update_estimate, estimate_inputs, estimate, queue=False)
         quant_choice.change(plugin_help, quant_choice, quant_help, queue=False)
 
-        quant_choice.change(lambda q: plugin_options_json(host, "quant", q), quant_choice, quant_options, queue=False)
+        # a new quant choice: its options first, then the estimate (never the new plugin with the old one's options,
+        # which it refuses: "No estimate: ValueError: plugin 'none' has no option ...")
+        quant_choice.change(lambda q: plugin_options_json(host, "quant", q), quant_choice, quant_options,
+                            queue=False).then(update_estimate, estimate_inputs, estimate, queue=False)
 
         decoding_choice.change(lambda d: plugin_help(d, DECODING_GROUP) if d and d != "none" else "", decoding_choice,
                                decoding_help, queue=False)

@@ -34,7 +34,8 @@ class Sample:
     stats: dict[str, Any]  # EngineStats.as_dict(), empty when no model is loaded
     rss_bytes: int
     gpus: list[dict[str, Any]]
-    config: dict[str, Any] = field(default_factory=dict)  # dtype, quant and decoding plugins and their options, tp
+    # dtype, quant and decoding plugins and their options, tp, the configured KV budget (None: automatic)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 class DashboardSampler:
@@ -69,7 +70,8 @@ class DashboardSampler:
             core = engine.engine.config
             config = {"dtype": core.dtype, "quant": core.quant, "quant_options": core.quant_options,
                       "decoding": core.decoding or "none", "decoding_options": core.decoding_options,
-                      "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching}
+                      "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching,
+                      "kv_cache_bytes": core.kv_cache_bytes}
         return Sample(time.time(), self.host.name, stats, process_rss_bytes(), gpu_memory(), config)
 
     def latest(self) -> Sample:
