@@ -315,6 +315,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
           f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "
           f"{'off' if settings.no_persist_kv else data_dir / 'kv'}; {runs_on(first.engine)})", flush=True)
+    del first  # the host owns it: a model swap must be able to free it
     try:
         server.run()
     finally:
