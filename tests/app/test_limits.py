@@ -62,8 +62,10 @@ def test_every_entry_point_passes_one_admission(server):
         for stream in (True, False):
             assert_busy(http.post(f"{server.url}/v1/sessions/{session}/messages",
                                   json={"content": "Hi", "max_tokens": 2, "stream": stream}))
+        stored = httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"]
         with pytest.raises(Exception, match="busy"):
             ui.predict("Hi", "", 0.0, 1.0, 2, api_name="/send")  # message, system prompt, sampling
+        assert httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"] == stored, "the UI stored a chat"
         assert server.metric("requests_admitted") == 1
     wait_quiet(server)
     assert httpx.get(f"{server.url}/v1/sessions/{session}", timeout=30).json()["messages"] == [], \

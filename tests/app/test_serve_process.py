@@ -57,7 +57,7 @@ def test_bad_settings_are_clear_errors(tmp_path, content, fragment):
 
 def test_sigterm_ends_open_streams_with_a_final_chunk_and_exits_fast(tmp_path, embedded_path):
     port = free_port()
-    config = tmp_path / "serve.toml"
+    config = tmp_path / "serve.toml"  # settings from a TOML file are what this checks: not README command 1 on purpose
     config.write_text('served_model_name = "local-smol"\napi_key = "k1"\nlog_level = "warning"\n')
     env = dict(os.environ, HF_HUB_OFFLINE="1", KVFORGE_PORT=str(port))
     env.pop("KVFORGE_API_KEY", None)

@@ -32,7 +32,8 @@ MAX_TOKENS = 40
 
 class Server(ServeProcess):
     def __init__(self, data_dir, db_url: str) -> None:
-        super().__init__("--data-dir", str(data_dir), "--db", db_url, "--kv-cache-gb", "0.25")
+        # README command 1 but for --db, the store under test (SQLite, PostgreSQL)
+        super().__init__("--data-dir", str(data_dir), "--db", db_url)
 
     def wait_persisted(self) -> None:
         """The background writer has written every block queued so far."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
 from plugin_packages import build_and_install, toy_int8_site
 from server_process import ServeProcess
+from ui_helpers import apply_and_wait, choose, model_card, served_quant
 
 GPU_ONLY_SOURCE = '''
 from kvforge.plugins.quant.dense import DenseMethod
@@ -35,6 +35,11 @@ TIMEOUT_MS = 120_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, embedded_path):
+    # Not README command 1: its twin on the default configuration is tests/ui/test_default_setup.py (a quant swap
+    # from the settings and back, with chats, on an empty, automatic KV budget; no "Error" on the page). This one
+    # needs two third-party quant plugins installed, a toy int8 with a declared option and a CUDA-only one: plugin
+    # discovery, rendered options and a refusal on this device cannot be shown with the built-in plugins alone; and
+    # --kv-cache-gb 0.25 to cover a configured KV budget: the settings show it and a swap keeps it.
     sites = [toy_int8_site(tmp_path_factory.mktemp("toy-int8")),
              build_and_install(tmp_path_factory.mktemp("gpu-only"), "kvforge-toy-gpu-only", "0.1",
                                "kvforge_toy_gpu_only", GPU_ONLY_SOURCE,
@@ -57,37 +62,6 @@ def page(server):
         yield page
 
 
-def choose(page, dropdown_id: str, option: str) -> None:
-    box = page.locator(f"#{dropdown_id} input")
-    box.fill(option)  # the list is filtered by the box's text: type the choice, then pick it
-    page.get_by_role("option", name=option, exact=True).click()
-    page.wait_for_function(f"document.querySelector('#{dropdown_id} input').value === '{option}'")
-
-
-def apply_and_wait(page, timeout_s: float = 120) -> str:
-    """Click Apply; the status line that ends this apply (not the one left by an earlier apply)."""
-    status = page.locator("#settings-status")
-
-    def outcome() -> str | None:  # the status shows a progress timer around the text while busy
-        text = status.inner_text()
-        found = [text.index(word) for word in ("Loaded", "Refused") if word in text]
-        return text[min(found):] if found else None
-
-    before = outcome()
-    page.click("#settings-apply")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        now = outcome()
-        if now is not None and now != before:
-            return now
-        time.sleep(0.2)
-    raise AssertionError(f"apply did not finish: {status.inner_text()!r}")
-
-
-def served_quant(server) -> str:
-    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["quant"]
-
-
 def test_memory_estimate_is_shown_before_applying(page, embedded_path):
     expected = estimate_memory(load_config(embedded_path), "float32", 8192)
     estimate = page.locator("#settings-estimate")
@@ -103,6 +77,9 @@ def test_memory_estimate_is_shown_before_applying(page, embedded_path):
 
 def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server):
     assert served_quant(server) == "none"
+    kv_bytes = model_card(server)["memory"]["kv_cache_bytes"]
+    assert kv_bytes <= 0.25 * (1 << 30)
+    page.wait_for_function("document.querySelector('#settings-kv-gb input').value === '0.25'")  # --kv-cache-gb
     choose(page, "settings-quant", "toy-int8")
     page.locator("#settings-quant-help").filter(has_text="test plugin").wait_for()
     # the plugin's declared option is rendered as an input of its type, with its default
@@ -133,8 +110,9 @@ def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server
     assert finished.get("finish_reason") == "length", finished  # it ran to the end, not aborted
     assert status.startswith("Loaded") and "toy-int8" in status, status
     assert served_quant(server) == "toy-int8"
-    card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    card = model_card(server)
     assert card["quant_options"] == {"scale_floor": 1e-06}
+    assert card["memory"]["kv_cache_bytes"] == kv_bytes  # the configured budget is kept (same dtype)
 
     page.fill("#message textarea", "What is the capital of France?")
     page.click("#send")

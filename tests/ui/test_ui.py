@@ -1,4 +1,5 @@
-"""The browser UI, driven by headless Chromium (Playwright) against one real `kvforge serve` per module:
+"""The browser UI, driven by headless Chromium (Playwright) against one real `kvforge serve` per module, started
+as README command 1 (the default configuration; only a port and a fresh data dir added):
 a streamed reply and its stats, Stop, conversations (new, switch, rename, delete), a reload, the live
 dashboard, no request to anything but 127.0.0.1, and the screenshot in docs/ui.png.
 
@@ -17,6 +18,7 @@ import pytest
 
 from chromium import launch_browser
 from server_process import ServeProcess
+from ui_helpers import chat_messages, last_reply_text, send, set_slider, wait_reply
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "ui.png"
@@ -30,10 +32,11 @@ REQUESTS: list[str] = []
 
 
 class Server(ServeProcess):
-    """`kvforge serve` (UI at /) with a fresh data dir, read through the sessions API and /metrics."""
+    """`kvforge serve` (UI at /) on the default configuration with a fresh data dir, read through the sessions
+    API and /metrics."""
 
     def __init__(self, data_dir: Path) -> None:
-        super().__init__("--data-dir", str(data_dir), "--kv-cache-gb", "0.25")
+        super().__init__("--data-dir", str(data_dir))  # README command 1 (a port, a fresh data dir)
 
     def sessions(self) -> list[dict]:
         return httpx.get(f"{self.url}/v1/sessions", timeout=30).json()["data"]
@@ -86,13 +89,6 @@ def page(browser, server):
 
 # ---- reading and driving the page -------------------------------------------------------------------
 
-def chat_messages(page) -> list[tuple[str, str]]:
-    """(role, content) of every message in #chat; the content is the raw text (Gradio's aria-label)."""
-    labels = page.locator("#chat [data-testid=user], #chat [data-testid=bot]").evaluate_all(
-        "els => els.map(e => [e.dataset.testid, e.getAttribute('aria-label')])")
-    return [("user" if who == "user" else "assistant", label.split("'s message: ", 1)[1]) for who, label in labels]
-
-
 def stored_messages(server: Server, session_id: str) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in server.session(session_id)["messages"]]
 
@@ -121,52 +117,11 @@ def new_chat(page, server: Server) -> str:
     return session_id
 
 
-def send(page, text: str) -> None:
-    """Type a message and press Enter; returns once its (empty) reply bubble is shown."""
-    replies = page.locator("#chat [data-testid=bot]").count()
-    page.fill("#message textarea", text)
-    page.press("#message textarea", "Enter")
-    page.wait_for_function("n => document.querySelectorAll('#chat [data-testid=bot]').length > n", arg=replies)
-
-
-def wait_reply(page, server: Server) -> str:
-    """Wait for the reply being generated to finish (its stats shown); its text."""
-    from playwright.sync_api import TimeoutError
-
-    try:
-        page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('Last reply')")
-    except TimeoutError:
-        raise AssertionError(f"the reply did not finish: {chat_messages(page)[-2:]}, "
-                             f"{page.locator('#reply-stats').inner_text()!r}, {server.metrics()}") from None
-    return last_reply_text(page)
-
-
-def last_reply_text(page) -> str:
-    messages = chat_messages(page)
-    assert messages and messages[-1][0] == "assistant", messages
-    return messages[-1][1]
-
-
 def wait_partial_reply(page) -> str:
     page.wait_for_function(
         """() => { const b = document.querySelectorAll('#chat [data-testid=bot]');
                    return b.length && b[b.length - 1].getAttribute('aria-label').split("'s message: ")[1].length; }""")
     return last_reply_text(page)
-
-
-def set_slider(page, elem_id: str, value: int | float) -> None:
-    """Type into a slider's number box (opening the Generation settings accordion if it is closed)."""
-    slider = page.locator(f"#{elem_id}")
-    if not slider.is_visible():
-        page.get_by_text("Generation settings", exact=True).click()
-        slider.wait_for(state="visible")
-    box, track = slider.locator("input[type=number]"), slider.locator("input[type=range]")
-    deadline = time.monotonic() + TIMEOUT_MS / 1000
-    while track.input_value() != str(value):  # typed while the accordion still renders, it may not take
-        assert time.monotonic() < deadline, f"#{elem_id} stayed at {track.input_value()}"
-        box.fill(str(value))
-        box.press("Enter")
-        page.wait_for_timeout(300)
 
 
 def dashboard(page) -> dict[str, str]:
