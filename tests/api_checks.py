@@ -20,3 +20,17 @@ def assert_openai_error(response: Any) -> None:
     assert isinstance(error["type"], str) and error["type"], error
     assert error["param"] is None or isinstance(error["param"], str), error
     assert error["code"] is None or isinstance(error["code"], str), error
+
+
+def lax_number(value) -> float | None:
+    """What pydantic's lax mode could read as a number (ints, floats, numeric strings)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None

@@ -37,7 +37,7 @@ from schemathesis.core import NotSet  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
-from api_checks import assert_openai_error  # noqa: E402
+from api_checks import assert_openai_error, lax_number  # noqa: E402
 from server_process import ServeProcess  # noqa: E402
 
 API_KEY = "fuzz-key-789"
@@ -123,24 +123,10 @@ def api_schema(server):
                                          config=schemathesis.Config.from_dict(CONFIG))
 
 
-def _as_number(value) -> float | None:
-    """What pydantic's lax mode could read as a number (ints, floats, numeric strings)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return None
-    return None
-
-
 def _cap(body: dict, key: str, cap: float, limit: float = math.inf) -> None:
     """body[key] = cap where it reads as a number in (cap, limit]: the request stays as valid or as
     invalid as it was, only cheaper."""
-    number = _as_number(body.get(key))
+    number = lax_number(body.get(key))
     if number is not None and cap < number <= limit:
         body[key] = cap
 

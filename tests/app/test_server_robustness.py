@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api_checks import assert_openai_error
+from api_checks import assert_openai_error, lax_number
 from engine_helpers import wait_idle
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import serve_in_thread
@@ -99,25 +99,11 @@ COMPLETION_FIELDS = {**FIELDS, "logprobs": st.integers(min_value=0, max_value=20
 JUNK_KEYS = st.sampled_from(["", "foo", "tools", "user", "response_format", "\u2603", "messages ", "Max_Tokens"])
 
 
-def _as_number(value) -> float | None:
-    """What pydantic's lax mode could read as a number (ints, floats, numeric strings)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return None
-    return None
-
-
 def _tame(body: dict) -> dict:
     """Keep whatever a fuzzed body says, except limits that would make the model run long or wide."""
     for key, cap in (("max_tokens", MAX_TOKENS_CAP), ("max_completion_tokens", MAX_TOKENS_CAP),
                      ("min_tokens", MAX_TOKENS_CAP), ("n", 2)):
-        number = _as_number(body.get(key))
+        number = lax_number(body.get(key))
         if number is not None and (math.isnan(number) or number > cap):
             body[key] = cap
     return body

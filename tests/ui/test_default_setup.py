@@ -16,7 +16,6 @@ from dataclasses import fields
 
 import pytest
 
-from chromium import launch_browser
 from kvforge.app.settings import ServeSettings
 from kvforge.core.config import CPU_KV_CACHE_BYTES
 from server_process import ServeProcess
@@ -44,12 +43,6 @@ new MutationObserver(mutations => {
     }
 }).observe(document, {subtree: true, childList: true, characterData: true});
 """
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with launch_browser() as browser:
-        yield browser
 
 
 @pytest.fixture(scope="module")

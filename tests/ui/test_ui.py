@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chromium import launch_browser
 from server_process import ServeProcess
 from ui_helpers import chat_messages, last_reply_text, send, set_slider, wait_reply
 
@@ -55,12 +54,6 @@ class Server(ServeProcess):
                 return m
             assert time.monotonic() < deadline, f"the engine did not go idle: {m}"
             time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with launch_browser() as browser:
-        yield browser
 
 
 @pytest.fixture(scope="module")
