@@ -1,7 +1,11 @@
 """Bounded work on a real `kvforge serve` with small limits (--max-pending 1, --header-timeout 1,
 --request-timeout): admission is one gate for every entry point (OpenAI routes, the sessions API, the
 browser UI through the official gradio_client), 503 with Retry-After when full; half-open connections are
-closed; a request past its wall-clock limit is aborted and its KV freed."""
+closed; a request past its wall-clock limit is aborted and its KV freed.
+
+Why not the default configuration: 256 admitted requests, a 10 s header timeout and no request timeout
+are too large to reach in a test. The same gate runs with the defaults in every other server test; the
+default header timeout is checked in test_security_default.py."""
 
 from __future__ import annotations
 

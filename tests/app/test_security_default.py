@@ -173,6 +173,23 @@ def test_a_body_over_the_cap_is_413_before_it_is_parsed(server):
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+def test_half_open_connections_are_closed_by_the_default_header_timeout(server):
+    """test_limits.py checks this with a 1 s timeout; here the default (10 s) does it too."""
+    import socket
+
+    sockets = [socket.create_connection(("127.0.0.1", server.port), timeout=120) for _ in range(8)]
+    for s in sockets[::2]:
+        s.sendall(b"GET /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: ")
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    for s in sockets:
+        try:
+            assert s.recv(1024) == b""  # closed by the server, unanswered
+        except ConnectionResetError:
+            pass
+        finally:
+            s.close()
+
+
 @pytest.fixture(scope="module")
 def char_bound(embedded_path) -> int:
     """The longest prompt in characters that could still fit the context (Tokenizer.max_token_chars)."""
