@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import cookie_parser
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -105,11 +106,15 @@ class AccessPolicy:
                 return True
         return False
 
-    def origin_allowed(self, origin: str, scheme: str, host_header: str) -> bool:
-        """Same-origin (the page was served by this server under this Host), or an allowed origin."""
+    @staticmethod
+    def same_origin(origin: str, scheme: str, host_header: str) -> bool:
+        """The page was served by this server under this Host."""
         key = origin_key(origin)
-        own = origin_key(f"{scheme}://{host_header}")
-        if key is not None and key == own:
+        return key is not None and key == origin_key(f"{scheme}://{host_header}")
+
+    def origin_allowed(self, origin: str, scheme: str, host_header: str) -> bool:
+        """Same-origin, or an allowed origin."""
+        if self.same_origin(origin, scheme, host_header):
             return True
         return any(fnmatch.fnmatchcase(origin.lower(), pattern.lower()) for pattern in self.allowed_origins)
 
@@ -137,15 +142,7 @@ class AccessPolicy:
             return True
         if "x-api-key" in headers and self.key_matches(headers["x-api-key"].strip()):
             return True
-        return self.token_valid(cookie(headers, COOKIE) or "")
-
-
-def cookie(headers: Headers, name: str) -> str | None:
-    for part in headers.get("cookie", "").split(";"):
-        key, _, value = part.strip().partition("=")
-        if key == name:
-            return value
-    return None
+        return self.token_valid(cookie_parser(headers.get("cookie", "")).get(COOKIE, ""))
 
 
 def safe_next(target: str | None) -> str:
@@ -208,7 +205,8 @@ class AccessGuard:
                 await error_response(refusal[0], refusal[1], None, "permission_error", refusal[2])(scope, receive, send)
             return
         origin = headers.get("origin")  # absent, same-origin or allowed (refused above otherwise)
-        cross_origin = origin if origin is not None and not self.same_origin(scope, headers) else None
+        same = origin is None or self.policy.same_origin(origin, http_scheme(scope), headers.get("host", ""))
+        cross_origin = None if same else origin
         if cross_origin and scope.get("method") == "OPTIONS" and "access-control-request-method" in headers:
             await self.preflight(cross_origin, headers)(scope, receive, send)  # an allowed origin (checked above)
             return
@@ -220,11 +218,6 @@ class AccessGuard:
                 await self.unauthenticated(scope, headers, receive, send)
                 return
         await self.app(scope, receive, self.cors_send(send, cross_origin))
-
-    def same_origin(self, scope: Scope, headers: Headers) -> bool:
-        origin = headers.get("origin")
-        return origin is not None and origin_key(origin) == origin_key(f"{http_scheme(scope)}://"
-                                                                       f"{headers.get('host', '')}")
 
     def refusal(self, scope: Scope, headers: Headers) -> tuple[int, str, str] | None:
         host = headers.get("host", "")

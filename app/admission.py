@@ -38,6 +38,10 @@ class Admission:
         if self.pending >= self.max_pending:
             raise APIError(503, f"the server is busy ({self.max_pending} requests in flight); retry later", None,
                            "server_busy", "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.check_loaded()
+
+    def check_loaded(self) -> None:
+        """503 when no model is loaded and none is being loaded."""
         if self.host.engine is None and not self.host.swapping:
             raise APIError(503, "no model is loaded; load one with POST /admin/models/load", None, "server_error",
                            "no_model")

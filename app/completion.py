@@ -65,8 +65,14 @@ class SSEResponse(StreamingResponse):
 
 
 class RequestTimedOut(Exception):
+    kind, code = "timeout_error", "request_timeout"  # its type and code in OpenAI's error shape
+
     def __init__(self, seconds: float) -> None:
         super().__init__(f"the request ran past the server's --request-timeout of {seconds:g} s and was aborted")
+
+    def api_error(self) -> APIError:
+        """For a whole (not streamed) response: 504."""
+        return APIError(504, str(self), None, self.kind, self.code)
 
 
 async def within(stream: RequestStream, timeout_s: float | None) -> AsyncIterator[RequestOutput]:

@@ -51,11 +51,14 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.strip().isdigit() or int(declared) > self.max_bytes):
-            status = 413 if declared.strip().isdigit() else 400
-            message = str(BodyTooLarge(self.max_bytes).detail) if status == 413 else "invalid Content-Length"
-            await error_response(status, message, None, "invalid_request_error",
-                                 "request_too_large" if status == 413 else "invalid_request")(scope, receive, send)
+        if declared is not None and not declared.strip().isdigit():
+            await error_response(400, "invalid Content-Length", None, "invalid_request_error",
+                                 "invalid_request")(scope, receive, send)
+            return
+        if declared is not None and int(declared) > self.max_bytes:
+            too_large = BodyTooLarge(self.max_bytes)
+            await error_response(413, str(too_large.detail), None, "invalid_request_error",
+                                 too_large.code)(scope, receive, send)
             return
         received, body_done, started = 0, False, False
 

@@ -136,9 +136,10 @@ class ModelHost:
         when refused."""
         if isinstance(spec.tp, bool) or not isinstance(spec.tp, int) or spec.tp < 1:
             raise InvalidSpec(f"tp (tensor-parallel ranks) must be an integer >= 1, got {spec.tp!r}", "tp")
-        if spec.tp > max_tp_ranks():
-            raise InvalidSpec(f"tp (tensor-parallel ranks) must be at most {max_tp_ranks()} on this machine, got "
-                              f"{spec.tp}", "tp")
+        most = max_tp_ranks()
+        if spec.tp > most:
+            raise InvalidSpec(f"tp (tensor-parallel ranks) must be at most {most} on this machine, got {spec.tp}",
+                              "tp")
         try:
             model = self.confine(spec.model)
         except ValueError as exc:

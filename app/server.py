@@ -139,9 +139,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         return error_response(500, f"internal error: {type(exc).__name__}", None, "server_error")
 
     def check_model(body: SamplingFields) -> None:
-        if host.engine is None and not host.swapping:
-            raise APIError(503, "no model is loaded; load one with POST /admin/models/load", None,
-                           "server_error", "no_model")
+        admission.check_loaded()  # before the name check: with no model there is no name to compare
         if body.model not in (None, "", host.name) and not host.swapping:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {host.name!r}",
                            "model", "not_found_error", "model_not_found")
@@ -266,7 +264,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                     finals[out.index] = out
                     metrics.observe_finished(out)
         except RequestTimedOut as exc:
-            raise APIError(504, str(exc), None, "timeout_error", "request_timeout") from None
+            raise exc.api_error() from None
         finally:
             ticket.release()
             stream.abort()  # no-op once finished; frees everything if the client went away
@@ -317,7 +315,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 yield chunk([], usage=usage(finals.values(), prompt_tokens))
             yield "data: [DONE]\n\n"
         except (RequestsFailed, RequestTimedOut) as exc:  # headers are sent: say it in the stream, as OpenAI does
-            kind, code = (("timeout_error", "request_timeout") if isinstance(exc, RequestTimedOut)
+            kind, code = ((exc.kind, exc.code) if isinstance(exc, RequestTimedOut)
                           else ("server_error", "request_failed"))
             error = {"message": str(exc), "type": kind, "param": None, "code": code}
             yield f"data: {json.dumps({'error': error})}\n\n"

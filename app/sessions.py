@@ -93,7 +93,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
             try:
                 done = [event async for event in reply() if event["type"] == "done"][0]
             except RequestTimedOut as exc:
-                raise APIError(504, str(exc), None, "timeout_error", "request_timeout") from None
+                raise exc.api_error() from None
             finally:
                 turn.abort()
             return {"user": user.to_dict(), **{k: v for k, v in done.items() if k != "type"}}
