@@ -1,7 +1,11 @@
-"""DashboardSampler: one server-side sampler of the engine's figures, every second, for every open tab.
+"""The live dashboard: VRAM per GPU (on CPU: process RSS), the KV pool and its blocks, running / waiting requests,
+generation tok/s (now and plotted over the last minutes), recent TTFTs, the prefix-cache hit rate, draft
+acceptance under speculative decoding, and the active model with its quant and decoding plugins.
 
-Each tab's timer reads the latest sample and the recent history; no tab triggers sampling of its own,
-so ten open tabs cost what one does.
+DashboardSampler is the one server-side sampler of those figures, every second, for every open tab: each tab's
+timer reads the latest sample and the recent history; no tab triggers sampling of its own, so ten open tabs
+cost what one does. Gradio is imported inside add_dashboard: the server imports this module before the UI's
+offline environment is set.
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import pandas as pd
+
+from kvforge.app.cache import human_bytes
 from kvforge.core.metrics import gpu_memory
+from kvforge.ui.service import UIService, engine_config
 
 
 def process_rss_bytes() -> int:
@@ -67,7 +75,7 @@ class DashboardSampler:
         stats, config = {}, {}
         if engine is not None:
             stats = engine.stats().as_dict()
-            core = engine.engine.config
+            core = engine_config(engine)
             config = {"dtype": core.dtype, "quant": core.quant, "quant_options": core.quant_options,
                       "decoding": core.decoding or "none", "decoding_options": core.decoding_options,
                       "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching,
@@ -86,3 +94,61 @@ class DashboardSampler:
 
     def recent_ttfts(self) -> list[float]:
         return list(self.metrics.recent_ttft) if self.metrics is not None else []
+
+
+def dashboard_markdown(service: UIService) -> str:
+    s = service.latest_sample()
+    st = s.stats
+    if not st:
+        return "**No model loaded**"
+    decoding = s.config.get("decoding") or "none"
+    tp = s.config.get("tp") or 1
+    header = (f"**Model** {s.model} · {s.config.get('dtype')} · quant **{s.config.get('quant')}** · "
+              f"decoding **{decoding}**" + (f" · tp **{tp}**" if tp > 1 else ""))
+    lines = [header, "", "| Engine | Now |", "|---|---|"]
+    if s.gpus:
+        for g in s.gpus:
+            lines.append(f"| VRAM {g['device']} | {human_bytes(g['used'])} / {human_bytes(g['total'])} |")
+    else:
+        lines.append(f"| Process RSS | {human_bytes(s.rss_bytes)} |")
+    lines += [
+        f"| KV pool | {human_bytes(st['kv_cache_bytes'])}"
+        + (" (automatic)" if s.config.get("kv_cache_bytes") is None else "") + " |",
+        f"| KV blocks used / cached / free | {st['kv_blocks_used']} / {st['kv_blocks_cached']} / "
+        f"{st['kv_blocks_free']} |",
+        f"| Requests running / waiting | {st['running']} / {st['waiting']} |",
+        f"| Generation tok/s | {st['generation_tokens_per_s']:.1f} |",
+        f"| Prefix cache hit rate | {st['prefix_cache_hit_rate'] * 100:.0f}% |",
+    ]
+    if decoding != "none":  # speculation: how many drafts the target accepts, tokens gained per step
+        lines += [
+            f"| Draft acceptance rate | {st.get('spec_acceptance_rate', 0.0) * 100:.0f}% "
+            f"({st.get('spec_accepted_tokens_total', 0)} / {st.get('spec_drafted_tokens_total', 0)}) |",
+            f"| Mean accepted length | {st.get('spec_mean_accepted_length', 0.0):.2f} tokens per step |",
+        ]
+    if s.config.get("persist_kv"):
+        lines.append(f"| KV on disk | {st['kv_disk_blocks']} blocks, {human_bytes(st['kv_disk_bytes'])} |")
+    ttfts = service.recent_ttfts()[-5:]
+    if ttfts:
+        lines.append(f"| Recent TTFT | {', '.join(f'{t * 1000:.0f} ms' for t in reversed(ttfts))} |")
+    return "\n".join(lines)
+
+
+def throughput_frame(service: UIService) -> pd.DataFrame:
+    samples = service.sample_history()
+    if not samples:
+        return pd.DataFrame({"seconds ago": [], "tok/s": []})
+    now = samples[-1].time
+    return pd.DataFrame({"seconds ago": [round(s.time - now, 1) for s in samples],
+                         "tok/s": [s.stats.get("generation_tokens_per_s", 0.0) for s in samples]})
+
+
+def add_dashboard(service: UIService) -> None:
+    """The figures table and the tok/s plot, refreshed every second from the latest sample."""
+    import gradio as gr
+
+    dashboard = gr.Markdown(elem_id="dashboard")
+    plot = gr.LinePlot(x="seconds ago", y="tok/s", title="Generation tok/s", height=220, elem_id="tokens-plot")
+    timer = gr.Timer(1.0)
+    timer.tick(lambda: (dashboard_markdown(service), throughput_frame(service)), outputs=[dashboard, plot],
+               queue=False, show_progress="hidden")

@@ -1,0 +1,143 @@
+"""UIService: what the browser UI needs from the app, as typed methods, so that the chat, settings and dashboard
+views never reach into the store, the model host or the engine themselves.
+
+Conversations are the session store's, through the same ChatService as /v1/sessions (one admission gate, one
+way a turn is stored); model choices and swaps go through the same ModelHost as the admin API; the dashboard's
+figures come from the one server-side DashboardSampler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvforge.app.chat_service import DEFAULT_TITLE, ChatService, Turn
+from kvforge.app.models import ModelSpec
+from kvforge.core.config import EngineConfig
+from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, resolve_model
+from kvforge.core.store import Conversation, NotFound
+
+if TYPE_CHECKING:
+    from kvforge.core.async_engine import AsyncEngine
+    from kvforge.ui.dashboard import DashboardSampler, Sample
+
+
+def engine_config(engine: AsyncEngine) -> EngineConfig:
+    """The configuration the engine was built with."""
+    # AsyncEngine has no accessor for it yet: this is the UI's one read through AsyncEngine.engine
+    return engine.engine.config
+
+
+class UIService:
+    def __init__(self, chat: ChatService, sampler: DashboardSampler) -> None:
+        self._chat, self._sampler = chat, sampler
+        self._store, self._host = chat.store, chat.host
+
+    # ---- conversations ------------------------------------------------------------------------------
+
+    def conversation_choices(self) -> list[tuple[str, str]]:
+        """(title, id) of every conversation, the most recently updated first."""
+        return [(c.title, c.id) for c in self._store.list_conversations()]
+
+    def conversation(self, session_id: str | None) -> Conversation | None:
+        """The conversation with its messages, or None (no id, or deleted meanwhile)."""
+        if not session_id:
+            return None
+        try:
+            return self._store.get_conversation(session_id)
+        except NotFound:
+            return None
+
+    def create_conversation(self, system_prompt: str | None) -> Conversation:
+        return self._store.create_conversation(DEFAULT_TITLE, self._host.name,
+                                               {"system_prompt": system_prompt or None})
+
+    def rename_conversation(self, session_id: str, title: str) -> None:
+        self._store.update_conversation(session_id, title=title)
+
+    def delete_conversation(self, session_id: str) -> None:
+        """Delete it; one already gone (another tab, the API) is not an error."""
+        try:
+            self._store.delete_conversation(session_id)
+        except NotFound:
+            pass
+
+    def keep_system_prompt(self, session_id: str, system_prompt: str | None) -> None:
+        """Store the system prompt with the conversation when it changed; NotFound for an unknown one."""
+        conv = self._store.get_conversation(session_id)
+        if ((conv.settings or {}).get("system_prompt") or "") != (system_prompt or ""):
+            self._store.update_conversation(session_id, settings={**(conv.settings or {}),
+                                                                  "system_prompt": system_prompt or None})
+
+    def drop_last_turn(self, session_id: str | None) -> str:
+        """Remove the last user message and what follows it; returns that message."""
+        if not session_id:
+            return ""
+        messages = self._store.get_conversation(session_id).messages
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        if not users:
+            return ""
+        self._store.truncate_messages(session_id, users[-1])
+        return messages[users[-1]].content
+
+    def check_open(self) -> None:
+        """APIError when the server is full: a turn is refused before anything is stored."""
+        self._chat.admission.check_open()
+
+    async def start_turn(self, session_id: str, message: str, overrides: dict[str, Any]) -> Turn:
+        return await self._chat.start_turn(session_id, message, overrides)
+
+    # ---- the model host -----------------------------------------------------------------------------
+
+    def model_name(self) -> str | None:
+        """The served model's name; None when no model is loaded."""
+        return self._host.name
+
+    def model_choice(self) -> str:
+        """The last loaded model as the settings panel lists it (the embedded default, or a models-dir entry)."""
+        model = self._host.spec.model
+        return EMBEDDED_MODEL if model in EMBEDDED_ALIASES else Path(model).name
+
+    def available_models(self) -> list[str]:
+        return self._host.available()
+
+    def last_spec(self) -> ModelSpec:
+        """What the last load asked for (the server's own settings before any swap)."""
+        return self._host.spec
+
+    def running_config(self) -> EngineConfig | None:
+        """The configuration the running engine was built with (None: no model loaded)."""
+        engine = self._host.engine
+        return engine_config(engine) if engine is not None else None
+
+    def kv_pool_bytes(self) -> int | None:
+        """The running engine's KV pool size (None: no model loaded)."""
+        return self._host.engine.stats().kv_cache_bytes if self._host.engine is not None else None
+
+    def local_model_dir(self, model: str) -> Path | None:
+        """The converted checkpoint of a listed model, readable before it is loaded (None: a GGUF file not
+        converted yet)."""
+        models_dir = self._host.models_dir
+        if model in EMBEDDED_ALIASES:
+            return resolve_model(None)
+        if models_dir is not None and (models_dir / model / "config.json").is_file():
+            return models_dir / model
+        return None
+
+    async def load_model(self, spec: ModelSpec) -> None:
+        """Swap to `spec` (in-flight replies finish first); raises when refused."""
+        await self._host.load(spec)
+
+    def replies_in_flight(self) -> int:
+        return self._host.in_flight
+
+    # ---- the dashboard's figures --------------------------------------------------------------------
+
+    def latest_sample(self) -> Sample:
+        return self._sampler.latest()
+
+    def sample_history(self) -> list[Sample]:
+        return self._sampler.history()
+
+    def recent_ttfts(self) -> list[float]:
+        return self._sampler.recent_ttfts()

@@ -1,0 +1,305 @@
+"""The Model settings panel: model, dtype, quant plugin and its options, speculative decoding plugin and its
+options, KV budget, tensor-parallel ranks, and an estimate of weights + KV memory before anything is loaded.
+
+Apply swaps them through the same ModelHost as the admin API: in-flight replies finish first, a refused choice
+keeps the old model (not when both are tensor-parallel: see ModelHost.load). Each plugin's options are inputs
+rendered from the schema it declares. Gradio is imported inside the functions: build_ui imports this module
+after the offline environment is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvforge.app.cache import human_bytes
+from kvforge.app.models import ModelSpec
+from kvforge.core.estimate import estimate_memory
+from kvforge.core.loader import load_config
+from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover, resolve_quant
+from kvforge.ui.service import UIService
+
+if TYPE_CHECKING:
+    import gradio as gr
+
+KV_BUDGET_INFO = ("Empty: the server's --kv-cache-gb, or without one automatic: 1 GiB on CPU; on a GPU, what "
+                  "--gpu-memory-utilization leaves after the weights.")
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def memory_estimate_markdown(service: UIService, model: str, dtype: str, context_tokens: float, quant: str = "none",
+                             options: str = "{}", tp: float | None = 1) -> str:
+    """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
+    the chosen context length, before anything is loaded."""
+    try:
+        path = service.local_model_dir(model)
+        if path is None:
+            return f"No estimate for {model!r} before it is converted (GGUF)."
+        hf_config = load_config(path)
+        quant, quant_options = resolve_quant(quant or "none", json.loads(options or "{}"), hf_config, path)
+        bits = discover(QUANT_GROUP).get(quant).bits_per_weight(quant_options)
+        ranks = int(tp or 1)
+        e = estimate_memory(hf_config, dtype, int(context_tokens), bits, tp_size=ranks)
+    except Exception as exc:  # a broken config or option: say so, never break the page
+        return f"No estimate: {type(exc).__name__}: {exc}"
+    layers = f"{quant} at {bits:.2f} bits per weight" if bits else f"dense {dtype}"
+    return (f"Estimate for {int(context_tokens)} tokens of context: weights {human_bytes(e['weights_bytes'])} "
+            f"({e['parameters'] / 1e6:.1f}M parameters, {layers}) + KV {human_bytes(e['kv_bytes'])} = "
+            f"**{human_bytes(e['total_bytes'])}**"
+            + (f"; on {ranks} tensor-parallel ranks the largest share is **{human_bytes(e['rank_total_bytes'])}** "
+               f"(weights {human_bytes(e['rank_weights_bytes'])} + KV {human_bytes(e['rank_kv_bytes'])})"
+               if ranks > 1 else ""))
+
+
+def kv_budget_gb(service: UIService) -> float | None:
+    """The KV budget the running model was configured with, in GiB (None: sized automatically); with no model
+    loaded, the last load's."""
+    core = service.running_config()
+    if core is None:
+        return service.last_spec().kv_cache_gb
+    return None if core.kv_cache_bytes is None else round(core.kv_cache_bytes / (1 << 30), 3)
+
+
+def kv_budget_update(service: UIService):
+    """The KV budget box: the configured value, or empty (automatic) with the pool's present size as placeholder."""
+    import gradio as gr
+
+    value = kv_budget_gb(service)
+    pool = service.kv_pool_bytes() if value is None else None
+    return gr.update(value=value, placeholder=f"automatic ({human_bytes(pool)} now)" if pool else "automatic")
+
+
+def plugin_settings(name: str, group: str = QUANT_GROUP) -> dict:
+    """The options schema a quant (or decoding) plugin declares: {name: {"type", "enum", "default",
+    "description"}}."""
+    cls = discover(group).plugins.get(name)
+    return dict(getattr(cls, "settings", None) or {}) if cls is not None else {}
+
+
+def plugin_help(name: str, group: str = QUANT_GROUP) -> str:
+    registry = discover(group)
+    cls = registry.plugins.get(name)
+    if cls is None:
+        return registry.errors.get(name, "")
+    options = "; ".join(f"`{k}`: {v}" for k, v in (getattr(cls, "settings", {}) or {}).items()) or "no options"
+    devices = getattr(cls, "devices", None)  # quant methods declare theirs; proposers run where the model does
+    runs_on = f" Runs on {' / '.join(devices)}." if devices else ""
+    return f"{cls.description}{runs_on} Options: {options}"
+
+
+def plugin_options_json(service: UIService, kind: str, name: str) -> str:
+    """The options box for plugin `name` of `kind` ("quant" or "decoding"): the running plugin's own options,
+    or another plugin's declared defaults ({} for a name no plugin has, e.g. decoding "none")."""
+    core = service.running_config()
+    if core is not None and getattr(core, kind) == name:
+        return json.dumps(getattr(core, f"{kind}_options"))
+    schema = plugin_settings(name, QUANT_GROUP if kind == "quant" else DECODING_GROUP)
+    return json.dumps({k: v["default"] for k, v in schema.items() if "default" in v})
+
+
+def option_component(name: str, spec: dict, value, kind_of_plugin: str = "quant"):
+    """One input for one declared option, chosen by its schema (elem_id `<quant|decoding>-option-<name>`)."""
+    import gradio as gr
+
+    label = f"{name}: {spec['description']}" if spec.get("description") else name
+    elem_id = f"{kind_of_plugin}-option-{name}"
+    if "enum" in spec:
+        return gr.Dropdown(list(spec["enum"]), value=value, label=label, elem_id=elem_id, interactive=True)
+    kind = spec.get("type")
+    if kind == "boolean":
+        return gr.Checkbox(value=bool(value), label=label, elem_id=elem_id, interactive=True)
+    if kind in ("integer", "number"):
+        return gr.Number(value=value, label=label, precision=0 if kind == "integer" else None,
+                         minimum=spec.get("minimum"), maximum=spec.get("maximum"), elem_id=elem_id, interactive=True)
+    return gr.Textbox(value="" if value is None else str(value), label=label, elem_id=elem_id, interactive=True)
+
+
+def render_plugin_options(schema: dict, options: str, options_box, kind_of_plugin: str) -> None:
+    """Inside a gr.render: one input per declared option, each writing its value into the options JSON box."""
+    try:
+        current = json.loads(options or "{}")
+    except ValueError:
+        current = {}
+    if not isinstance(current, dict):
+        current = {}
+    for name, spec in schema.items():
+        component = option_component(name, spec, current.get(name, spec.get("default")), kind_of_plugin)
+
+        def set_option(value, options_json, name=name):
+            try:
+                values = json.loads(options_json or "{}")
+            except ValueError:
+                values = {}
+            return json.dumps({**(values if isinstance(values, dict) else {}), name: value})
+
+        component.change(set_option, [component, options_box], options_box, queue=False)
+
+
+def parse_options(quant_json: str, decoding_json: str) -> dict[str, dict]:
+    """{"quant": ..., "decoding": ...} from the two options boxes; ValueError naming the box that is not a JSON
+    object."""
+    parsed = {}
+    for what, raw in (("quant", quant_json), ("decoding", decoding_json)):
+        try:
+            parsed[what] = json.loads(raw or "{}")
+            if not isinstance(parsed[what], dict):
+                raise ValueError(f"{what} options must be a JSON object")
+        except ValueError as exc:
+            raise ValueError(f"{what} options: {exc}") from None
+    return parsed
+
+
+class SettingsHandlers:
+    """The panel's event handlers. Their names and docstrings are the UI's Gradio API (/apply_settings...)."""
+
+    def __init__(self, service: UIService) -> None:
+        self.service = service
+
+    def settings_values(self):
+        # the panel as the running model has it (model, dtype, quant, quant options, decoding, decoding options,
+        # KV budget, tensor-parallel ranks); no docstring: it would become the Gradio API's description
+        import gradio as gr
+
+        core = self.service.running_config()
+        quants = sorted(discover(QUANT_GROUP).plugins)
+        decodings = ["none"] + sorted(discover(DECODING_GROUP).plugins)
+        return (gr.update(choices=self.service.available_models(), value=self.service.model_choice()),
+                core.dtype if core else "float32", gr.update(choices=quants, value=core.quant if core else "none"),
+                json.dumps(core.quant_options if core else {}),
+                gr.update(choices=decodings, value=core.decoding if core else "none"),
+                json.dumps(core.decoding_options if core else {}), kv_budget_update(self.service),
+                core.tp_size if core else self.service.last_spec().tp)
+
+    def update_estimate(self, m: str, d: str, c: float | None, q: str, o: str, t: float | None) -> str:
+        # (model, dtype, context tokens, quant, quant options, tensor-parallel ranks); the short names and no
+        # docstring: the Gradio API (/update_estimate) shows them as it always has
+        return memory_estimate_markdown(self.service, m, d, c or 1, q, o, t)
+
+    async def apply_settings(self, model: str, dtype: str, quant: str, options: str, decoding: str,
+                             decoding_json: str, kv_gb: float | None, tp: int | None) -> AsyncIterator[str]:
+        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks without a restart; in-flight
+        replies finish first. An empty KV budget (None) keeps the server's default: its --kv-cache-gb, else the
+        automatic size."""
+        if tp is None:
+            yield "Refused: tensor-parallel ranks: enter a whole number >= 1"
+            return
+        decoding = decoding or "none"
+        try:
+            parsed = parse_options(options, decoding_json)
+        except ValueError as exc:
+            yield f"Refused: {exc}"
+            return
+        if decoding == "none":
+            parsed["decoding"] = {}  # the box may still hold another plugin's options: they do not apply
+        served = self.service.last_spec().served_name if model == self.service.model_choice() else None
+        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, None if kv_gb is None else float(kv_gb),
+                         decoding, parsed["decoding"], int(tp))
+        what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
+                + (f", tp {int(tp)}" if int(tp) != 1 else ""))
+        started = time.monotonic()
+        task = asyncio.ensure_future(self.service.load_model(spec))
+        while not task.done():
+            in_flight = self.service.replies_in_flight()
+            waiting = f"waiting for {in_flight} reply(ies) to finish, " if in_flight else ""
+            yield f"Applying: {waiting}loading {model} ({what})… {time.monotonic() - started:.0f} s"
+            await asyncio.wait([task], timeout=0.5)
+        try:
+            task.result()
+        except Exception as exc:  # a bad choice: the old model keeps serving (unless a tensor-parallel one went first)
+            name = self.service.model_name()
+            yield f"Refused: {exc} — " + (f"{name} keeps serving." if name is not None else "no model is loaded.")
+            return
+        yield f"Loaded {self.service.model_name()} ({what}) in {time.monotonic() - started:.1f} s; new replies use it."
+
+
+@dataclass
+class SettingsPanel:
+    """The panel's inputs and outputs, as the handlers take and fill them."""
+    model: Any
+    dtype: Any
+    quant: Any
+    quant_help: Any
+    quant_options: Any
+    decoding: Any
+    decoding_help: Any
+    decoding_options: Any
+    kv_gb: Any
+    tp: Any
+    context: Any
+    estimate: Any
+    apply: Any
+    status: Any
+
+    def values(self) -> list:
+        """What settings_values fills and apply_settings takes, in that order."""
+        return [self.model, self.dtype, self.quant, self.quant_options, self.decoding, self.decoding_options,
+                self.kv_gb, self.tp]
+
+    def estimate_inputs(self) -> list:
+        return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp]
+
+
+def plugin_choice(kind: str, label: str, options_label: str, group: str):
+    """A plugin dropdown, its help line and its options JSON box (elem_ids `settings-<kind>...`), with the
+    options the chosen plugin declares rendered under them as inputs."""
+    import gradio as gr
+
+    choice = gr.Dropdown(label=label, elem_id=f"settings-{kind}")
+    help_line = gr.Markdown(elem_id=f"settings-{kind}-help")
+    options_box = gr.Textbox(label=options_label, value="{}", max_lines=4, elem_id=f"settings-{kind}-options")
+
+    @gr.render(inputs=[choice, options_box], triggers=[choice.change])
+    def render_options(name: str, options: str):
+        """Inputs rendered from the schema the plugin declares; they edit the options JSON."""
+        render_plugin_options(plugin_settings(name, group), options, options_box, kind)
+
+    return choice, help_line, options_box
+
+
+def settings_panel() -> SettingsPanel:
+    """The "Model settings" accordion."""
+    import gradio as gr
+
+    with gr.Accordion("Model settings", open=False, elem_id="settings"):
+        model = gr.Dropdown(label="Model", elem_id="settings-model")
+        dtype = gr.Radio(DTYPES, label="dtype", elem_id="settings-dtype")
+        quant, quant_help, quant_options = plugin_choice("quant", "Quantization plugin",
+                                                         "Quantization options (JSON)", QUANT_GROUP)
+        decoding, decoding_help, decoding_options = plugin_choice("decoding", "Decoding plugin (speculative)",
+                                                                  "Decoding options (JSON)", DECODING_GROUP)
+        kv_gb = gr.Number(label="KV cache budget (GiB; empty: automatic)", minimum=0.01,
+                          info=KV_BUDGET_INFO, elem_id="settings-kv-gb")
+        tp = gr.Number(label="Tensor-parallel ranks", value=1, minimum=1, precision=0, elem_id="settings-tp")
+        context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
+                            minimum=1, precision=0, elem_id="settings-context")
+        estimate = gr.Markdown(elem_id="settings-estimate")
+        apply = gr.Button("Apply", variant="primary", elem_id="settings-apply")
+        status = gr.Markdown(elem_id="settings-status")
+    return SettingsPanel(model, dtype, quant, quant_help, quant_options, decoding, decoding_help, decoding_options,
+                         kv_gb, tp, context, estimate, apply, status)
+
+
+def add_settings(blocks: gr.Blocks, service: UIService) -> None:
+    """The Model settings panel, filled from the running model on load and again after each Apply."""
+    on, panel = SettingsHandlers(service), settings_panel()
+    blocks.load(on.settings_values, outputs=panel.values())
+    for component in (panel.model, panel.dtype, panel.context, panel.quant_options, panel.tp):
+        component.change(on.update_estimate, panel.estimate_inputs(), panel.estimate, queue=False)
+    panel.quant.change(plugin_help, panel.quant, panel.quant_help, queue=False)
+
+    # a new quant choice: its options first, then the estimate (never the new plugin with the old one's options,
+    # which it refuses: "No estimate: ValueError: plugin 'none' has no option ...")
+    panel.quant.change(lambda q: plugin_options_json(service, "quant", q), panel.quant, panel.quant_options,
+                       queue=False).then(on.update_estimate, panel.estimate_inputs(), panel.estimate, queue=False)
+
+    panel.decoding.change(lambda d: plugin_help(d, DECODING_GROUP) if d and d != "none" else "", panel.decoding,
+                          panel.decoding_help, queue=False)
+    panel.decoding.change(lambda d: plugin_options_json(service, "decoding", d or "none"), panel.decoding,
+                          panel.decoding_options, queue=False)
+
+    panel.apply.click(on.apply_settings, panel.values(), panel.status, concurrency_limit=1).then(
+        on.settings_values, outputs=panel.values())
