@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.config import engine_default
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
 from kvforge.core.plugins import DECODING_GROUP, discover
 
@@ -64,15 +65,18 @@ def max_tp_ranks() -> int:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    model: str | None = None  # None: the embedded default
-    dtype: str = "float32"
-    quant: str = "none"
+    """Which model is served and how it is loaded; what it leaves open is EngineConfig's default (or, under
+    `kvforge serve`, the server's setting). Built into an engine by app/engine_factory.py."""
+
+    model: str | None = engine_default("model")  # None: the embedded default
+    dtype: str = engine_default("dtype")
+    quant: str = engine_default("quant")
     quant_options: dict[str, Any] = field(default_factory=dict)
     served_name: str | None = None
     kv_cache_gb: float | None = None  # None: the server's --kv-cache-gb
-    decoding: str = "none"  # speculative decoding plugin; "none": off
+    decoding: str = engine_default("decoding")  # speculative decoding plugin; "none": off
     decoding_options: dict[str, Any] = field(default_factory=dict)
-    tp: int = 1  # tensor-parallel ranks, one process each
+    tp: int = engine_default("tp_size")  # tensor-parallel ranks, one process each
 
     @property
     def name(self) -> str:

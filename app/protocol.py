@@ -3,7 +3,9 @@
 Unknown fields are ignored (clients send many); known ones are validated, and any error becomes an
 HTTP 400 in OpenAI's error shape naming the field. Numbers must be finite; what a request can make the
 server hold or repeat is capped: messages per request, stop strings (number and length), a stored
-system prompt. The bounds of sampling fields are SamplingParams' (core/sampling.py).
+system prompt. The defaults and bounds of sampling fields are SamplingParams' (core/sampling.py: BOUNDS),
+read from there; the API narrows only temperature (OpenAI's [0, 2]). What only SamplingParams can check
+(e.g. min_tokens <= max_tokens) is checked as it is built, and its ValueError becomes the 400 too.
 """
 
 from __future__ import annotations
@@ -12,14 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvforge.core.sampling import (
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    REPETITION_PENALTY_RANGE,
-    SamplingParams,
-)
+from kvforge.core.config import DTYPE_NAMES, engine_default
+from kvforge.core.sampling import BOUNDS, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 MAX_MESSAGES = 2048  # per request
 MAX_SYSTEM_PROMPT_CHARS = 100_000  # a conversation's stored system prompt
@@ -52,6 +48,13 @@ class ChatMessage(BaseModel):
 StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+def sampling_field(name: str, default: Any = ..., bounds: str | None = None, **narrower: float) -> Any:
+    """A request field with SamplingParams' default and the bounds of BOUNDS[`bounds` or `name`];
+    `narrower`: the API's own tighter limits."""
+    default = SamplingParams.default(name) if default is ... else default
+    return Field(default=default, **{**BOUNDS[bounds or name].limits(), **narrower})
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI names, plus extras)."""
 
@@ -59,19 +62,19 @@ class SamplingFields(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    temperature: float = sampling_field("temperature", le=2)  # OpenAI's range; the engine takes any >= 0
+    top_p: float = sampling_field("top_p")
+    n: int = sampling_field("n")
     stop: StopStrings | Annotated[list[StopStrings], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    seed: int | None = sampling_field("seed")  # what torch.Generator.manual_seed takes
+    presence_penalty: float = sampling_field("presence_penalty")
+    frequency_penalty: float = sampling_field("frequency_penalty")
     # extras beyond OpenAI's schema (vLLM-style)
-    top_k: int = Field(default=0, ge=-1, le=2**63 - 1)  # the sampler holds it in an int64 tensor
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int = sampling_field("top_k")
+    min_p: float = sampling_field("min_p")
+    repetition_penalty: float = sampling_field("repetition_penalty")
+    min_tokens: int = sampling_field("min_tokens")
     ignore_eos: bool = False
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -88,9 +91,9 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = sampling_field("logprobs", None)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -101,21 +104,22 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = sampling_field("logprobs")
     echo: bool = False
 
 
 class LoadModelRequest(BaseModel):
     """POST /admin/models/load: a model in the models directory (or the embedded default) and options."""
+    # defaults and dtype choices: EngineConfig's (core/config.py)
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    quant: str = "none"
+    dtype: Literal[DTYPE_NAMES] = engine_default("dtype")
+    quant: str = engine_default("quant")
     quant_options: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
-    kv_cache_gb: float | None = Field(default=None, ge=1 / 1024, le=4096)  # at least 1 MiB
-    decoding: str = "none"  # a speculative decoding plugin
+    kv_cache_gb: float | None = Field(default=None, ge=1 / 1024, le=4096)  # the API's sanity range: 1 MiB to 4 TiB
+    decoding: str = engine_default("decoding")  # a speculative decoding plugin
     decoding_options: dict[str, Any] = Field(default_factory=dict)
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
 

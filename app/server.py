@@ -37,6 +37,7 @@ from kvforge.app.completion import (
     usage,
     within,
 )
+from kvforge.app.engine_factory import build_async_engine
 from kvforge.app.errors import APIError, error_response, validation_message
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.metrics import ServerMetrics
@@ -51,14 +52,8 @@ from kvforge.core.store import Store
 
 
 def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
-    from kvforge.core.config import EngineConfig
-    from kvforge.core.engine import LLMEngine
-
-    sized = {"kv_cache_bytes": int(spec.kv_cache_gb * (1 << 30))} if spec.kv_cache_gb else {}
-    return AsyncEngine(LLMEngine(EngineConfig(model=spec.model, dtype=spec.dtype, quant=spec.quant,
-                                              quant_options=spec.quant_options, decoding=spec.decoding,
-                                              decoding_options=spec.decoding_options, tp_size=spec.tp, **sized),
-                                 progress=False))
+    """The swaps of a server made from a bare AsyncEngine: the spec over EngineConfig's defaults."""
+    return build_async_engine(spec, progress=False)
 
 
 class ApiFallback:

@@ -1,5 +1,8 @@
-"""One settings object for `kvforge serve`, fed by (highest first) command-line flags, KVFORGE_*
-environment variables, an optional TOML file (--config or KVFORGE_CONFIG), then defaults.
+"""Every `kvforge serve` setting, declared once: its default, type, help and bounds. From these
+declarations come the command-line flags (app/cli/parser.py), the KVFORGE_* environment variables, the
+TOML keys and their validation (resolve, highest first: flags, environment, TOML file, defaults). The
+engine's knobs take their defaults from EngineConfig (core/config.py); `kvforge generate` / `chat` take
+the settings marked `shared` as flags too.
 
 TOML keys are the flag names with underscores, at the top level or under [serve]:
     port = 8080
@@ -14,68 +17,204 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import sys
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvforge.core.config import KERNELS, engine_default
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+GIB = 1 << 30
+
+
+def tp_ranks(value: str) -> int:
+    """--tp: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        ranks = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if ranks < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {ranks}")
+    return ranks
+
+
+def check_tp(tp: int) -> int:
+    """A tensor-parallel rank count from anywhere (flag, settings file, environment): >= 1, else an error
+    naming --tp, raised before a model loads."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp (setting tp) must be an integer >= 1, got {tp!r}")
+    return tp
+
+
+def resolve_device(device: str | None) -> str:
+    """--device: None / "auto" is cuda when torch sees a GPU, else cpu."""
+    if device in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def at_least(low: int) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value < low:
+            raise ValueError(f"setting {name}: must be >= {low}, got {value}")
+    return check
+
+
+def seconds(name: str, value: float | None) -> None:
+    if value is not None and not (0 < value < float("inf")):
+        raise ValueError(f"setting {name}: must be a number of seconds > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a ServeSettings field's metadata holds: everything a flag, a variable or a TOML key needs."""
+
+    help: str  # the flag's help; "{default}" stands for the default
+    kind: type = str  # how a value from the environment or a TOML file converts; bool: an on/off flag
+    check: Callable[[str, Any], None] | None = None  # raises ValueError (naming the setting) when out of bounds
+    arg_type: Callable[[str], Any] | None = None  # argparse's type, when it is not `kind`
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    shared: bool = False  # also a flag of `kvforge generate` / `chat`: the engine is built from it
+    engine: str | None = None  # the EngineConfig knob it sets (ModelSpec's fields are set by the spec)
+    to_engine: Callable[[Any], Any] = lambda value: value
+
+    def flag_help(self, default: Any) -> str:
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        return self.help.replace("{default}", shown)
+
+
+def setting(default: Any, help: str, kind: type = str, **declared: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(help, kind, **declared)})
+
+
+def engine_setting(default: Any, help: str, kind: type = str, **declared: Any) -> Any:
+    """A setting of serve, generate and chat; `default`: read from EngineConfig (engine_default)."""
+    return setting(default, help, kind, shared=True, **declared)
+
+
+KV_CACHE_HELP = ("KV cache budget in GiB (default: 1 on CPU; on a GPU what --gpu-memory-utilization leaves after "
+                 "the weights and activations)")
+OPTIONS_HELP = "the plugin's options as JSON, e.g. '{\"kernel\": \"dequant\"}'"
+DECODING_OPTIONS_HELP = "the decoding plugin's options as JSON, e.g. '{\"k\": 4}' or '{\"model\": \"path/to/draft\"}'"
+
 
 @dataclass
 class ServeSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # better from KVFORGE_API_KEY or api_key_file: a flag is visible in `ps`
-    api_key_file: str | None = None  # a file holding the key (its first line)
-    allowed_hosts: str | None = None  # comma-separated names served beside loopback and the bound host
-    allowed_origins: str | None = None  # comma-separated browser origins allowed to call the API (CORS)
-    models_dir: str | None = None
-    model: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "float32"
-    quant: str = "none"  # a quantized checkpoint picks its own plugin when this is "none"
-    quant_options: str | None = None  # JSON object (a TOML table works too)
-    decoding: str = "none"  # speculative decoding plugin (ngram, draft...); "none": off
-    decoding_options: str | None = None  # JSON object (a TOML table works too)
-    tp: int = 1  # tensor-parallel ranks (--tp), one process each; checked (>= 1) before the model loads
-    kv_cache_gb: float | None = None  # None: 1 GiB on CPU; on a GPU, sized from gpu_memory_utilization
-    device: str | None = None  # cpu | cuda | cuda:N; None: cuda when a GPU is present
-    gpu_memory_utilization: float = 0.9
-    kernels: str = "auto"  # auto | triton | torch
-    enforce_eager: bool = False  # no CUDA graphs
-    block_size: int = 16
-    threads: int | None = None
-    no_prefix_caching: bool = False
-    data_dir: str | None = None  # conversations + persisted KV; default: the user data dir
-    db: str | None = None  # SQLAlchemy URL of the store; default: sqlite in data_dir
-    no_persist_kv: bool = False
-    kv_disk_gb: float = 2.0
-    no_ui: bool = False
-    max_pending: int = 256
-    default_max_tokens: int = 512
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body gets 413 before it is parsed
-    request_timeout: float | None = None  # seconds a request may generate before it is aborted; None: no limit
-    max_connections: int = 1024  # open connections and requests before uvicorn answers 503
-    header_timeout: float = 10.0  # seconds a connection may take to send a request's head
-    log_level: str = "info"
+    host: str = setting("127.0.0.1", "bind address (default: {default})")
+    port: int = setting(8000, "default: {default}", int)
+    api_key: str | None = setting(  # better from KVFORGE_API_KEY or api_key_file: a flag is visible in `ps`
+        None, "required to bind any non-loopback address; with a key every route but /health needs it (clients "
+        "send 'Authorization: Bearer <key>', browsers log in). Prefer KVFORGE_API_KEY or --api-key-file: a flag "
+        "is visible to other users in ps")
+    api_key_file: str | None = setting(None, "read the API key from this file (its first line)")
+    allowed_hosts: str | None = setting(  # comma-separated (a TOML list works too)
+        None, "comma-separated host names served besides localhost, IP addresses and the bound host "
+        "('.example.com' covers subdomains; '*': any); other Host headers get 403 (DNS rebinding)")
+    allowed_origins: str | None = setting(
+        None, "comma-separated browser origins allowed to call the API from their pages, e.g. "
+        "http://localhost:3000 (patterns like http://localhost:*; '*': any); default: none (no CORS)")
+    max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get 413 before they are read "
+                                     "(default: {default})", int, check=at_least(1))
+    request_timeout: float | None = setting(None, "seconds a request may generate before it is aborted and its KV "
+                                            "freed (default: none)", float, check=seconds)
+    max_connections: int = setting(1024, "open connections before new requests get 503 (default: {default})", int,
+                                   check=at_least(1))
+    header_timeout: float = setting(10.0, "seconds a connection may take to send a request head before it is "
+                                    "closed (default: {default})", float, check=seconds)
+    served_model_name: str | None = setting(None, "the model id clients use")
+    max_pending: int = setting(256, "requests in flight before 503 ({default})", int, check=at_least(1))
+    default_max_tokens: int = setting(512, "when a request sets none ({default})", int)
+    log_level: str = setting("info", "uvicorn log level ({default})")
+    models_dir: str | None = setting(None, "models the admin API may load (paths stay inside it)")
+    # what an engine is built from (flags of generate and chat too); ModelSpec takes the model-defining ones
+    model: str | None = engine_setting(engine_default("model"), "HF model directory, .gguf file or hub id (default: "
+                                       "the embedded SmolLM2-135M-Instruct)")
+    dtype: str = engine_setting(engine_default("dtype"), "float32 | bfloat16 | float16 (default: {default})")
+    kv_cache_gb: float | None = engine_setting(engine_default("kv_cache_bytes"), KV_CACHE_HELP, float)
+    block_size: int = engine_setting(engine_default("block_size"), "tokens per KV block (default: {default})", int,
+                                     engine="block_size")
+    quant: str = engine_setting(  # a quantized checkpoint picks its own plugin when this is "none"
+        engine_default("quant"), "quantization plugin (see `kvforge plugins`; default: {default}, or what a "
+        "quantized checkpoint says)")
+    quant_options: str | None = engine_setting(None, OPTIONS_HELP)  # JSON object (a TOML table works too)
+    decoding: str = engine_setting(engine_default("decoding"), "speculative decoding plugin, e.g. ngram or draft "
+                                   "(see `kvforge plugins`; default: {default})")
+    decoding_options: str | None = engine_setting(None, DECODING_OPTIONS_HELP)  # JSON object (or a TOML table)
+    tp: int = engine_setting(engine_default("tp_size"), "tensor-parallel ranks: N processes, each holding 1/N of the "
+                             "weights and KV heads (default {default})", int, check=lambda _, tp: check_tp(tp),
+                             arg_type=tp_ranks, metavar="N")
+    device: str | None = engine_setting(None, "cpu | cuda | cuda:N (default: cuda when a GPU is present)",
+                                        engine="device", to_engine=resolve_device)
+    gpu_memory_utilization: float = engine_setting(
+        engine_default("gpu_memory_utilization"), "share of the GPU's memory kvforge may use: weights, activations "
+        "and KV (default: {default})", float, engine="gpu_memory_utilization")
+    kernels: str = engine_setting(engine_default("kernels"), "Triton kernels or the torch ones (default auto: Triton "
+                                  "on CUDA)", choices=KERNELS, engine="kernels")
+    enforce_eager: bool = engine_setting(not engine_default("cuda_graphs"), "no CUDA graphs: run every decode step "
+                                         "eagerly", bool, engine="cuda_graphs", to_engine=operator.not_)
+    threads: int | None = engine_setting(engine_default("num_threads"), "CPU threads for torch (default: torch's)",
+                                         int, engine="num_threads")
+    no_prefix_caching: bool = engine_setting(
+        not engine_default("enable_prefix_caching"), "do not reuse KV of equal prefixes (turns the persisted "
+        "tier off too)", bool, engine="enable_prefix_caching", to_engine=operator.not_)
+    # the conversations and the persisted KV tier (serve only)
+    data_dir: str | None = setting(engine_default("data_dir"), "conversations (SQLite) and persisted KV files "
+                                   "(default: the user data dir, e.g. ~/.local/share/kvforge)")
+    db: str | None = setting(engine_default("db_url"), "SQLAlchemy URL of the session store, e.g. "
+                             "postgresql+psycopg://user:pw@host/db (default: sqlite in --data-dir)")
+    no_persist_kv: bool = setting(False, "keep prefix KV in memory only (no disk tier)", bool)  # serve persists
+    kv_disk_gb: float = setting(engine_default("kv_disk_budget_bytes") / GIB, "disk budget of the persisted KV in "
+                                "GiB, least recently used evicted (default: {default})", float)
+    no_ui: bool = setting(False, "API only: no browser UI at /", bool)
+
+    def engine_knobs(self) -> dict[str, Any]:
+        """The EngineConfig knobs these settings set (the model-defining ones come from a ModelSpec)."""
+        return {s.engine: s.to_engine(getattr(self, name)) for name, s in SETTINGS.items() if s.engine}
 
 
-def _convert(name: str, raw, target: type) -> object:
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(ServeSettings)}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ServeSettings)}
+
+
+def env_name(name: str) -> str:
+    return f"KVFORGE_{name.upper()}"
+
+
+def json_options(raw: str | dict | None, flag: str) -> dict:
+    """A plugin's options setting (--quant-options, --decoding-options): a JSON object (or already a table,
+    from a TOML settings file)."""
+    if raw is None or isinstance(raw, dict):
+        return dict(raw or {})
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
+
+
+def _convert(name: str, raw: Any, kind: type) -> object:
     if raw is None:
         return None
     if isinstance(raw, dict):  # quant_options / decoding_options as a TOML table under [serve]
         return json.dumps(raw)
     if isinstance(raw, list):  # allowed_hosts / allowed_origins as a TOML list
         return ",".join(map(str, raw))
-    kind = target if isinstance(target, type) else str(target)
     try:
-        if kind in (bool, "bool"):
+        if kind is bool:
             if isinstance(raw, bool):
                 return raw
             if str(raw).lower() in ("1", "true", "yes", "on"):
@@ -83,52 +222,46 @@ def _convert(name: str, raw, target: type) -> object:
             if str(raw).lower() in ("0", "false", "no", "off", ""):
                 return False
             raise ValueError(raw)
-        if "int" in str(kind) and "float" not in str(kind):
-            return int(raw)
-        if "float" in str(kind):
-            return float(raw)
-        return str(raw)
+        return kind(raw)
     except (TypeError, ValueError):
         raise ValueError(f"setting {name}: invalid value {raw!r}") from None
 
 
+def _config_table(path: Path) -> dict:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"config file {path}: {exc}") from None
+    # other tables are sections ([serve]); an options table (quant_options = {...}) is a setting
+    table = {**{k: v for k, v in data.items() if not isinstance(v, dict) or k in SETTINGS}, **data.get("serve", {})}
+    unknown = sorted(set(table) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"config file {path}: unknown settings {', '.join(unknown)}")
+    return table
+
+
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
-    """Flags given on the command line win over the environment, which wins over the TOML file."""
+    """Flags given on the command line win over the environment, which wins over the TOML file. (A flag
+    not given parses as None.)"""
     environ = os.environ if environ is None else environ
     config_path = getattr(args, "config", None) or environ.get("KVFORGE_CONFIG")
-    table: dict = {}
-    if config_path:
-        path = Path(config_path).expanduser()
-        try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"config file {path}: {exc}") from None
-        names = {f.name for f in fields(ServeSettings)}
-        # other tables are sections ([serve]); an options table (quant_options = {...}) is a setting
-        table = {**{k: v for k, v in data.items() if not isinstance(v, dict) or k in names}, **data.get("serve", {})}
-        unknown = sorted(set(table) - names)
-        if unknown:
-            raise ValueError(f"config file {path}: unknown settings {', '.join(unknown)}")
+    table = _config_table(Path(config_path).expanduser()) if config_path else {}
     settings = ServeSettings()
-    for f in fields(ServeSettings):
-        value = table.get(f.name)
-        env = environ.get(f"KVFORGE_{f.name.upper()}")
+    for name, declared in SETTINGS.items():
+        value = table.get(name)
+        env = environ.get(env_name(name))
         if env is not None:
             value = env
-        flag = getattr(args, f.name, None)
+        flag = getattr(args, name, None)
         if flag is not None and flag is not False:
             value = flag
         if value is not None:
-            setattr(settings, f.name, _convert(f.name, value, f.type))
+            setattr(settings, name, _convert(name, value, declared.kind))
     if settings.api_key is None and settings.api_key_file:
         settings.api_key = read_key_file(Path(settings.api_key_file).expanduser())
-    for name, low in (("max_request_bytes", 1), ("max_connections", 1), ("max_pending", 1)):
-        if getattr(settings, name) < low:
-            raise ValueError(f"setting {name}: must be >= {low}, got {getattr(settings, name)}")
-    for name in ("header_timeout", "request_timeout"):
-        value = getattr(settings, name)
-        if value is not None and not (0 < value < float("inf")):
-            raise ValueError(f"setting {name}: must be a number of seconds > 0, got {value}")
+    for name, declared in SETTINGS.items():
+        if declared.check is not None:
+            declared.check(name, getattr(settings, name))
     return settings
 
 

@@ -1,8 +1,12 @@
-"""Every engine knob and its default, in one place."""
+"""Every engine knob, its default, what it means and what it accepts, in one place.
+
+Each field's metadata holds its help text and bounds (`knob`); __post_init__ checks the bounds, and the app
+(app/settings.py, app/models.py, app/protocol.py) reads the defaults from here instead of repeating them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -10,62 +14,69 @@ import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the long names: what the admin API and the UI offer
 
 KERNELS = ("auto", "triton", "torch")
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU pool's default budget
 
 
+def knob(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, choices: Any = None,
+         ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A field with its help text and bounds (None passes when None is the default: "not set")."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le})
+
+
+def check_bounds(name: str, value: Any, metadata: Any) -> None:
+    """A ValueError naming the field when `value` is outside what the field's metadata accepts."""
+    choices, ge, gt, le = (metadata.get(key) for key in ("choices", "ge", "gt", "le"))
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    if gt is not None and le is not None and not gt < value <= le:
+        raise ValueError(f"{name} must be in ({gt}, {le}], got {value}")
+    if ge is not None and value < ge:
+        raise ValueError(f"{name} must be >= {ge}, got {value}")
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16)
-    quant: str = "none"  # a `kvforge.quant` plugin name
-    quant_options: dict[str, Any] = field(default_factory=dict)
-    decoding: str = "none"  # a `kvforge.decoding` plugin name (speculative decoding); "none": off
-    decoding_options: dict[str, Any] = field(default_factory=dict)
-    device: str = "cpu"  # rank 0's device under tensor parallelism (rank r: cuda:<local rank>)
-    tp_size: int = 1  # tensor-parallel ranks, one process each; every rank holds 1/tp_size of the weights and KV
-    block_size: int = 16  # tokens per KV block
-    # KV pool budget; ignored when num_kv_blocks is set. None: 1 GiB on CPU; on CUDA what
-    # gpu_memory_utilization leaves after the weights and a profiling forward's peak
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory kvforge may use in all
-    kernels: str = "auto"  # auto | triton | torch: Triton kernels (auto: on CUDA when triton is installed)
-    cuda_graphs: bool = True  # CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True  # reuse the KV of equal prompt prefixes across requests
+    model: str | None = knob(None, "None: the embedded default model")
+    dtype: str = knob("float32", "float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16)", choices=DTYPES)
+    quant: str = knob("none", "a `kvforge.quant` plugin name")
+    quant_options: dict[str, Any] = knob(default_factory=dict, help="the quant plugin's options")
+    decoding: str = knob("none", "a `kvforge.decoding` plugin name (speculative decoding); \"none\": off")
+    decoding_options: dict[str, Any] = knob(default_factory=dict, help="the decoding plugin's options")
+    device: str = knob("cpu", "rank 0's device under tensor parallelism (rank r: cuda:<local rank>)")
+    tp_size: int = knob(1, "tensor-parallel ranks, one process each; every rank holds 1/tp_size of the weights "
+                        "and KV", ge=1)
+    block_size: int = knob(16, "tokens per KV block", ge=1)
+    kv_cache_bytes: int | None = knob(None, "KV pool budget; ignored when num_kv_blocks is set. None: 1 GiB on CPU; "
+                                      "on CUDA what gpu_memory_utilization leaves after the weights and a profiling "
+                                      "forward's peak", ge=1)
+    gpu_memory_utilization: float = knob(0.9, "share of the GPU's memory kvforge may use: weights, activations "
+                                         "and KV", gt=0, le=1)
+    kernels: str = knob("auto", "Triton kernels or the torch ones (auto: Triton on CUDA when triton is installed)",
+                        choices=KERNELS)
+    cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")
+    num_kv_blocks: int | None = knob(None, "the KV pool's size in blocks (instead of kv_cache_bytes)", ge=1)
+    max_model_len: int | None = knob(None, "default: the model's max_position_embeddings", ge=1)
+    enable_prefix_caching: bool = knob(True, "reuse the KV of equal prompt prefixes across requests")
     # Persisted KV tier (needs prefix caching): full prefix blocks also go to disk, indexed in the store,
     # so a later request -- even after a restart -- loads them instead of recomputing.
-    persist_kv: bool = False
-    data_dir: str | None = None  # KV files (data_dir/kv) and the default SQLite store; None: the user data dir
-    db_url: str | None = None  # SQLAlchemy URL of the store; None: sqlite:///<data_dir>/kvforge.db
-    kv_disk_budget_bytes: int = 2 << 30  # least recently used blocks are evicted past this
-    max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 2048  # tokens in one step (decode tokens + prefill chunks)
-    seed: int = 0  # seeds requests that give no seed of their own
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    persist_kv: bool = knob(False, "keep full prefix blocks on disk too (the persisted KV tier)")
+    data_dir: str | None = knob(None, "KV files (data_dir/kv) and the default SQLite store; None: the user data dir")
+    db_url: str | None = knob(None, "SQLAlchemy URL of the store; None: sqlite:///<data_dir>/kvforge.db")
+    kv_disk_budget_bytes: int = knob(2 << 30, "least recently used blocks are evicted past this", ge=0)
+    max_num_seqs: int = knob(64, "sequences in one step", ge=1)
+    max_num_batched_tokens: int = knob(2048, "tokens in one step (decode tokens + prefill chunks)", ge=1)
+    seed: int = knob(0, "seeds requests that give no seed of their own")
+    num_threads: int | None = knob(None, "torch intra-op threads on CPU; None: torch's default")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_disk_budget_bytes < 0:
-            raise ValueError(f"kv_disk_budget_bytes must be >= 0, got {self.kv_disk_budget_bytes}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None or f.default is not None:
+                check_bounds(f.name, value, f.metadata)
         if self.decoding == "none" and self.decoding_options:
             raise ValueError("decoding_options are given but decoding is 'none': choose a decoding plugin")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -84,6 +95,14 @@ class EngineConfig:
         from kvforge.core.store import default_db_url
 
         return self.db_url or default_db_url(self.resolved_data_dir())
+
+
+ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
+
+
+def engine_default(name: str) -> Any:
+    """EngineConfig's default for one knob: what the app's settings, ModelSpec and the admin API start from."""
+    return ENGINE_FIELDS[name].default
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -21,6 +21,57 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _show(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one numeric sampling field accepts. SamplingParams checks it; the HTTP request models
+    (app/protocol.py) take their schema's limits from it (`limits()`), so a bound is declared only here."""
+
+    integer: bool
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    expected: str | None = None  # the error's words, where the bounds alone say too little
+
+    def holds(self, value) -> bool:
+        return ((_is_int(value) if self.integer else _is_number(value))
+                and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def describe(self) -> str:
+        if self.expected:
+            return self.expected
+        kind = "an integer" if self.integer else "a number"
+        low = f"[{_show(self.ge)}" if self.ge is not None else f"({_show(self.gt)}" if self.gt is not None else None
+        if low is not None and self.le is not None:
+            return f"{kind} in {low}, {_show(self.le)}]"
+        return f"{kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
+
+    def limits(self) -> dict[str, float]:
+        """pydantic's Field(ge=, gt=, le=) for this field."""
+        return {name: value for name, value in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if value is not None}
+
+
+BOUNDS = {
+    "n": Bounds(True, ge=1, le=MAX_N),
+    "temperature": Bounds(False, ge=0),
+    "top_p": Bounds(False, gt=0, le=1),
+    "top_k": Bounds(True, ge=-1, le=2**62 - 1, expected="an integer >= -1 (0 or -1 = off)"),
+    "min_p": Bounds(False, ge=0, le=1),
+    "repetition_penalty": Bounds(False, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]),
+    "presence_penalty": Bounds(False, ge=-2, le=2),
+    "frequency_penalty": Bounds(False, ge=-2, le=2),
+    "seed": Bounds(True, ge=-(2**63), le=2**64 - 1, expected="an integer in [-2**63, 2**64)"),  # manual_seed's
+    "max_tokens": Bounds(True, ge=1),
+    "min_tokens": Bounds(True, ge=0, expected="an integer in [0, max_tokens]"),  # and <= max_tokens
+    "logprobs": Bounds(True, ge=0, le=MAX_LOGPROBS),
+}
+OPTIONAL = ("seed", "logprobs")  # None: not set
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # samples of the same prompt; they share the prompt's KV blocks
@@ -40,39 +91,33 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: the sampled token's logprob and the top N
     skip_special_tokens: bool = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # the numeric fields' bounds: BOUNDS
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        checks = [
-            ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number >= 0"),
-            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and -1 <= self.top_k < 2**62, "an integer >= -1 (0 or -1 = off)"),
-            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            ("repetition_penalty", _is_number(self.repetition_penalty)
-             and REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
-             f"a number in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]:g}]"),
-            ("presence_penalty", _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             "a number in [-2, 2]"),
-            ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             "a number in [-2, 2]"),
-            ("seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
-             "an integer in [-2**63, 2**64)"),
-            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
-            ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= (
-                self.max_tokens if _is_int(self.max_tokens) else 0), "an integer in [0, max_tokens]"),
+        first = [self._bounded(name) for name in BOUNDS if name != "logprobs"]  # n ... min_tokens
+        checks = first + [
+            ("min_tokens", not _is_int(self.max_tokens) or self.min_tokens <= self.max_tokens,
+             BOUNDS["min_tokens"].describe()),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS
              and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
              f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, each at most {MAX_STOP_CHARS} "
              "characters"),
             ("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of non-negative integers"),
-            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             f"an integer in [0, {MAX_LOGPROBS}]"),
+            self._bounded("logprobs"),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+
+    def _bounded(self, name: str) -> tuple[str, bool, str]:
+        value, bounds = getattr(self, name), BOUNDS[name]
+        return name, (value is None and name in OPTIONAL) or bounds.holds(value), bounds.describe()
+
+    @classmethod
+    def default(cls, name: str):
+        """A field's default: what the CLI's flags and the HTTP request models start from."""
+        return cls.__dataclass_fields__[name].default
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,118 @@
+"""`kvforge serve`: the settings resolved (flags, KVFORGE_*, TOML, defaults), the store opened, the first
+engine built, then uvicorn until SIGTERM / Ctrl-C (open streams end with a final chunk)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvforge.app.settings import GIB, ServeSettings, resolve
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def served_model_name(settings: ServeSettings) -> str:
+    from pathlib import Path
+
+    from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
+
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model in EMBEDDED_ALIASES:
+        return EMBEDDED_MODEL
+    return Path(settings.model).stem if Path(settings.model).exists() else settings.model
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = resolve(args)  # a bad tp from the settings file or KVFORGE_TP fails here, before anything starts
+    if args.api_key is not None:
+        print("kvforge: warning: --api-key on the command line is visible to other users (ps); set KVFORGE_API_KEY "
+              "or use --api-key-file", file=sys.stderr, flush=True)
+    if not is_loopback(settings.host) and not settings.api_key:
+        raise ValueError(f"refusing to bind {settings.host} without an API key: set KVFORGE_API_KEY or pass "
+                         "--api-key-file, or bind 127.0.0.1")
+    import asyncio
+    from pathlib import Path
+
+    import uvicorn
+
+    from kvforge.app.access import AccessPolicy, split_list
+    from kvforge.app.engine_factory import build_async_engine, spec_from_settings
+    from kvforge.app.limits import connection_limits
+    from kvforge.app.models import ModelHost, ModelSpec
+    from kvforge.app.server import create_app
+    from kvforge.core import AsyncEngine
+    from kvforge.core.async_engine import build_off_main_thread
+    from kvforge.core.private_files import private_dir
+    from kvforge.core.store import Store, default_data_dir, default_db_url
+
+    data_dir = private_dir(settings.data_dir if settings.data_dir else default_data_dir())
+    db_url = settings.db or default_db_url(data_dir)
+    store = Store.open(db_url)  # created (or upgraded) on first start
+    persist = dict(persist_kv=not settings.no_persist_kv, data_dir=str(data_dir), db_url=db_url,
+                   kv_disk_budget_bytes=int(settings.kv_disk_gb * GIB))
+
+    def factory(spec: ModelSpec) -> AsyncEngine:  # the first model and every swap
+        return build_async_engine(spec, settings, on_fatal=stop_serving, **persist)
+
+    fatal: list[str] = []
+
+    def stop_serving(why: str) -> None:
+        """A tensor-parallel rank died: say so, shut down (open streams have failed already), exit 1."""
+        print(f"kvforge: error: {why}; shutting down", file=sys.stderr, flush=True)
+        fatal.append(why)
+        server.should_exit = True
+
+    spec = spec_from_settings(settings, served_model_name(settings))
+    first = build_off_main_thread(lambda: factory(spec))
+    host = ModelHost(factory, spec, first, Path(settings.models_dir).expanduser() if settings.models_dir else None)
+    access = AccessPolicy(settings.api_key, settings.host, split_list(settings.allowed_hosts),
+                          split_list(settings.allowed_origins))
+    app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
+                     store=store, ui=not settings.no_ui, access=access, max_request_bytes=settings.max_request_bytes,
+                     request_timeout_s=settings.request_timeout)
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM / Ctrl-C: end every open stream now (each gets its final chunk), then shut down
+            if host.engine is not None:
+                host.engine.abort_all()
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            # Close engines (writing queued KV blocks to disk) here: uvicorn re-raises the signal after
+            # serving, which would end the process before any code after server.run().
+            await asyncio.to_thread(host.close)
+
+    server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                           timeout_graceful_shutdown=5, **connection_limits(settings)))
+    ui = "" if settings.no_ui else f"chat UI on http://{settings.host}:{settings.port}/, "
+    print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
+          f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "
+          f"{'off' if settings.no_persist_kv else data_dir / 'kv'}; {runs_on(first.engine)})", flush=True)
+    del first  # the host owns it: a model swap must be able to free it
+    try:
+        server.run()
+    finally:
+        host.close()
+    return 1 if fatal else 0
+
+
+def runs_on(engine) -> str:
+    """Where and how the engine runs, e.g. "cuda:0, bfloat16, Triton kernels, CUDA graphs, KV 61.2 GiB"."""
+    runner = engine.runner
+    parts = [str(runner.device), engine.config.dtype, f"{runner.kernels.capitalize()} kernels"]
+    if runner.graphs is not None:
+        parts.append("CUDA graphs")
+    parts.append(f"KV {runner.kv_cache_bytes / GIB:.2f} GiB")
+    return ", ".join(parts)
