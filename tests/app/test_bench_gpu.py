@@ -14,12 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvforge.app.bench_gpu import NEEDS_CUDA, logprobs_close, synthetic_tokenizer
+from kvforge.app.bench.gpu import NEEDS_CUDA
+from kvforge.app.bench.random_models import synthetic_tokenizer
+from kvforge.app.bench.references import logprobs_close
 
 TINY = ("tiny-llama", "tiny-qwen2")
-HEADERS = ("== 1/6 device and copy bandwidth ==", "== 2/6 kernel tests on the device ==",
-           "== 3/6 parity with HF transformers", "== 4/6 batch-1 decode vs the bandwidth roofline",
-           "== 5/6 throughput: N sequences at once", "== 6/6 CUDA graphs on vs off", "== targets ==")
+HEADERS = ("== 1/5 device and copy bandwidth ==", "== 2/5 parity with HF transformers",
+           "== 3/5 batch-1 decode vs the bandwidth roofline", "== 4/5 throughput: N sequences at once",
+           "== 5/5 CUDA graphs on vs off", "== targets ==")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,6 @@ def test_every_phase_prints_its_header(smoke):
     stdout, _ = smoke
     for header in HEADERS:
         assert header in stdout, header
-    assert "skipped: --smoke" in stdout  # phase 2 on the CPU
     assert re.search(r"total [\d.]+ s \(budget \d+ s\); all phases ran", stdout)
 
 
@@ -80,7 +81,6 @@ def test_json_has_the_fields(smoke):
     assert report["ok"] is True and report["failures"] == [] and report["errors"] == {}
     assert report["options"]["smoke"] is True and report["options"]["device"] == "cpu"
     assert report["device"]["device"] == "cpu" and report["bandwidth"]["gb_per_s"] > 0
-    assert report["kernel_tests"]["status"] == "skipped"
     assert report["total_s"] > 0 and len(report["targets"]) == 2 * len(TINY)
     for model in report["models"]:
         decode = model["decode"]

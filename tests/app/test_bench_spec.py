@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from kvforge.app.bench_spec import bench_prompts, parse_config
+from kvforge.app.bench.spec import parse_config
+from kvforge.app.bench.workloads import spec_prompts as bench_prompts
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ noisy: only same-run ratios mean anything), and llama.cpp (llama-cpp-python on t
 when it is installed.
 
 GPTQ / AWQ rows use the checkpoints given with --gptq / --awq (e.g. made by `kvforge quantize`), else
-round-to-nearest ones written into a temporary directory (plugins/quant/rtn.py): same layout and
+round-to-nearest ones written into a temporary directory (app/quantize/rtn_writer.py): same layout and
 kernels, so the speed and memory figures hold; only their perplexity is worse than calibrated ones.
 """
 
@@ -16,12 +16,13 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from importlib.resources import files
 from pathlib import Path
 
 import torch
 
-from kvforge.app.bench import checked_model, prompt_ids
+from kvforge.app.bench.arguments import checked_model, use_threads
+from kvforge.app.bench.runs import SMALL_KV_BYTES, bench_engine, run_batch
+from kvforge.app.bench.workloads import eval_text, prompt_ids
 
 METHODS = ("fp32", "bf16", "gptq", "awq", "bnb-int8", "bnb-nf4")
 
@@ -36,45 +37,22 @@ class QuantRow:
     perplexity: float | None
 
 
-def eval_text() -> str:
-    return files("kvforge.app").joinpath("eval_text.txt").read_text()
-
-
-def _engine(model: str, dtype: str, quant: str, threads: int | None):
-    from kvforge.core import LLMEngine
-    from kvforge.core.config import EngineConfig
-
-    return LLMEngine(EngineConfig(model=model, dtype=dtype, quant=quant, kv_cache_bytes=256 << 20,
-                                  num_threads=threads, enable_prefix_caching=False), progress=False)
-
-
 def decode_rate(engine, prompts: list[list[int]], decode_tokens: int) -> float:
     """Generated tok/s once every request has its first token (prefill excluded)."""
-    from kvforge.core import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
-    for ids in prompts:
-        engine.add_request(ids, params)
-    counts: dict[str, int] = {}
-    start = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            counts[out.request_id] = len(out.token_ids)
-        if start is None and len(counts) == len(prompts):
-            start, first = time.perf_counter(), sum(counts.values())
-    return (len(prompts) * decode_tokens - first) / (time.perf_counter() - start)
+    return run_batch(engine, prompts, decode_tokens)["decode_tok_s"] or 0.0  # None: 1 token, no decode step
 
 
 def measure(method: str, model: str, dtype: str, quant: str, args, ids: list[int], text_ids: list[int]) -> QuantRow:
     from kvforge.core.perplexity import perplexity
 
-    engine = _engine(model, dtype, quant, args.threads)
+    engine = bench_engine(model=model, dtype=dtype, quant=quant, kv_cache_bytes=SMALL_KV_BYTES,
+                          num_threads=args.threads, enable_prefix_caching=False)
     decode_rate(engine, [ids], 4)  # warm-up
     single = statistics.median(decode_rate(engine, [ids], args.decode_tokens) for _ in range(args.repeats))
     batch = [ids[i:] for i in range(args.concurrency)]  # distinct prompts
     concurrent = decode_rate(engine, batch, args.decode_tokens) if args.concurrency > 1 else None
     ppl = perplexity(engine, text_ids)
-    return QuantRow(method, engine.config.dtype, engine.runner.weight_bytes(), single, concurrent, ppl)
+    return QuantRow(method, engine.config.dtype, engine.runtime().weight_bytes, single, concurrent, ppl)
 
 
 def measure_llama_cpp(args, ids: list[int]) -> QuantRow | None:
@@ -102,9 +80,9 @@ def measure_llama_cpp(args, ids: list[int]) -> QuantRow | None:
 
 
 def run_quant(args: argparse.Namespace) -> list[QuantRow]:
+    from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
     from kvforge.core.plugins import QUANT_GROUP, discover
     from kvforge.core.tokenizer import Tokenizer
-    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
 
     path = checked_model(args, ("prompt_tokens", "decode_tokens", "concurrency", "repeats"))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -115,8 +93,7 @@ def run_quant(args: argparse.Namespace) -> list[QuantRow]:
     for method in methods:
         if method not in ("fp32", "bf16") and method not in installed:
             raise ValueError(f"--methods: quant plugin {method!r} is not installed")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     tokenizer = Tokenizer(path)
     ids = prompt_ids(tokenizer, args.prompt_tokens)
     text_ids = tokenizer.encode(eval_text())

@@ -12,6 +12,10 @@ import json
 import time
 from contextlib import contextmanager
 
+from kvforge.app.bench.arguments import as_command, checked_model, int_list
+from kvforge.app.bench.report import emit, ms, p50_p99
+from kvforge.app.bench.runs import bench_engine
+from kvforge.app.bench.workloads import chat_messages
 from kvforge.app.threaded_server import serve_in_thread
 
 MODEL_NAME = "kvforge-bench"
@@ -75,29 +79,12 @@ async def _run_level(url: str, concurrency: int, requests_per_client: int, max_t
 
 
 def _summarize(concurrency: int, results: list[dict], wall: float) -> dict:
-    from kvforge.app.bench import percentile
-
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
     tokens = sum(r["tokens"] for r in results)
     return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens, "wall_s": wall,
             "requests_per_s": len(results) / wall, "output_tok_s": tokens / wall,
-            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
-            "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)}}
-
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from None
-    if not levels or any(level < 1 for level in levels):
-        raise ValueError(f"--concurrency levels must be >= 1, got {text!r}")
-    return levels
-
-
-def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.1f}"
+            "ttft_s": p50_p99(ttft), "tpot_s": p50_p99(tpot)}
 
 
 def _print_table(report: dict) -> None:
@@ -110,25 +97,23 @@ def _print_table(report: dict) -> None:
     print("-" * len(header))
     for r in report["levels"]:
         print(f"{r['concurrency']:>11}  {r['requests']:>8}  {r['requests_per_s']:>7.2f}  {r['output_tok_s']:>9.1f}  "
-              f"{_ms(r['ttft_s']['p50']):>9}  {_ms(r['ttft_s']['p99']):>9}  {_ms(r['tpot_s']['p50']):>9}  "
-              f"{_ms(r['tpot_s']['p99']):>9}")
+              f"{ms(r['ttft_s']['p50']):>9}  {ms(r['ttft_s']['p99']):>9}  {ms(r['tpot_s']['p50']):>9}  "
+              f"{ms(r['tpot_s']['p99']):>9}")
     print("(TTFT and TPOT in ms, measured by the clients)")
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict:
     import torch
 
-    from kvforge.app.bench import chat_messages, checked_model
-    from kvforge.core import AsyncEngine, LLMEngine
+    from kvforge.core import AsyncEngine
     from kvforge.core.async_engine import build_off_main_thread
-    from kvforge.core.config import EngineConfig
 
-    levels = _levels(args.concurrency)
+    levels = int_list(args.concurrency, "concurrency")
     path = checked_model(args, ("requests_per_client", "max_tokens"))
-    config = EngineConfig(model=str(path), dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
-                          max_num_seqs=args.max_num_seqs, num_threads=args.threads,
-                          enable_prefix_caching=not args.no_prefix_caching)
-    engine = AsyncEngine(build_off_main_thread(lambda: LLMEngine(config, progress=False)))
+    config = dict(model=str(path), dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+                  max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                  enable_prefix_caching=not args.no_prefix_caching)
+    engine = AsyncEngine(build_off_main_thread(lambda: bench_engine(**config)))
     prompts = chat_messages(max(levels) * args.requests_per_client)
     report = {"model": path.name, "dtype": args.dtype,
               "threads": torch.get_num_threads(), "requests_per_client": args.requests_per_client,
@@ -142,16 +127,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
                                                                args.max_tokens, prompts, args.timeout)))
     finally:
         engine.close()
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_table(report)
+    emit(report, args.json, _print_table)
     return report
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    run_serve_bench(args)
-    return 0
 
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
@@ -168,5 +145,5 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--timeout", type=float, default=600, help="per-request HTTP timeout in seconds")
     serve.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    serve.set_defaults(func=cmd_bench_serve)
+    serve.set_defaults(func=as_command(run_serve_bench))
     return serve

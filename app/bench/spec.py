@@ -6,7 +6,7 @@ ratios mean anything).
   (where prompt lookup, the `ngram` plugin, pays);
 - open chat: open questions whose answers copy nothing.
 
-The prompts ship in app/bench_spec_prompts.json and are rendered with the model's chat template. Each
+The prompts ship in app/bench/spec_prompts.json and are rendered with the model's chat template. Each
 configuration gets an engine of its own (freed before the next); each prompt runs alone, one after the
 other, after one warm-up prompt. Decode tok/s is TPOT-based: generated tokens after the first, divided by
 the time from the first token to the last (the request metrics' `tpot`), summed over the task's prompts
@@ -22,11 +22,14 @@ import argparse
 import gc
 import json
 from dataclasses import asdict, dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvforge.app.bench.arguments import checked_model, use_threads
+from kvforge.app.bench.runs import SMALL_KV_BYTES
+from kvforge.app.bench.workloads import spec_prompts
 
 TASKS = {"grounded": "input-grounded", "chat": "open chat"}
 
@@ -57,10 +60,6 @@ class SpecRow:
     same_tokens: bool  # every prompt's greedy tokens equal the `none` row's
     per_prompt: list[dict] = field(default_factory=list)
     baseline_runs: list[float] | None = None  # the `none` row: its first and last run (decode_tok_s: their mean)
-
-
-def bench_prompts() -> dict[str, list[dict]]:
-    return json.loads(files("kvforge.app").joinpath("bench_spec_prompts.json").read_text())
 
 
 def parse_config(spec: str) -> Config:
@@ -96,7 +95,6 @@ def default_configs(num_layers: int, draft_model: str | None) -> list[Config]:
 
 def _checked(args: argparse.Namespace):
     """Every argument checked before any model loads: the model path, prompts, tasks and configurations."""
-    from kvforge.app.bench import checked_model
     from kvforge.core.loader import load_config
     from kvforge.core.plugins import DECODING_GROUP, discover
 
@@ -141,7 +139,7 @@ def measure(config: Config, args, path, task_prompts: dict[str, list[list[int]]]
     """One row per task, with each prompt's generated tokens."""
     from kvforge.core import LLM, SamplingParams
 
-    llm = LLM(str(path), progress=False, dtype=args.dtype, kv_cache_bytes=256 << 20, enable_prefix_caching=False,
+    llm = LLM(str(path), progress=False, dtype=args.dtype, kv_cache_bytes=SMALL_KV_BYTES, enable_prefix_caching=False,
               decoding=config.decoding, decoding_options=config.options, num_threads=args.threads)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -182,10 +180,9 @@ def run_spec(args: argparse.Namespace) -> list[SpecRow]:
     from kvforge.core.tokenizer import Tokenizer
 
     path, tasks, configs = _checked(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     tokenizer = Tokenizer(path)
-    prompts = bench_prompts()
+    prompts = spec_prompts()
     task_prompts = {task: [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}])
                            for p in prompts[task][:args.prompts]] for task in tasks}
     table = args.json != "-"  # JSON on stdout replaces the table; JSON into a file comes with it

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import signal
 import tempfile
 import threading
@@ -24,33 +23,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvforge.app.bench.arguments import as_command, checked_model
+from kvforge.app.bench.report import emit
+from kvforge.app.bench.runs import bench_engine, warm_up
+from kvforge.app.bench.workloads import user_messages
+
 TARGET_RATIO = 0.2  # persisted-after-restart TTFT / no-cache TTFT at the last turn
-
-TASKS = [
-    "Please read this carefully and tell me what you think the key point is.",
-    "Can you summarize the following in plain words?",
-    "I found this text. What questions would you ask the author?",
-    "Explain the following to a friend who has never heard of it.",
-    "What is surprising or unusual in the text below?",
-    "Give me one sentence that captures this, then one that criticises it.",
-    "Rewrite the main idea below as advice for a beginner.",
-    "What would be a good title for this, and why?",
-]
-
-
-def user_messages(tokenizer, turns: int, user_tokens: int) -> list[str]:
-    """Deterministic, varied user messages of about `user_tokens` tokens each: a task and a question from
-    the built-in pools, then sentences of the built-in passages from a different place each turn."""
-    from kvforge.app.bench import PASSAGES, QUESTIONS
-
-    sentences = [s.strip() + "." for p in PASSAGES if "def " not in p for s in p.split(". ") if s.strip()]
-    messages = []
-    for t in range(turns):
-        start = (t * 7) % len(sentences)
-        body = " ".join((sentences[start:] + sentences[:start]) * 4)
-        text = f"{TASKS[t % len(TASKS)]} Also: {QUESTIONS[(t * 5) % len(QUESTIONS)]}\n\n{body}"
-        messages.append(tokenizer.decode(tokenizer.encode(text)[:user_tokens]).strip())
-    return messages
 
 
 def _turn(engine, prompt: list[int], params, request_id: str, stop: threading.Event) -> dict:
@@ -73,21 +51,14 @@ def _turn(engine, prompt: list[int], params, request_id: str, stop: threading.Ev
 
 
 def _warm_up(engine, prompt: list[int]) -> None:
-    """One tiny request outside the measurement: under one block, so nothing is cached or persisted."""
-    from kvforge.core import SamplingParams
-
-    engine.add_request(prompt[-(engine.config.block_size // 2):], SamplingParams(temperature=0, max_tokens=2))
-    while engine.has_unfinished():
-        engine.step()
+    warm_up(engine, prompt[-(engine.config.block_size // 2):])  # under one block: nothing cached or persisted
 
 
 def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dict:
     """Everything that touches torch, on one thread that is not the main thread (see build_off_main_thread)."""
     import torch
 
-    from kvforge.core import LLMEngine, SamplingParams
-    from kvforge.core.config import EngineConfig
-    from kvforge.core.store import Store
+    from kvforge.core import SamplingParams
 
     base = dict(model=str(path), dtype=args.dtype, num_threads=args.threads)
     phases, clock = {}, time.perf_counter()
@@ -100,7 +71,7 @@ def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dic
     params = SamplingParams(temperature=0, max_tokens=args.reply_tokens)
 
     # (a) no prefix cache: its replies make the conversation every mode replays
-    engine = LLMEngine(EngineConfig(**base, enable_prefix_caching=False), progress=False)
+    engine = bench_engine(**base, enable_prefix_caching=False)
     threads = torch.get_num_threads()
     messages = user_messages(engine.tokenizer, args.turns, args.user_tokens)
     history: list[dict] = []
@@ -118,7 +89,7 @@ def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dic
     phase("no_cache")
 
     # (b) the in-memory prefix cache
-    engine = LLMEngine(EngineConfig(**base), progress=False)
+    engine = bench_engine(**base)
     _warm_up(engine, prompts[0])
     memory = [_turn(engine, prompt, params, f"memory-{t}", stop) for t, prompt in enumerate(prompts)]
     del engine
@@ -129,26 +100,21 @@ def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dic
     # empty in-memory cache) and only the disk holds the earlier turns (written while they ran)
     with tempfile.TemporaryDirectory(prefix="kvforge-bench-chat-") as data_dir:
         url = f"sqlite:///{Path(data_dir) / 'kvforge.db'}"
-        persist = EngineConfig(**base, persist_kv=True, data_dir=data_dir, db_url=url)
+        persist = dict(base, persist_kv=True, data_dir=data_dir, db_url=url)
         persisted, flushed, written, loaded, failures = [], True, 0, 0, 0
-        try:
-            for t, prompt in enumerate(prompts):
-                engine = LLMEngine(persist, progress=False)
-                _warm_up(engine, prompts[0])
-                persisted.append(_turn(engine, prompt, params, f"persisted-{t}", stop))
-                flushed = engine.persisted.flush(timeout=120) and flushed
-                engine.close()
-                stats = engine.persisted.stats()
-                written, loaded, failures = (written + stats.written_blocks, loaded + stats.loaded_blocks,
-                                             failures + stats.load_failures)
-                disk_bytes = stats.bytes_total
-                del engine
-                gc.collect()
-            phase("persisted")
-        finally:
-            store = Store._open.pop(url, None)  # release the temporary database before its directory goes
-            if store is not None:
-                store.engine.dispose()
+        for t, prompt in enumerate(prompts):
+            engine = bench_engine(**persist)
+            _warm_up(engine, prompts[0])
+            persisted.append(_turn(engine, prompt, params, f"persisted-{t}", stop))
+            flushed = engine.persisted.flush(timeout=120) and flushed
+            engine.close()
+            stats = engine.persisted.stats()
+            written, loaded, failures = (written + stats.written_blocks, loaded + stats.loaded_blocks,
+                                         failures + stats.load_failures)
+            disk_bytes = stats.bytes_total
+            del engine
+            gc.collect()
+        phase("persisted")
 
     return {"threads": threads, "block_size": block_size, "messages": messages, "prompts": prompts,
             "no_cache": no_cache, "memory": memory, "persisted": persisted, "phases": phases,
@@ -240,7 +206,6 @@ def _stop_on_interrupt(stop: threading.Event):
 
 
 def run_chat_bench(args: argparse.Namespace) -> dict:
-    from kvforge.app.bench import checked_model
     from kvforge.core.async_engine import build_off_main_thread
 
     path = checked_model(args, ("turns", "reply_tokens", "user_tokens"))
@@ -249,16 +214,8 @@ def run_chat_bench(args: argparse.Namespace) -> dict:
     with _stop_on_interrupt(stop):
         measured = build_off_main_thread(lambda: _measure(args, path, stop))
     report = _report(args, path, measured, time.perf_counter() - start)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_table(report)
+    emit(report, args.json, _print_table)
     return report
-
-
-def cmd_bench_chat(args: argparse.Namespace) -> int:
-    run_chat_bench(args)
-    return 0
 
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
@@ -272,5 +229,5 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     chat.add_argument("--reply-tokens", type=int, default=48, help="greedy reply length cap (default: 48)")
     chat.add_argument("--threads", type=int, default=None)
     chat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    chat.set_defaults(func=cmd_bench_chat)
+    chat.set_defaults(func=as_command(run_chat_bench))
     return chat

@@ -1,0 +1,16 @@
+"""The `kvforge bench` commands, one module per verb (latency, throughput, serve, chat, quant, spec, gpu),
+and the pieces they share: arguments (checks before anything loads), workloads (prompt sets), runs (driving
+a kvforge engine), references (HF transformers runs and the parity rule), probe (the device),
+random_models (the GPU bench's models) and report (percentiles, tables, verdicts)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parsers(bench_sub: argparse._SubParsersAction) -> None:
+    """Register every bench verb on the `kvforge bench` subcommands, in the order `--help` lists them."""
+    from kvforge.app.bench import chat, gpu, latency, quant, serve, spec, throughput
+
+    for verb in (latency, throughput, serve, chat, quant, spec, gpu):
+        verb.add_parser(bench_sub)

@@ -1,0 +1,78 @@
+"""Driving a kvforge engine in the benches: building it, warming it up, and a timed batch of requests
+submitted at once and stepped to the end."""
+
+from __future__ import annotations
+
+import time
+
+SMALL_KV_BYTES = 256 << 20  # enough for the single-request benches' short prompts
+
+
+# EngineConfig fields that name the model and how it loads -> their ModelSpec names
+SPEC_FIELDS = {"model": "model", "dtype": "dtype", "quant": "quant", "quant_options": "quant_options",
+               "decoding": "decoding", "decoding_options": "decoding_options", "tp_size": "tp"}
+
+
+def bench_engine(**config):
+    """An LLMEngine for a bench, through the app's one engine factory: `config` is EngineConfig's fields;
+    no progress bar (it would mix into the tables)."""
+    from kvforge.app.engine_factory import build_engine
+    from kvforge.app.models import ModelSpec
+
+    spec = ModelSpec(**{SPEC_FIELDS[name]: config.pop(name) for name in list(config) if name in SPEC_FIELDS})
+    return build_engine(spec, progress=False, **config)
+
+
+def warm_up(engine, ids: list[int], ignore_eos: bool = False) -> None:
+    """One 2-token greedy request, outside the measurement (first launches, allocations); the caller picks
+    `ids` short enough that nothing lands in the prefix cache."""
+    from kvforge.core import SamplingParams
+
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=ignore_eos))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def run_batch(engine, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,
+              ignore_eos: bool = True) -> dict:
+    """Submit the prompts at once and step until all finish. Output tok/s over the whole run; decode tok/s
+    from when every sequence has its first token (prefill excluded)."""
+    from kvforge.core import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs)
+    ids = []
+    try:
+        for prompt in prompts:
+            ids.append(engine.add_request(prompt, params))
+        counts: dict[str, int] = {}
+        finals: dict[str, list[int]] = {}
+        tops: dict[str, list] = {rid: [] for rid in ids}
+        start = time.perf_counter()
+        decode_start, first_tokens = None, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                counts[out.request_id] = len(out.token_ids)
+                tops[out.request_id].extend(out.delta_logprobs or [])
+                if out.finished:
+                    finals[out.request_id] = list(out.token_ids)
+            if decode_start is None and len(counts) == len(prompts):
+                decode_start, first_tokens = time.perf_counter(), sum(counts.values())
+        end = time.perf_counter()
+    except BaseException:
+        for rid in ids:  # leave the engine empty for the next step
+            try:
+                engine.abort(rid)
+            except Exception:
+                pass
+        raise
+    if len(finals) != len(ids):
+        raise RuntimeError(f"{len(ids) - len(finals)} of {len(ids)} requests did not finish")
+    short = [len(finals[rid]) for rid in ids if len(finals[rid]) != max_tokens]
+    if ignore_eos and short:
+        raise RuntimeError(f"{len(short)} of {len(ids)} requests ended early (e.g. after {short[0]} of "
+                           f"{max_tokens} tokens)")
+    generated = sum(len(t) for t in finals.values())
+    decoded = generated - first_tokens
+    return {"wall_s": end - start, "generated_tokens": generated, "output_tok_s": generated / (end - start),
+            "decode_tok_s": decoded / (end - decode_start) if decode_start is not None and decoded > 0 else None,
+            "token_ids": [finals[rid] for rid in ids], "logprobs": [tops[rid] for rid in ids]}
