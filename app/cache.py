@@ -1,5 +1,5 @@
 """`kvforge cache stats|clear`: the persisted KV tier on disk (<data dir>/kv/<fingerprint>/<xx>/<hash>.kv)
-and its index in the store, per model fingerprint.
+and its index in the store (core/kv/sql_index.py), per model fingerprint.
 
 A SQLite index that does not exist yet is never created here: it is read as empty (so `stats` on a
 wrong --data-dir or --db says "no index" instead of leaving a database behind). Clearing removes the
@@ -42,19 +42,20 @@ def _locations(args: argparse.Namespace) -> tuple[Path, str]:
     return config.resolved_data_dir(), config.resolved_db_url()
 
 
-def _open_store(url: str):
-    """The store, or None where the URL names a SQLite file that does not exist (nothing is created)."""
+def _open_index(url: str):
+    """The KV index of the store (the caller closes it), or None where the URL names a SQLite file that does
+    not exist (nothing is created)."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
-    from kvforge.core.store import Store
+    from kvforge.core.kv.sql_index import SQLKVIndex
 
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         if not Path(parsed.database).expanduser().exists():
             return None
     try:
-        return Store.open(url)
+        return SQLKVIndex.open(url)
     except SQLAlchemyError as exc:  # a server that is down, a wrong password: one line, no traceback
         raise ValueError(f"cannot open the store {_display_url(url)}: {exc.__class__.__name__}: "
                          f"{str(exc).splitlines()[0]}") from None
@@ -90,11 +91,14 @@ def _disk_files(kv_dir: Path) -> dict[str, list[Path]]:
 
 def collect_stats(data_dir: Path, url: str) -> dict:
     kv_dir = data_dir / "kv"
-    store = _open_store(url)
-    totals = store.kv_totals() if store is not None else {}
+    index = _open_index(url)
+    totals: dict[bytes, tuple[int, int]] = {}
     indexed: set[str] = set()
-    for fp in totals:
-        indexed.update(e.file for e in store.kv_entries(fp))
+    if index is not None:
+        with index:
+            totals = index.totals()
+            for fp in totals:
+                indexed.update(e.file for e in index.entries(fp))
     disk = _disk_files(kv_dir)
     on_disk = {p.relative_to(kv_dir).as_posix() for paths in disk.values() for p in paths}
     by_hex = {fp.hex(): value for fp, value in totals.items()}
@@ -106,7 +110,7 @@ def collect_stats(data_dir: Path, url: str) -> dict:
                        "file_bytes": sum(_size(p) for p in files)})
     return {
         "data_dir": str(data_dir), "kv_dir": str(kv_dir), "kv_dir_exists": kv_dir.is_dir(),
-        "db": _display_url(url), "db_exists": store is not None,
+        "db": _display_url(url), "db_exists": index is not None,
         "models": models,
         "total": {"blocks": sum(m["blocks"] for m in models), "bytes": sum(m["bytes"] for m in models)},
         "index_rows": sum(n for n, _ in totals.values()),
@@ -147,18 +151,19 @@ def cmd_cache_stats(args: argparse.Namespace) -> int:
 def clear(data_dir: Path, url: str, fingerprint: bytes | None = None) -> dict:
     """Delete the index rows, then the KV files (and the directories left empty) of every model, or of one."""
     kv_dir = data_dir / "kv"
-    store = _open_store(url)
+    index = _open_index(url)
     rows = nbytes = 0
-    if store is not None:
-        totals = store.kv_totals()
-        if fingerprint is None:
-            rows, nbytes = sum(n for n, _ in totals.values()), sum(b for _, b in totals.values())
-            store.kv_clear()
-        else:
-            rows, nbytes = totals.get(fingerprint, (0, 0))
-            hashes = [e.hash for e in store.kv_entries(fingerprint)]
-            for i in range(0, len(hashes), REMOVE_BATCH):
-                store.kv_remove(hashes[i:i + REMOVE_BATCH])
+    if index is not None:
+        with index:
+            totals = index.totals()
+            if fingerprint is None:
+                rows, nbytes = sum(n for n, _ in totals.values()), sum(b for _, b in totals.values())
+                index.clear()
+            else:
+                rows, nbytes = totals.get(fingerprint, (0, 0))
+                hashes = [e.hash for e in index.entries(fingerprint)]
+                for i in range(0, len(hashes), REMOVE_BATCH):
+                    index.remove(hashes[i:i + REMOVE_BATCH])
     root = kv_dir if fingerprint is None else kv_dir / fingerprint.hex()
     files = file_bytes = dirs = 0
     if root.is_dir():

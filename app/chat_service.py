@@ -16,12 +16,13 @@ from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.admission import Admission, Ticket
 from kvforge.app.completion import RequestTimedOut, check_prompt_chars, submit, timings, usage, within
+from kvforge.app.conversations import Conversation, Conversations, Message, NotFound
 from kvforge.app.errors import APIError
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.protocol import SamplingFields
 from kvforge.core.async_engine import RequestStream
 from kvforge.core.output import RequestOutput
-from kvforge.core.store import Conversation, Message, NotFound, Store
+from kvforge.core.store import Store
 
 DEFAULT_TITLE = "New chat"
 
@@ -73,7 +74,7 @@ class Turn:
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Raises RequestTimedOut (after keeping the partial reply, finish_reason "timeout") when the
         reply runs past the server's request timeout."""
-        store, last, final, ended = self.service.store, None, None, "abort"
+        conversations, last, final, ended = self.service.conversations, None, None, "abort"
         try:
             async for out in within(self.stream, self.service.request_timeout_s):
                 last = out
@@ -89,7 +90,7 @@ class Turn:
             self.abort()  # no-op once finished; frees the KV blocks if the client went away
             if final is None and last is not None and last.text:  # cut short: keep what was generated
                 try:
-                    store.add_message(self.session_id, "assistant", last.text, finish_reason=ended,
+                    conversations.add_message(self.session_id, "assistant", last.text, finish_reason=ended,
                                       prompt_tokens=self.prompt_tokens, completion_tokens=len(last.token_ids),
                                       cached_tokens=last.num_cached_tokens)
                 except NotFound:
@@ -97,7 +98,7 @@ class Turn:
         if final.finish_reason == "abort" and not final.text:
             return  # stopped before any text: nothing to keep
         try:
-            message = await run_in_threadpool(store.add_message, self.session_id, "assistant", final.text,
+            message = await run_in_threadpool(conversations.add_message, self.session_id, "assistant", final.text,
                                               **reply_stats(final, self.prompt_tokens))
         except NotFound as exc:
             raise not_found(exc, " (deleted during the reply)") from None
@@ -108,12 +109,14 @@ class Turn:
 class ChatService:
     def __init__(self, admission: Admission, store: Store, metrics: ServerMetrics, default_max_tokens: int,
                  request_timeout_s: float | None = None) -> None:
-        self.admission, self.host, self.store, self.metrics = admission, admission.host, store, metrics
+        """`store`: the database the server's owner opened (and closes); conversations are kept in it."""
+        self.admission, self.host, self.metrics = admission, admission.host, metrics
+        self.conversations = Conversations(store)
         self.default_max_tokens, self.request_timeout_s = default_max_tokens, request_timeout_s
 
     def get(self, session_id: str) -> Conversation:
         try:
-            return self.store.get_conversation(session_id)
+            return self.conversations.get(session_id)
         except NotFound as exc:
             raise not_found(exc) from None
 
@@ -137,10 +140,10 @@ class ChatService:
             ticket.release()
             raise
         try:
-            user = await run_in_threadpool(self.store.add_message, session_id, "user", content,
+            user = await run_in_threadpool(self.conversations.add_message, session_id, "user", content,
                                            prompt_tokens=len(prompt))
             if conv.title == DEFAULT_TITLE and not conv.messages:
-                await run_in_threadpool(self.store.update_conversation, session_id, title=title_from(content))
+                await run_in_threadpool(self.conversations.update, session_id, title=title_from(content))
         except BaseException as exc:
             ticket.release()
             stream.abort()

@@ -15,6 +15,7 @@ from kvforge.app.models import ModelSpec, check_decoding
 from kvforge.app.settings import GIB, ServeSettings, check_tp, json_options
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import EngineConfig
+from kvforge.core.kv.index import KVIndex
 
 
 def torchrun_world_size() -> int:
@@ -50,14 +51,16 @@ def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **over
 
 
 def build_engine(spec: ModelSpec, settings: ServeSettings | None = None, *, progress: bool = True,
-                 **overrides: Any):
-    """An LLMEngine for the spec (see engine_config); `progress`: show the loading progress bars."""
+                 kv_index: KVIndex | None = None, **overrides: Any):
+    """An LLMEngine for the spec (see engine_config); `progress`: show the loading progress bars; `kv_index`:
+    the persisted tier's index on a store the caller owns (None: the engine opens its db_url itself)."""
     from kvforge.core.engine import LLMEngine
 
-    return LLMEngine(engine_config(spec, settings, **overrides), progress=progress)
+    return LLMEngine(engine_config(spec, settings, **overrides), progress=progress, kv_index=kv_index)
 
 
 def build_async_engine(spec: ModelSpec, settings: ServeSettings | None = None, *, progress: bool = True,
-                       on_fatal=None, **overrides: Any) -> AsyncEngine:
+                       on_fatal=None, kv_index: KVIndex | None = None, **overrides: Any) -> AsyncEngine:
     """build_engine's engine, served (`on_fatal`: called when a tensor-parallel rank dies)."""
-    return AsyncEngine(build_engine(spec, settings, progress=progress, **overrides), on_fatal=on_fatal)
+    return AsyncEngine(build_engine(spec, settings, progress=progress, kv_index=kv_index, **overrides),
+                       on_fatal=on_fatal)

@@ -150,13 +150,13 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
 
     def model_card() -> dict:
         core = host.current().engine
+        runtime = core.runtime()
         return {"id": host.name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "tp": core.config.tp_size, "max_model_len": core.max_model_len,
-                "device": str(core.runner.device), "kernels": core.runner.kernels,
-                "cuda_graphs": core.runner.graphs is not None,
-                "memory": {"weights_bytes": core.runner.weight_bytes(), "kv_cache_bytes": core.runner.kv_cache_bytes,
+                "device": runtime.device, "kernels": runtime.kernels, "cuda_graphs": runtime.cuda_graphs,
+                "memory": {"weights_bytes": runtime.weight_bytes, "kv_cache_bytes": runtime.kv_cache_bytes,
                            "gpus": gpu_memory()}}
 
     @app.get("/v1/models")

@@ -1,4 +1,4 @@
-"""The sessions API: conversations kept server-side in the store, replies streamed.
+"""The sessions API: conversations kept server-side (app/conversations.py), replies streamed.
 
     GET/POST /v1/sessions                 list, create
     GET/PATCH/DELETE /v1/sessions/{id}    get (with messages), rename / change settings, delete
@@ -25,25 +25,25 @@ from fastapi import APIRouter
 
 from kvforge.app.chat_service import ChatService, not_found
 from kvforge.app.completion import RequestTimedOut, SSEResponse
+from kvforge.app.conversations import NotFound
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import SessionCreateRequest, SessionMessageRequest, SessionUpdateRequest
-from kvforge.core.store import NotFound
 
 log = logging.getLogger(__name__)
 DEFAULT_TITLE = "New chat"
 
 
 def sessions_router(chat: ChatService) -> APIRouter:
-    router, host, store = APIRouter(), chat.host, chat.store
+    router, host, conversations = APIRouter(), chat.host, chat.conversations
     get = chat.get
 
     @router.get("/v1/sessions")
     def list_sessions():
-        return {"object": "list", "data": [c.to_dict() for c in store.list_conversations()]}
+        return {"object": "list", "data": [c.to_dict() for c in conversations.list()]}
 
     @router.post("/v1/sessions")
     def create_session(body: SessionCreateRequest):
-        conv = store.create_conversation(body.title, host.name, body.model_dump(exclude={"title"}))
+        conv = conversations.create(body.title, host.name, body.model_dump(exclude={"title"}))
         return conv.to_dict(messages=True)
 
     @router.get("/v1/sessions/{session_id}")
@@ -64,14 +64,14 @@ def sessions_router(chat: ChatService) -> APIRouter:
                 settings["sampling"] = body.sampling
             changes["settings"] = settings
         try:
-            return store.update_conversation(session_id, **changes).to_dict(messages=True)
+            return conversations.update(session_id, **changes).to_dict(messages=True)
         except NotFound as exc:
             raise not_found(exc) from None
 
     @router.delete("/v1/sessions/{session_id}")
     def delete_session(session_id: str):
         try:
-            store.delete_conversation(session_id)
+            conversations.delete(session_id)
         except NotFound as exc:
             raise not_found(exc) from None
         return {"id": session_id, "object": "session.deleted", "deleted": True}

@@ -96,7 +96,7 @@ class AsyncEngine:
         self._stopped = False
         self._ids = itertools.count()
         self._stats = self.engine.stats()
-        self.engine.runner.on_failure = self._wakeup.set  # a tensor-parallel rank dying while idle wakes the loop
+        self.engine.on_failure(self._wakeup.set)  # a tensor-parallel rank dying while idle wakes the loop
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
         self._thread.start()
 

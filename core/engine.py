@@ -1,8 +1,8 @@
 """LLMEngine (the synchronous step loop) and LLM (the offline API).
 
-One step: schedule -> run the model on the flat batch -> sample -> append tokens, fork n-sample
-requests at their first token, check stop conditions, stream text deltas, free finished sequences'
-blocks (their full blocks stay in the prefix cache).
+One step: the scheduler plans it, the runner runs the plan and returns the logits of the sequences that
+get tokens, the sampler turns them into tokens (verifying drafts), the scheduler applies them
+(acceptance, forks, stop checks, finishing) and the engine turns the updates into text deltas.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import json
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
 from kvforge.core.kv.blocks import BlockPool
+from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, safetensors_files
@@ -28,11 +29,11 @@ from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import DraftTarget, resolve_quant
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
-from kvforge.core.sampler import SamplingBatch, verify
+from kvforge.core.runner_api import Runner
+from kvforge.core.sampler import SamplingBatch, StepTokens, sample_tokens
 from kvforge.core.sampling import SamplingParams
-from kvforge.core.scheduler import Scheduler
+from kvforge.core.scheduler import Scheduler, SeqUpdate, StepPlan
 from kvforge.core.speculative import Speculator, spec_metrics
-from kvforge.core.store import Store
 from kvforge.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,23 @@ class RequestsFailed(RuntimeError):
 
 
 @dataclass
+class RuntimeInfo:
+    """Where and how the engine runs: what the API's model card, the CLI and the benches report."""
+
+    device: str
+    kernels: str  # "triton" | "torch"
+    cuda_graph_batch_sizes: list[int] | None  # decode batch sizes that replay captured CUDA graphs
+    weight_bytes: int  # the model's weights on this process's rank
+    embedding_bytes: int  # of which the input embedding table (a decode step reads one row of it)
+    kv_cache_bytes: int  # the paged KV pool on this process's rank
+    kv_bytes_per_token: float
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.cuda_graph_batch_sizes is not None
+
+
+@dataclass
 class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -61,7 +79,10 @@ class CompletionOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = True, **overrides: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True, *,
+                 kv_index: KVIndex | None = None, **overrides: Any) -> None:
+        """`kv_index`: the persisted tier's index, owned by the caller (the server shares its database with
+        every engine it builds); without one, the engine opens config.db_url itself and closes it in close()."""
         self.config = config or EngineConfig(**overrides)
         self.model_path = resolve_model(self.config.model)
         self.hf_config = load_config(self.model_path)
@@ -70,17 +91,21 @@ class LLMEngine:
                                              self.model_path)
         self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
+        if self.config.num_threads:  # process-wide: set here, by the engine that owns the process, not per runner
+            torch.set_num_threads(self.config.num_threads)
         if self.config.tp_size > 1:
             from kvforge.core.tp import ParallelRunner
 
-            self.runner = ParallelRunner(self.config, self.model_path, self.hf_config, progress=progress)
+            self.runner: Runner = ParallelRunner(self.config, self.model_path, self.hf_config, progress=progress)
         else:
             self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
+        self.persisted = self._opened_kv_index = None
         try:
             self.speculator = None
             if self.config.decoding != "none":
                 self.speculator = Speculator(self.config.decoding, self.config.decoding_options, DraftTarget(
-                    self.config, self.hf_config, self.model_path, self.tokenizer, self.runner))
+                    self.config, self.hf_config, self.model_path, self.tokenizer, self.runner.model,
+                    self.runner.kernels))
                 self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)
             model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
             self.max_model_len = min(self.config.max_model_len or model_len, model_len)
@@ -94,23 +119,25 @@ class LLMEngine:
             self._capture_graphs()
             self.block_pool = BlockPool(num_blocks, enable_caching=self.config.enable_prefix_caching)
             self.fingerprint = model_fingerprint(self.config, self.model_path, self.tokenizer)
-            self.persisted = None
             if self.config.persist_kv and self.config.enable_prefix_caching:
-                self.persisted = PersistedKV(Store.open(self.config.resolved_db_url()),
-                                             self.config.resolved_data_dir() / "kv", self.fingerprint,
+                if kv_index is None:
+                    from kvforge.core.kv.sql_index import SQLKVIndex  # SQLAlchemy only with the persisted tier
+
+                    kv_index = self._opened_kv_index = SQLKVIndex.open(self.config.resolved_db_url())
+                self.persisted = PersistedKV(kv_index, self.config.resolved_data_dir() / "kv", self.fingerprint,
                                              self.runner, self.config.kv_disk_budget_bytes)
             self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint, self.persisted)
             self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
-                                       self.config.max_num_batched_tokens)
+                                       self.config.max_num_batched_tokens, self.tokenizer.eos_token_ids,
+                                       self.speculator)
         except BaseException:
-            self.runner.close()  # tensor-parallel ranks are processes: do not leave them behind
+            self._close_parts()  # tensor-parallel ranks are processes, the index a database: do not leave them
             raise
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its samples
-        self._outputs: dict[tuple[str, int], OutputState] = {}
-        self._pending_children: dict[tuple[str, int], list[Sequence]] = {}
+        self._output_states: dict[tuple[str, int], OutputState] = {}
         self._generation_rate, self._prompt_rate = RateMeter(), RateMeter()
         self._totals = dict(requests_finished=0, prompt_tokens_total=0, cached_tokens_total=0,
                             generated_tokens_total=0)
@@ -143,7 +170,7 @@ class LLMEngine:
         if not (self.config.cuda_graphs and self.config.tp_size == 1 and runner.device.type == "cuda"
                 and runner.kernels == "triton"):
             return
-        if not runner.model.cuda_graph_safe:  # e.g. bitsandbytes' int8 matmul finds outliers on the host
+        if not runner.cuda_graph_safe:  # e.g. bitsandbytes' int8 matmul finds outliers on the host
             log.info("the %s quant method is not CUDA-graph safe; decode runs eagerly", self.config.quant)
             return
         try:
@@ -171,10 +198,8 @@ class LLMEngine:
                 base_seed if index == 0 else hash((base_seed, index)) & (2**62 - 1))
             seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival)
             samples.append(seq)
-            self._outputs[seq.key] = OutputState(self.tokenizer, params)
-        self.scheduler.add(samples[0])
-        if params.n > 1:  # the others fork off sample 0 once the prompt is computed
-            self._pending_children[samples[0].key] = samples[1:]
+            self._output_states[seq.key] = OutputState(self.tokenizer, params)
+        self.scheduler.add(samples[0], forks=samples[1:])  # the others fork off sample 0 at its prompt's end
         self._requests[request_id] = samples
         self._totals["prompt_tokens_total"] += len(prompt_ids)
         return request_id
@@ -202,86 +227,69 @@ class LLMEngine:
             if not seq.is_finished:  # running, waiting, or a sample not yet forked
                 self.scheduler.finish(seq, "abort")
                 outputs.append(self._final_output(seq, [], "abort"))
-        self._pending_children = {k: v for k, v in self._pending_children.items() if k[0] != request_id}
         self._forget_if_done(request_id)
         return outputs
 
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        """Schedule, run, sample, update: the outputs of the requests that got tokens or finished."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
         try:
-            sampled, logits = self.runner.run(plan.scheduled)
+            logits = self.runner.execute(plan.scheduled)
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(plan.scheduled, exc) from exc
-        prompt_tokens = 0
-        for item in plan.scheduled:
-            seq = item.seq
-            if seq.num_computed_tokens < len(seq.prompt_token_ids):
-                prompt_tokens += min(item.num_new_tokens, len(seq.prompt_token_ids) - seq.num_computed_tokens)
-            # draft positions count as computed only once accepted (below)
-            seq.num_computed_tokens += item.num_new_tokens - len(seq.spec_token_ids)
-            self.kv.cache_computed_blocks(seq)
-        self._prompt_rate.add(prompt_tokens)
-        if not sampled:
-            return []
+        sampled = self._sample(plan, logits) if plan.sampled else None
+        updates, copies = self.scheduler.update_from_output(plan, sampled, self._detokenize)
+        self.runner.copy_blocks(copies)
+        self._prompt_rate.add(plan.num_prompt_tokens)
+        return self._outputs(updates, sampled)
 
-        # one entry per sequence getting tokens; a sequence verifying m drafts owns m + 1 logits rows
-        seqs, rows, parents = [], [], []
-        row = 0
-        for item in sampled:
-            num_rows = 1 + len(item.seq.spec_token_ids)
-            seqs.append(item.seq)
-            rows.extend(range(row, row + num_rows))
-            parents.append(None)
-            for child in self._pending_children.pop(item.seq.key, []):  # forks happen at a prompt's end
-                seqs.append(child)
-                rows.append(row)
-                parents.append(item.seq)
-            row += num_rows
-        if len(rows) != row:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepTokens:
+        entries = plan.sampling_rows()
+        rows = [row for _, seq_rows, _ in entries for row in seq_rows]
+        if len(rows) != len(logits):  # a forked sample draws from its parent's row
             logits = logits[rows]
+        seqs = [seq for seq, _, _ in entries]
         drafting = any(s.spec_token_ids for s in seqs)
-        result = verify(logits, SamplingBatch(
+        return sample_tokens(logits, SamplingBatch(
             [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], self.tokenizer.eos_token_ids,
             drafts=[s.spec_token_ids for s in seqs] if drafting else None,
             draft_probs=[s.spec_draft_probs for s in seqs] if drafting else None))
 
-        # Fork every sample before any token is processed: a parent that finishes on its first token (max_tokens
-        # 1, EOS, a stop string) frees its blocks in _process_tokens, and its samples share or copy them.
-        copies = []
-        for parent, seq in zip(parents, seqs):
-            if parent is not None:
-                copies.extend(self._fork(parent, seq))
-        self.runner.copy_blocks(copies)
+    def _detokenize(self, seq: Sequence, token: int, is_stop_token: bool) -> bool:
+        """The scheduler appended `token`: stream its text (a stop token's stays hidden); True at a stop string."""
+        return self._output_states[seq.key].add_token(token, text_visible=not is_stop_token,
+                                                      num_output_tokens=len(seq.output_token_ids))
 
-        now = time.monotonic()
+    def _outputs(self, updates: list[SeqUpdate], sampled: StepTokens | None) -> list[RequestOutput]:
+        """One output per sequence that got tokens (its final one when it finished)."""
         outputs, generated = [], 0
-        for i, seq in enumerate(seqs):
-            tokens = result.token_ids[i]
-            if seq.spec_token_ids:  # keep the accepted drafts' KV, roll back the rejected ones
-                accepted = len(tokens) - 1
-                self.speculator.record(seq, len(seq.spec_token_ids), accepted)
-                seq.num_computed_tokens += accepted
-                self.kv.truncate(seq, seq.num_computed_tokens)
-                seq.clear_drafts()
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            logprobs = [None] * len(tokens) if result.logprobs[i] is None else [
-                TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, result.logprobs[i], result.top_logprobs[i])]
-            before = len(seq.output_token_ids)
-            outputs.append(self._process_tokens(seq, tokens, logprobs))
-            generated += len(seq.output_token_ids) - before
-            if len(tokens) > 1 and not seq.is_finished:
-                self.kv.cache_computed_blocks(seq)
+        for i, update in enumerate(updates):
+            seq, state = update.seq, self._output_states[update.seq.key]
+            generated += update.num_new_tokens
+            if seq.params.logprobs is not None:
+                tokens = sampled.token_ids[i][:update.num_new_tokens]
+                state.pending_logprobs.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(
+                    tokens, sampled.logprobs[i], sampled.top_logprobs[i]))
+            if update.finish_reason is not None:
+                outputs.append(self._final_output(seq, state.pending_tokens, update.finish_reason))
+                continue
+            delta_text = state.take_delta(finished=False)  # first: it moves what emitted_text() holds
+            out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
+                                state.emitted_text(), delta_text, state.pending_tokens,
+                                state.pending_logprobs if seq.params.logprobs is not None else None,
+                                num_cached_tokens=seq.num_cached_tokens or 0)
+            state.pending_tokens, state.pending_logprobs = [], []
+            outputs.append(out)
+        for request_id in {u.seq.request_id for u in updates if u.finish_reason is not None}:
+            self._forget_if_done(request_id)
         self._generation_rate.add(generated)
         self._totals["generated_tokens_total"] += generated
-        return [o for o in outputs if o is not None]
+        return outputs
 
     def _out_of_memory(self, scheduled: list, exc: BaseException) -> RequestsFailed:
         """The device ran out of memory in this step: stop the request with the most tokens in it (the
@@ -296,52 +304,12 @@ class LLMEngine:
         return RequestsFailed([victim.request_id], f"out of device memory while running this request (a step of "
                                                    f"{tokens} tokens); the request was stopped: {exc}")
 
-    def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.first_scheduled_time = parent.first_scheduled_time
-        copies = self.kv.fork(parent, child)
-        if copies is None:  # no block for its copy of the partial block: recompute it later
-            self.scheduler.add_waiting(child)
-            return []
-        self.scheduler.add_running(child)
-        return copies
-
-    def _process_tokens(self, seq: Sequence, tokens: list[int],
-                        logprobs: list[TokenLogprob | None]) -> RequestOutput | None:
-        """Append the step's new tokens (several when drafts were accepted) up to a stop, and return the
-        request's one output for this step."""
-        params, state = seq.params, self._outputs[seq.key]
-        for token, logprob in zip(tokens, logprobs):
-            seq.output_token_ids.append(token)
-            is_stop_token = token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.tokenizer.eos_token_ids)
-            generated = len(seq.output_token_ids)
-            stop_string = state.add_token(token, text_visible=not is_stop_token, num_output_tokens=generated)
-            if logprob is not None:
-                state.pending_logprobs.append(logprob)
-            reason = None
-            if (is_stop_token and generated >= params.min_tokens) or stop_string:
-                reason = "stop"
-            elif generated >= params.max_tokens:
-                reason = "length"
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                return self._final_output(seq, state.pending_tokens, reason)
-        delta_text = state.take_delta(finished=False)
-        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
-                            state.emitted_text(), delta_text, state.pending_tokens,
-                            state.pending_logprobs if params.logprobs is not None else None,
-                            num_cached_tokens=seq.num_cached_tokens or 0)
-        state.pending_tokens, state.pending_logprobs = [], []
-        return out
-
     def _final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None) -> RequestOutput:
-        state = self._outputs[seq.key]
+        state = self._output_states[seq.key]
         delta_text = state.take_delta(finished=True)
         metrics = request_metrics(seq)
         if self.speculator is not None:
             metrics |= spec_metrics(seq)
-            self.speculator.release(seq)
         out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
                             state.emitted_text(), delta_text, list(delta_tokens),
                             state.pending_logprobs if seq.params.logprobs is not None else None,
@@ -351,7 +319,6 @@ class LLMEngine:
         if seq.index == 0:
             self._totals["cached_tokens_total"] += seq.num_cached_tokens or 0
         self._totals["requests_finished"] += seq.index == 0
-        self._forget_if_done(seq.request_id)
         return out
 
     def _forget_if_done(self, request_id: str) -> None:
@@ -359,7 +326,7 @@ class LLMEngine:
         if samples and all(s.is_finished for s in samples):
             del self._requests[request_id]
             for s in samples:
-                self._outputs.pop(s.key, None)
+                self._output_states.pop(s.key, None)
 
     # --- stats --------------------------------------------------------------------------------
 
@@ -367,9 +334,26 @@ class LLMEngine:
         """Finish writing queued KV blocks to disk; stop the tensor-parallel ranks."""
         if self.speculator is not None:
             self.speculator.proposer.close()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        """The persisted tier, the database it opened itself, and the runner (its ranks)."""
         if self.persisted is not None:
             self.persisted.close()
+        if self._opened_kv_index is not None:
+            self._opened_kv_index.close()
         self.runner.close()
+
+    def runtime(self) -> RuntimeInfo:
+        runner = self.runner
+        table = runner.model.model.embed_tokens.weight
+        return RuntimeInfo(str(runner.device), runner.kernels, list(runner.graphs.sizes) if runner.graphs else None,
+                           runner.weight_bytes(), table.numel() * table.element_size(), runner.kv_cache_bytes,
+                           runner.kv_bytes_per_block / runner.block_size)
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from any thread) when the engine fails while idle (a tensor-parallel rank died)."""
+        self.runner.on_failure = callback
 
     def failure(self) -> str | None:
         """Why the engine can no longer run (a tensor-parallel rank died), or None while it can."""

@@ -31,7 +31,7 @@ def perplexity(engine, token_ids: list[int], chunk: int = 256) -> float:
             n = min(chunk, len(token_ids) - 1 - start)
             if not engine.kv.allocate(seq, n):
                 raise ValueError("the text does not fit in the free KV pool")
-            inputs, _ = runner.plan([ScheduledSeq(seq, n)], all_logits=True)
+            inputs = runner.layout([ScheduledSeq(seq, n)], all_logits=True)
             logits = runner.forward(inputs)
             log_probs = F.log_softmax(logits, dim=-1)
             total -= log_probs.gather(1, targets[start:start + n].view(-1, 1).to(logits.device)).sum().item()

@@ -4,7 +4,8 @@ Order (as in vLLM): penalties (repetition on prompt + output, presence / frequen
 min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sampling.
 Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)) with one generator per
 sequence, so a seeded request draws the same numbers whether it runs alone or in a batch.
-Speculative decoding verifies draft tokens here too (`verify`: greedy fast path, rejection sampling).
+One entry for a step, `sample_tokens`: a token per sequence, or a sequence's accepted draft tokens plus one
+(speculative decoding's verification: greedy fast path, rejection sampling).
 Logprobs are those of the raw model distribution (log_softmax of the logits), like OpenAI's.
 """
 
@@ -43,7 +44,7 @@ class SamplerOutput:
 
 
 @dataclass
-class VerifyOutput:
+class StepTokens:
     """Per sequence: its accepted drafts followed by one token of the target's (a correction or a bonus)."""
 
     token_ids: list[list[int]]
@@ -54,15 +55,16 @@ class VerifyOutput:
 @torch.inference_mode()
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [batch.size, vocab] fp32 (modified in place); one new token per sequence."""
-    out = verify(logits, batch)
+    out = sample_tokens(logits, batch)
     return SamplerOutput([t[0] for t in out.token_ids], [lp and lp[0] for lp in out.logprobs],
                          [top and top[0] for top in out.top_logprobs])
 
 
 @torch.inference_mode()
-def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
-    """Accept or reject each sequence's draft tokens against the target's logits (modified in place) and
-    add one token of the target's, so that the tokens follow the target's distribution exactly.
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> StepTokens:
+    """The step's tokens: each sequence's draft tokens accepted or rejected against the target's logits
+    (modified in place), then one token of the target's, so that the tokens follow the target's
+    distribution exactly.
 
     Greedy: drafts are accepted while they equal the argmax. Sampling: see `_rejection_sample`.
     A sequence without drafts gets one token, drawn as without speculation.
@@ -134,7 +136,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
                 top[s] = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
             else:
                 top[s] = [[] for _ in tokens[s]]
-    return VerifyOutput(tokens, logprobs, top)
+    return StepTokens(tokens, logprobs, top)
 
 
 def _rejection_sample(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,

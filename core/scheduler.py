@@ -1,22 +1,32 @@
-"""Token-budget continuous batching with chunked prefill, prefix caching and preemption.
+"""Token-budget continuous batching with chunked prefill, prefix caching and preemption: the owner of
+every sequence's progress.
 
-Every step spends up to `max_num_batched_tokens` under `max_num_seqs`: running sequences first, in
-arrival order (one token each when decoding -- 1 + k with k speculative draft tokens to verify -- the
-next chunk when still prefilling), then waiting
-sequences, first come first served. When the KV pool runs out, the running sequence that arrived
-last is preempted: its blocks are freed (its full blocks stay in the prefix cache) and it is
-recomputed later, producing the same tokens. Admission control rejects, before anything runs, a
-request that could never fit the model's context or the whole KV pool.
+`schedule()` plans a step: up to `max_num_batched_tokens` under `max_num_seqs`, running sequences first,
+in arrival order (one token each when decoding -- 1 + k with k speculative draft tokens to verify -- the
+next chunk when still prefilling), then waiting sequences, first come first served. When the KV pool runs
+out, the running sequence that arrived last is preempted: its blocks are freed (its full blocks stay in
+the prefix cache) and it is recomputed later, producing the same tokens. Admission control rejects,
+before anything runs, a request that could never fit the model's context or the whole KV pool.
+
+`update_from_output(plan, sampled)` applies what the step produced: computed tokens, accepted and
+rejected drafts (rolled back in the KV), forks of n-sample requests at their prompt's end, new tokens,
+stop conditions and finishing. Sequence progress (`num_computed_tokens`, drafts) changes only here.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.request import Sequence, Status
+
+if TYPE_CHECKING:
+    from kvforge.core.sampler import StepTokens
+    from kvforge.core.speculative import Speculator
 
 
 class RequestRejected(ValueError):
@@ -25,24 +35,74 @@ class RequestRejected(ValueError):
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step: `num_new_tokens` positions from `num_computed_tokens` on (its drafts
+    included). `samples`: the chunk reaches the sequence's end, so the step samples its next token(s)
+    from 1 + drafts logits rows (the logits after its last token and after each draft)."""
+
     seq: Sequence
     num_new_tokens: int
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        seq = self.seq
+        self.samples = seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + len(seq.spec_token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        return 1 + len(self.seq.spec_token_ids) if self.samples else 0
 
 
 @dataclass
-class SchedulerOutput:
+class StepPlan:
+    """What one step runs (`scheduled`, in plan order) and who gets tokens from it."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    forks: dict[tuple[str, int], list[Sequence]] = field(default_factory=dict)  # parent key -> samples forking off
+    num_prompt_tokens: int = 0  # prompt positions computed in this step (the prefill rate)
+
+    @property
+    def sampled(self) -> list[ScheduledSeq]:
+        """The items that get a next token; the runner returns their logits rows in this order."""
+        return [item for item in self.scheduled if item.samples]
+
+    def sampling_rows(self) -> list[tuple[Sequence, list[int], Sequence | None]]:
+        """Every sequence that gets tokens this step, with its rows of the runner's logits and the parent it
+        forks off (None for the scheduled sequences): a forked sample draws from its parent's last row."""
+        entries, row = [], 0
+        for item in self.sampled:
+            num_rows = item.num_logits_rows
+            entries.append((item.seq, list(range(row, row + num_rows)), None))
+            entries.extend((child, [row], item.seq) for child in self.forks.get(item.seq.key, []))
+            row += num_rows
+        return entries
+
+
+@dataclass
+class SeqUpdate:
+    """One sequence's result of a step: how many tokens it appended and, when it finished, why."""
+
+    seq: Sequence
+    num_new_tokens: int
+    finish_reason: str | None = None
+
+
+# The output side's view of each appended token, in order: (sequence, token, whether it is a stop token, whose
+# text stays hidden) -> True when the sequence's text now holds a stop string.
+StopStringCheck = Callable[[Sequence, int, bool], bool]
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Collection[int] = (), speculator: Speculator | None = None) -> None:
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.speculator = speculator
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
+        self._forks: dict[tuple[str, int], list[Sequence]] = {}  # sample 0's key -> the samples forking off it
         self.num_preemptions = 0
 
     def check_admissible(self, prompt_len: int, max_tokens: int) -> None:
@@ -60,9 +120,12 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens needs {blocks} KV "
                 f"blocks; the KV pool has only {pool} ({pool * self.kv.block_size} tokens)")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, forks: Collection[Sequence] = ()) -> None:
+        """Queue a request's first sample; `forks` (its other samples) fork off it once its prompt is computed."""
         self.check_admissible(len(seq.prompt_token_ids), seq.params.max_tokens)
         self._insert(self.waiting, seq)
+        if forks:
+            self._forks[seq.key] = list(forks)
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
@@ -72,10 +135,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    # --- planning -----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
         """Pick this step's work. A decoding sequence with draft tokens verifies them in this step: it gets
         slots and budget for 1 + drafts tokens (drafts that do not fit are dropped, never preempting)."""
-        out = SchedulerOutput()
+        if self.speculator is not None:
+            self._propose_drafts()
+        plan = StepPlan()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -92,26 +159,41 @@ class Scheduler:
                     continue
                 victim = self.running[-1]  # the latest arrival: possibly this very sequence
                 self._preempt(victim)
-                out.preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
                 if seq.spec_draft_probs is not None:
                     seq.spec_draft_probs = seq.spec_draft_probs[:len(seq.spec_token_ids)]
-                out.scheduled.append(ScheduledSeq(seq, n))
+                self._plan(plan, seq, n)
                 budget -= n
                 i += 1
                 continue
             break  # seq itself was preempted: everything after it already was too
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
         now = time.monotonic()
-        for item in out.scheduled:
+        for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
-        return out
+        return plan
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _propose_drafts(self) -> None:
+        """This step's draft tokens for the decoding sequences (none for those that should not draft)."""
+        for seq in self.running:
+            seq.clear_drafts()
+        for seq, proposal in self.speculator.propose(self.running):
+            seq.spec_token_ids = list(proposal.token_ids)
+            seq.spec_draft_probs = proposal.probs
+
+    def _plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        item = ScheduledSeq(seq, n)
+        plan.scheduled.append(item)
+        plan.num_prompt_tokens += max(0, min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens))
+        if item.samples and seq.key in self._forks:  # forks happen at a prompt's end
+            plan.forks[seq.key] = self._forks.pop(seq.key)
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq)
@@ -123,7 +205,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self._insert(self.running, seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            self._plan(plan, seq, n)
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -136,14 +218,71 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert(self.waiting, seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sample joins the running set next to its parent."""
-        seq.status = Status.RUNNING
-        self._insert(self.running, seq)
+    # --- applying a step's output -------------------------------------------------------------
 
-    def add_waiting(self, seq: Sequence) -> None:
-        seq.status = Status.WAITING
-        self._insert(self.waiting, seq)
+    def update_from_output(self, plan: StepPlan, sampled: StepTokens | None,
+                           stop_string: StopStringCheck) -> tuple[list[SeqUpdate], list[tuple[int, int]]]:
+        """Apply a step that ran `plan` and sampled `sampled` (one entry per `plan.sampling_rows()`).
+        Returns each sampled sequence's update, in that order, and the KV blocks (source, destination) the
+        runner must copy for the samples forked in this step."""
+        for item in plan.scheduled:  # draft positions count as computed only once accepted (below)
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.seq.spec_token_ids)
+            self.kv.cache_computed_blocks(item.seq)
+        if sampled is None:
+            return [], []
+        entries = plan.sampling_rows()
+        # Fork every sample before any token is processed: a parent that finishes on its first token (max_tokens
+        # 1, EOS, a stop string) frees its blocks below, and its samples share or copy them.
+        copies = []
+        for seq, _, parent in entries:
+            if parent is not None:
+                copies.extend(self._fork(parent, seq))
+        now = time.monotonic()
+        updates = []
+        for (seq, _, _), tokens in zip(entries, sampled.token_ids):
+            if seq.spec_token_ids:  # keep the accepted drafts' KV, roll back the rejected ones
+                accepted = len(tokens) - 1
+                self.speculator.record(seq, len(seq.spec_token_ids), accepted)
+                seq.num_computed_tokens += accepted
+                self.kv.truncate(seq, seq.num_computed_tokens)
+                seq.clear_drafts()
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            update = self._append(seq, tokens, stop_string)
+            if len(tokens) > 1 and not seq.is_finished:
+                self.kv.cache_computed_blocks(seq)
+            updates.append(update)
+        return updates, copies
+
+    def _append(self, seq: Sequence, tokens: list[int], stop_string: StopStringCheck) -> SeqUpdate:
+        """Append the step's tokens (several when drafts were accepted) up to the first stop."""
+        params = seq.params
+        for count, token in enumerate(tokens, 1):
+            seq.output_token_ids.append(token)
+            is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+            generated = len(seq.output_token_ids)
+            found_stop_string = stop_string(seq, token, is_stop_token)
+            reason = None
+            if (is_stop_token and generated >= params.min_tokens) or found_stop_string:
+                reason = "stop"
+            elif generated >= params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                self.finish(seq, reason)
+                return SeqUpdate(seq, count, reason)
+        return SeqUpdate(seq, len(tokens))
+
+    def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        copies = self.kv.fork(parent, child)
+        if copies is None:  # no block for its copy of the partial block: recompute it later
+            child.status = Status.WAITING
+            self._insert(self.waiting, child)
+            return []
+        child.status = Status.RUNNING  # it joins the running set next to its parent
+        self._insert(self.running, child)
+        return copies
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
@@ -152,4 +291,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.finish_time = time.monotonic()
+        self._forks.pop(seq.key, None)  # samples that were still to fork off it finish with it
         self.kv.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)

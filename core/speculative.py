@@ -1,8 +1,8 @@
 """Speculative decoding's policy in the engine: which decoding sequences get drafts this step and how
 many (an adaptive k per request), asking the proposer plugin for them, and the acceptance counts.
 
-Verification is the sampler's (`sampler.verify`); the scheduler gives each drafted sequence slots for
-1 + k tokens and the engine rolls back the rejected ones (`KVCacheManager.truncate`).
+Verification is the sampler's (`sampler.sample_tokens`); the scheduler sets each sequence's drafts, gives
+it slots for 1 + k tokens and rolls back the rejected ones (`Scheduler.update_from_output`).
 """
 
 from __future__ import annotations
@@ -29,23 +29,25 @@ class Speculator:
         self.max_batch_size = self.options["max_batch_size"]
         self.totals = dict(spec_drafted_tokens_total=0, spec_accepted_tokens_total=0, spec_verify_steps_total=0)
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Give each decoding sequence its drafts for this step (none for those that should not draft)."""
+    def propose(self, running: list[Sequence]) -> list[tuple[Sequence, Proposal]]:
+        """This step's drafts for the decoding sequences that should draft (the others get none), at most
+        each one's k; the scheduler sets them."""
         decoding = [s for s in running if s.num_computed_tokens == s.num_tokens - 1]
-        for seq in decoding:
-            seq.clear_drafts()
         if len(decoding) > self.max_batch_size:
-            return
+            return []
         wanted = [(seq, k) for seq in decoding if (k := self._num_drafts(seq)) > 0]
         if not wanted:
-            return
+            return []
+        drafts = []
         proposals = self.proposer.propose([seq for seq, _ in wanted], [k for _, k in wanted])
         for (seq, k), proposal in zip(wanted, proposals):
             if not isinstance(proposal, Proposal):
                 proposal = Proposal(list(proposal))
-            seq.spec_token_ids = list(proposal.token_ids[:k])
-            if proposal.probs is not None and seq.spec_token_ids:
-                seq.spec_draft_probs = proposal.probs[:len(seq.spec_token_ids)]
+            token_ids = list(proposal.token_ids[:k])
+            if token_ids:
+                probs = proposal.probs[:len(token_ids)] if proposal.probs is not None else None
+                drafts.append((seq, Proposal(token_ids, probs)))
+        return drafts
 
     def _num_drafts(self, seq: Sequence) -> int:
         if seq.spec_k is None:

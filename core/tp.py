@@ -61,6 +61,8 @@ class ParallelRunner:
         self._threads = torch.get_num_threads()  # restored at close: the thread count is process-wide
         if config.device == "cpu" and config.num_threads is None:  # the ranks share this machine's cores
             config = dataclasses.replace(config, num_threads=max(1, self._threads // self.size))
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.failure: str | None = None  # why the ranks can no longer run, once they cannot
         self.on_failure: Callable[[], None] | None = None  # called from the monitor thread on a failure
         self._processes: dict[int, subprocess.Popen] = {}  # rank -> the worker process spawned for it
@@ -117,22 +119,30 @@ class ParallelRunner:
                 raise TimeoutError(f"the tensor-parallel ranks did not start within {COLLECTIVE_TIMEOUT}")
             time.sleep(0.05)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "local":  # not built yet
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    # --- the Runner interface (core/runner_api.py): sizes and the model are rank 0's own ----------
 
-    # --- ModelRunner's interface --------------------------------------------------------------
+    device = property(lambda self: self.local.device)
+    kernels = property(lambda self: self.local.kernels)
+    block_size = property(lambda self: self.local.block_size)
+    kv_bytes_per_block = property(lambda self: self.local.kv_bytes_per_block)
+    kv_block_shape = property(lambda self: self.local.kv_block_shape)
+    kv_dtype = property(lambda self: self.local.kv_dtype)
+    kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
+    model = property(lambda self: self.local.model)
+    cuda_graph_safe = False  # a decode step is collectives across processes: never captured
+    graphs = None
 
-    def plan(self, batch: list[ScheduledSeq], all_logits: bool = False) -> tuple[StepInputs, list[ScheduledSeq]]:
-        return self.local.plan(batch, all_logits)
+    def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None:
+        raise ValueError("CUDA graphs run on one rank only (tp_size 1)")
+
+    def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs:
+        return self.local.layout(batch, all_logits)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return self._call("forward", inputs)
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        inputs, sampled = self.plan(batch)
-        return sampled, self.forward(inputs)
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        return self.forward(self.layout(batch))
 
     def allocate_kv(self, num_blocks: int) -> None:
         self._call("allocate_kv", num_blocks)
@@ -261,6 +271,8 @@ def _load(config: EngineConfig, rank: int) -> ModelRunner:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
         torch.cuda.set_device(local_rank)
+    if config.num_threads:  # this rank's process, set once before its model loads
+        torch.set_num_threads(config.num_threads)
     model_path = resolve_model(config.model)  # converted by rank 0 already when on the same machine
     with tensor_parallel(config.tp_size, rank):
         return ModelRunner(config, model_path, load_config(model_path), progress=False)

@@ -16,7 +16,7 @@ from kvforge.ui.service import UIService
 if TYPE_CHECKING:
     import gradio as gr
 
-    from kvforge.core.store import Conversation
+    from kvforge.app.conversations import Conversation
 
 
 def reply_stats_markdown(message: dict | None) -> str:

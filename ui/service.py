@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.app.chat_service import DEFAULT_TITLE, ChatService, Turn
+from kvforge.app.conversations import Conversation, NotFound
 from kvforge.app.models import ModelSpec
 from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, resolve_model
-from kvforge.core.store import Conversation, NotFound
 
 if TYPE_CHECKING:
     from kvforge.core.async_engine import AsyncEngine
@@ -31,53 +31,52 @@ def engine_config(engine: AsyncEngine) -> EngineConfig:
 class UIService:
     def __init__(self, chat: ChatService, sampler: DashboardSampler) -> None:
         self._chat, self._sampler = chat, sampler
-        self._store, self._host = chat.store, chat.host
+        self._conversations, self._host = chat.conversations, chat.host
 
     # ---- conversations ------------------------------------------------------------------------------
 
     def conversation_choices(self) -> list[tuple[str, str]]:
         """(title, id) of every conversation, the most recently updated first."""
-        return [(c.title, c.id) for c in self._store.list_conversations()]
+        return [(c.title, c.id) for c in self._conversations.list()]
 
     def conversation(self, session_id: str | None) -> Conversation | None:
         """The conversation with its messages, or None (no id, or deleted meanwhile)."""
         if not session_id:
             return None
         try:
-            return self._store.get_conversation(session_id)
+            return self._conversations.get(session_id)
         except NotFound:
             return None
 
     def create_conversation(self, system_prompt: str | None) -> Conversation:
-        return self._store.create_conversation(DEFAULT_TITLE, self._host.name,
-                                               {"system_prompt": system_prompt or None})
+        return self._conversations.create(DEFAULT_TITLE, self._host.name, {"system_prompt": system_prompt or None})
 
     def rename_conversation(self, session_id: str, title: str) -> None:
-        self._store.update_conversation(session_id, title=title)
+        self._conversations.update(session_id, title=title)
 
     def delete_conversation(self, session_id: str) -> None:
         """Delete it; one already gone (another tab, the API) is not an error."""
         try:
-            self._store.delete_conversation(session_id)
+            self._conversations.delete(session_id)
         except NotFound:
             pass
 
     def keep_system_prompt(self, session_id: str, system_prompt: str | None) -> None:
         """Store the system prompt with the conversation when it changed; NotFound for an unknown one."""
-        conv = self._store.get_conversation(session_id)
+        conv = self._conversations.get(session_id)
         if ((conv.settings or {}).get("system_prompt") or "") != (system_prompt or ""):
-            self._store.update_conversation(session_id, settings={**(conv.settings or {}),
-                                                                  "system_prompt": system_prompt or None})
+            self._conversations.update(session_id, settings={**(conv.settings or {}),
+                                                             "system_prompt": system_prompt or None})
 
     def drop_last_turn(self, session_id: str | None) -> str:
         """Remove the last user message and what follows it; returns that message."""
         if not session_id:
             return ""
-        messages = self._store.get_conversation(session_id).messages
+        messages = self._conversations.get(session_id).messages
         users = [i for i, m in enumerate(messages) if m.role == "user"]
         if not users:
             return ""
-        self._store.truncate_messages(session_id, users[-1])
+        self._conversations.truncate_messages(session_id, users[-1])
         return messages[users[-1]].content
 
     def check_open(self) -> None:

@@ -52,17 +52,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
     from kvforge.core.async_engine import build_off_main_thread
+    from kvforge.core.kv.sql_index import SQLKVIndex
     from kvforge.core.private_files import private_dir
     from kvforge.core.store import Store, default_data_dir, default_db_url
 
     data_dir = private_dir(settings.data_dir if settings.data_dir else default_data_dir())
     db_url = settings.db or default_db_url(data_dir)
-    store = Store.open(db_url)  # created (or upgraded) on first start
+    store = Store(db_url)  # created (or upgraded) on first start; closed when serving ends
+    kv_index = SQLKVIndex(store)  # the sessions API and every engine (first model, swaps) share the one store
     persist = dict(persist_kv=not settings.no_persist_kv, data_dir=str(data_dir), db_url=db_url,
                    kv_disk_budget_bytes=int(settings.kv_disk_gb * GIB))
 
     def factory(spec: ModelSpec) -> AsyncEngine:  # the first model and every swap
-        return build_async_engine(spec, settings, on_fatal=stop_serving, **persist)
+        return build_async_engine(spec, settings, on_fatal=stop_serving, kv_index=kv_index, **persist)
 
     fatal: list[str] = []
 
@@ -93,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # Close engines (writing queued KV blocks to disk) here: uvicorn re-raises the signal after
             # serving, which would end the process before any code after server.run().
             await asyncio.to_thread(host.close)
+            store.close()
 
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            timeout_graceful_shutdown=5, **connection_limits(settings)))
@@ -105,14 +108,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         host.close()
+        store.close()
     return 1 if fatal else 0
 
 
 def runs_on(engine) -> str:
     """Where and how the engine runs, e.g. "cuda:0, bfloat16, Triton kernels, CUDA graphs, KV 61.2 GiB"."""
-    runner = engine.runner
-    parts = [str(runner.device), engine.config.dtype, f"{runner.kernels.capitalize()} kernels"]
-    if runner.graphs is not None:
+    runtime = engine.runtime()
+    parts = [runtime.device, engine.config.dtype, f"{runtime.kernels.capitalize()} kernels"]
+    if runtime.cuda_graphs:
         parts.append("CUDA graphs")
-    parts.append(f"KV {runner.kv_cache_bytes / GIB:.2f} GiB")
+    parts.append(f"KV {runtime.kv_cache_bytes / GIB:.2f} GiB")
     return ", ".join(parts)

@@ -2,7 +2,7 @@
 
 A full, computed block is copied out of the KV pool on the engine thread (one memcpy) and handed
 to a background writer, which writes it atomically (temp file, fsync, rename) and then records it
-in the store's KV index with its checksum. When the in-memory prefix cache misses, the engine asks
+in the KV index (core/kv/index.py) with its checksum. When the in-memory prefix cache misses, the engine asks
 this tier for the blocks that follow and loads them into fresh pool blocks instead of recomputing
 them. A file that is missing, corrupt, or holds other tokens is dropped (logged) and the block is
 recomputed, so a bad file can never change an output. The directory keeps to a byte budget by
@@ -31,8 +31,8 @@ from typing import Protocol
 
 import torch
 
+from kvforge.core.kv.index import KVEntry, KVIndex
 from kvforge.core.private_files import DIR_MODE, open_private, private_dir
-from kvforge.core.store import KVEntry, Store
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,9 @@ class PersistStats:
 
 
 class PersistedKV:
-    def __init__(self, store: Store, directory: Path, fingerprint: bytes, pool: KVBlockAccess,
+    def __init__(self, index: KVIndex, directory: Path, fingerprint: bytes, pool: KVBlockAccess,
                  budget_bytes: int = 2 << 30) -> None:
-        self.store, self.directory, self.fingerprint = store, Path(directory), fingerprint
+        self.index, self.directory, self.fingerprint = index, Path(directory), fingerprint
         self.budget_bytes = budget_bytes
         self._pool = pool
         self._block_shape = tuple(pool.kv_block_shape)
@@ -101,8 +101,8 @@ class PersistedKV:
         self._model_dir = private_dir(private_dir(self.directory) / fingerprint.hex())
         self._lock = threading.Lock()
         self._block_nbytes = math.prod(self._block_shape) * torch.empty((), dtype=self._dtype).element_size()
-        # this model's blocks on disk (recency lives in the store's index: eviction spans every model)
-        self._index: dict[bytes, KVEntry] = {e.hash: e for e in store.kv_entries(fingerprint)}
+        # this model's blocks on disk (recency lives in the shared index: eviction spans every model)
+        self._index: dict[bytes, KVEntry] = {e.hash: e for e in index.entries(fingerprint)}
         self._total_bytes = self._stored_bytes()
         self._pending: set[bytes] = set()  # queued for writing
         self._counters = PersistStats(budget_bytes=budget_bytes)
@@ -221,7 +221,7 @@ class PersistedKV:
                     with self._lock:
                         self._pending.discard(item.digest)
         if written:
-            self.store.kv_add(written)  # the file is complete before the index names it
+            self.index.add(written)  # the file is complete before the index names it
             with self._lock:
                 for entry in written:
                     self._index[entry.hash] = entry
@@ -229,7 +229,7 @@ class PersistedKV:
                 self._counters.written_blocks += len(written)
         with self._lock:
             touched, self._touched = self._touched, {}
-        self.store.kv_set_access(touched)
+        self.index.set_access(touched)
         if written:
             self._evict_over_budget()
 
@@ -256,7 +256,7 @@ class PersistedKV:
     def _remove(self, entries: list[KVEntry]) -> None:
         """Index rows first, then files: a crash in between leaves an orphan file, never a dangling row
         that would be trusted (and orphans are swept at the next start)."""
-        self.store.kv_remove(e.hash for e in entries)
+        self.index.remove(e.hash for e in entries)
         for entry in entries:
             (self.directory / entry.file).unlink(missing_ok=True)
         with self._lock:
@@ -267,7 +267,7 @@ class PersistedKV:
         total = self._stored_bytes()  # every process and model sharing the directory
         while total > self.budget_bytes:
             victims, excess = [], total - self.budget_bytes
-            for entry in self.store.kv_least_recent(256):
+            for entry in self.index.least_recent(256):
                 if excess <= 0:
                     break
                 victims.append(entry)
@@ -285,14 +285,14 @@ class PersistedKV:
         """Blocks whose chain runs through these: unreachable once they go, so they go too."""
         found, seen, frontier = [], {e.hash for e in entries}, [e.hash for e in entries]
         while frontier:
-            children = [c for c in self.store.kv_children(frontier) if c.hash not in seen]
+            children = [c for c in self.index.children(frontier) if c.hash not in seen]
             seen.update(c.hash for c in children)
             found += children
             frontier = [c.hash for c in children]
         return found
 
     def _stored_bytes(self) -> int:
-        return sum(nbytes for _, nbytes in self.store.kv_totals().values())
+        return sum(nbytes for _, nbytes in self.index.totals().values())
 
     def _sweep_orphans(self) -> None:
         """Delete this model's files the index does not name (a crash between write and index, or

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kvforge.core.kv.blocks import BlockPool
-from kvforge.core.kv.manager import KVCacheManager
-from kvforge.core.loader import load_config, resolve_model
 from kvforge.core.plugins import DraftTarget, Proposal, Proposer
 from kvforge.core.request import Sequence
-from kvforge.core.runner import ModelRunner
 from kvforge.core.sampler import draw, sampling_probs
 from kvforge.core.scheduler import ScheduledSeq
-from kvforge.core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvforge.core.kv.manager import KVCacheManager
 
 
 class FirstLayers(nn.Module):
@@ -33,7 +32,6 @@ class FirstLayers(nn.Module):
     def __init__(self, model: nn.Module, num_layers: int) -> None:
         super().__init__()
         self.model, self.num_layers = model, num_layers
-        self.kernels = model.kernels  # the kernels its layers were built with (the drafter's runner asks)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, num_layers=self.num_layers)
@@ -68,8 +66,6 @@ class DraftModelProposer(Proposer):
         if bool(model) == bool(layers):
             raise ValueError("plugin 'draft' needs exactly one of option 'model' (a draft model) and option "
                              "'layers' (draft with the target's first N layers)")
-        config = dataclasses.replace(target.config, quant="none", quant_options={}, decoding="none",
-                                     decoding_options={}, num_threads=None)
         if layers and target.config.tp_size > 1:
             raise ValueError("option 'layers' of plugin 'draft' drafts with the target's own layers, which are split "
                              "across the tensor-parallel ranks: use option 'model' (a draft model runs whole on "
@@ -81,16 +77,15 @@ class DraftModelProposer(Proposer):
                                  f"got {layers}")
             hf_config = copy.copy(target.hf_config)
             hf_config.num_hidden_layers = layers
-            self.runner = ModelRunner(config, None, hf_config, model=FirstLayers(target.runner.model, layers))
+            self.runner = target.runner_for(FirstLayers(target.model, layers), hf_config)
         else:
-            path = resolve_model(model)
-            hf_config = load_config(path)
-            self._check_tokenizer(Tokenizer(path), hf_config)
-            self.runner = ModelRunner(dataclasses.replace(config, model=str(path)), path, hf_config, progress=False)
+            draft = target.load_draft_model(model)
+            self._check_tokenizer(draft.tokenizer, draft.hf_config)
+            self.runner = draft.runner
         self.kv: KVCacheManager | None = None
         self.mirrors: dict[tuple[str, int], _Mirror] = {}
 
-    def _check_tokenizer(self, tokenizer: Tokenizer, hf_config) -> None:
+    def _check_tokenizer(self, tokenizer, hf_config) -> None:
         target = self.target
         if tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab() or \
                 hf_config.vocab_size != target.hf_config.vocab_size:
@@ -102,7 +97,7 @@ class DraftModelProposer(Proposer):
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.runner.allocate_kv(num_blocks)
-        self.kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), self.runner.block_size, b"")
+        self.kv = self.target.kv_pool(num_blocks, self.runner.block_size)
 
     def kv_blocks_used(self) -> int:
         return self.kv.pool.num_used if self.kv else 0
@@ -151,10 +146,10 @@ class DraftModelProposer(Proposer):
                     index[id(mirror)] = i
             if not batch:
                 break
-            sampled, logits = self.runner.run(batch)
+            logits = self.runner.execute(batch)  # every item runs to its end: one row each, in batch order
             for item in batch:
                 item.seq.num_computed_tokens += item.num_new_tokens
-            order = [index[id(item.seq)] for item in sampled]
+            order = [index[id(item.seq)] for item in batch]
             for row, i in enumerate(order):
                 token, q = self._next_token(seqs[i], logits[row])
                 drafts[i].append(token)

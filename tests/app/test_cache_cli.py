@@ -12,16 +12,10 @@ import pytest
 
 from kvforge.app.cli import main
 from kvforge.core import EngineConfig, LLMEngine, SamplingParams
-from kvforge.core.store import Store
+from kvforge.core.kv.sql_index import SQLKVIndex
 
 TEXT = ("The ferry left the harbour at dawn with the post, three passengers and a crate of oysters, while the "
         "lighthouse keeper wrote the night's weather into a leather notebook and the baker opened the shop.")
-
-
-def _dispose(url: str) -> None:
-    store = Store._open.pop(url, None)
-    if store is not None:
-        store.engine.dispose()  # closes SQLite (the WAL is checkpointed): the files can be copied
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +31,8 @@ def populated(embedded_path, tmp_path_factory) -> tuple[Path, dict[int, str]]:
         while engine.has_unfinished():
             engine.step()
         assert engine.persisted.flush()
-        engine.close()
+        engine.close()  # closes the database it opened (SQLite checkpoints the WAL): the files can be copied
         fingerprints[block_size] = engine.fingerprint.hex()
-    _dispose(url)
     return data, fingerprints
 
 
@@ -48,8 +41,7 @@ def data_dir(populated, tmp_path) -> Path:
     """A private copy of the populated directory (tests change it); its store is the default one in it."""
     copy = tmp_path / "data"
     shutil.copytree(populated[0], copy)
-    yield copy
-    _dispose(f"sqlite:///{copy / 'kvforge.db'}")
+    return copy
 
 
 def cache(capsys, *args: str) -> tuple[int, str, str]:
@@ -65,8 +57,8 @@ def stats_json(capsys, data_dir: Path) -> dict:
 
 
 def index(data_dir: Path) -> dict[str, list]:
-    store = Store.open(f"sqlite:///{data_dir / 'kvforge.db'}")
-    return {fp.hex(): store.kv_entries(fp) for fp in store.kv_totals()}
+    with SQLKVIndex.open(f"sqlite:///{data_dir / 'kvforge.db'}") as kv:
+        return {fp.hex(): kv.entries(fp) for fp in kv.totals()}
 
 
 def kv_files(data_dir: Path, fingerprint: str = "") -> list[Path]:
@@ -141,7 +133,6 @@ def test_explicit_db_url(capsys, data_dir, tmp_path):
     assert code == 0, err
     s = json.loads(out)
     assert s["index_rows"] == s["files_on_disk"] > 0 and s["orphan_files"] == 0
-    _dispose(f"sqlite:///{db}")
 
 
 def test_missing_directory_creates_nothing(capsys, tmp_path):

@@ -18,14 +18,14 @@ import httpx
 import pytest
 from starlette.routing import Mount, Route, WebSocketRoute
 
-from api_checks import assert_openai_error
-from chromium import launch_browser
 from kvforge.app.access import AccessPolicy
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import free_port, serve_in_thread
 from kvforge.core import AsyncEngine
 from kvforge.core.store import Store
-from server_process import ServeProcess
+from tests.helpers.api_checks import assert_openai_error
+from tests.helpers.chromium import launch_browser
+from tests.helpers.server_process import ServeProcess
 
 KEY = "kvforge-test-key-4f1c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -62,7 +62,7 @@ def concrete(path: str) -> str:
 def in_process_app(embedded_llm, tmp_path_factory):
     """The app exactly as `kvforge serve --api-key` builds it (the sessions API and the UI mounted)."""
     engine = AsyncEngine(embedded_llm.engine)
-    store = Store.open(f"sqlite:///{tmp_path_factory.mktemp('routes') / 'kvforge.db'}")
+    store = Store(f"sqlite:///{tmp_path_factory.mktemp('routes') / 'kvforge.db'}")
     app = create_app(engine, "SmolLM2-135M-Instruct", store=store, ui=True,
                      access=AccessPolicy(api_key=KEY, bound_host="0.0.0.0"))
     with serve_in_thread(app) as url:

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from engine_helpers import assert_idle, wait_idle
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
@@ -24,6 +23,7 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.store import Store
+from tests.helpers.engine_helpers import assert_idle, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512  # small, so that a long message cannot fit
@@ -43,14 +43,13 @@ def engine(embedded_path):
 @contextmanager
 def serve(engine: AsyncEngine, db_url: str) -> Iterator[tuple[httpx.Client, object]]:
     """An app on its own store sharing the module's engine, served by uvicorn; a client for it and the app."""
-    store = Store.open(db_url)
+    store = Store(db_url)
     app = create_app(engine, MODEL, store=store, default_max_tokens=DEFAULT_MAX_TOKENS)
     try:
         with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=120) as http:
             yield http, app
     finally:
-        Store._open.pop(db_url, None)
-        store.engine.dispose()
+        store.close()
 
 
 @pytest.fixture()

@@ -23,8 +23,9 @@ import torch
 from kvforge.core import LLM, EngineConfig, SamplingParams
 from kvforge.core.engine import model_fingerprint
 from kvforge.core.kv.blocks import block_hash
+from kvforge.core.kv.index import KVEntry
 from kvforge.core.kv.persist import MAGIC, PersistedKV, checksum
-from kvforge.core.store import KVEntry, Store
+from kvforge.core.kv.sql_index import SQLKVIndex
 
 TEXT = (
     "The harbour town woke slowly that winter. Fishing boats rocked against the stone quay while the "
@@ -120,7 +121,7 @@ def hashes(llm: LLM, prompt: list[int], n: int) -> list[bytes]:
 
 
 def rows(llm: LLM) -> dict[bytes, KVEntry]:
-    return {e.hash: e for e in llm.engine.persisted.store.kv_entries(llm.engine.fingerprint)}
+    return {e.hash: e for e in llm.engine.persisted.index.entries(llm.engine.fingerprint)}
 
 
 def files_on_disk(kv_dir: Path) -> dict[str, int]:
@@ -261,17 +262,17 @@ def test_bad_files_are_dropped_and_recomputed(db_url, make_llm, prompt, expected
 def test_load_failure_drops_the_entry(db_url, tmp_path):
     """At the PersistedKV level (no engine to recompute and save again): a bad file is dropped, from
     the index and the disk, and a good one still loads the exact bytes that were saved."""
-    store = Store(db_url)
+    index = SQLKVIndex.open(db_url)
     kv = torch.randn(2, 2, 1, 6, 4, 3)  # [layers, K/V, kv_heads, blocks, block_size, head_dim]
     fp = b"F" * 16
     h1, h2, h3 = block_hash(fp, [1, 2, 3, 4]), block_hash(fp, [5, 6, 7, 8]), block_hash(fp, [9, 9, 9, 9])
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv))
     try:
         persisted.save(h1, fp, [1, 2, 3, 4], 0)
         persisted.save(h2, h1, [5, 6, 7, 8], 1)
         persisted.save(h3, h2, [9, 9, 9, 9], 2)
         assert persisted.flush()
-        entries = {e.hash: e for e in store.kv_entries(fp)}
+        entries = {e.hash: e for e in index.entries(fp)}
         assert set(entries) == {h1, h2, h3} and entries[h2].parent_hash == h1
 
         assert persisted.load(h1, [1, 2, 3, 4], 4)
@@ -285,7 +286,7 @@ def test_load_failure_drops_the_entry(db_url, tmp_path):
         assert not persisted.load(h2, [5, 6, 7, 8], 5)
         assert not persisted.load(h3, [9, 9, 9, 0], 5)  # the file holds other tokens than asked for
         assert persisted.flush()
-        assert set(e.hash for e in store.kv_entries(fp)) == {h1}
+        assert set(e.hash for e in index.entries(fp)) == {h1}
         assert not path.exists() and not (tmp_path / "kv" / entries[h3].file).exists()
         assert not persisted.contains(h2) and persisted.contains(h1)
         stats = persisted.stats()
@@ -294,39 +295,39 @@ def test_load_failure_drops_the_entry(db_url, tmp_path):
         persisted.close()
 
     # A file that holds another block, with a row that vouches for it (checksum and all), is refused.
-    good = store.kv_entries(fp)[0]
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
+    good = index.entries(fp)[0]
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv))
     try:
         persisted.save(h2, h1, [5, 6, 7, 8], 1)
         assert persisted.flush()
-        swapped = next(e for e in store.kv_entries(fp) if e.hash == h2)
+        swapped = next(e for e in index.entries(fp) if e.hash == h2)
         (tmp_path / "kv" / swapped.file).write_bytes((tmp_path / "kv" / good.file).read_bytes())
-        store.kv_add([replace(swapped, nbytes=good.nbytes, checksum=good.checksum)])
+        index.add([replace(swapped, nbytes=good.nbytes, checksum=good.checksum)])
     finally:
         persisted.close()
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv))
     try:
         assert not persisted.load(h2, [5, 6, 7, 8], 5)
         assert persisted.load(h1, [1, 2, 3, 4], 5)
         assert persisted.stats().load_failures == 1
-        assert persisted.flush() and [e.hash for e in store.kv_entries(fp)] == [h1]
+        assert persisted.flush() and [e.hash for e in index.entries(fp)] == [h1]
     finally:
         persisted.close()
-        store.engine.dispose()
+        index.close()
 
 
 def test_a_block_dropped_and_saved_again_in_one_batch_is_kept(db_url, tmp_path):
     """Regression: the writer handled a batch's writes before its drops, so when a bad block's drop
     and its recomputed copy's write were batched together, the fresh file and row were deleted."""
-    store = Store(db_url)
+    index = SQLKVIndex.open(db_url)
     kv = torch.randn(2, 2, 1, 6, 4, 3)
     fp = b"G" * 16
     h1, h2 = block_hash(fp, [1, 2, 3, 4]), block_hash(fp, [5, 6, 7, 8])
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv))
     try:
         persisted.save(h1, fp, [1, 2, 3, 4], 0)
         assert persisted.flush()
-        path = tmp_path / "kv" / store.kv_entries(fp)[0].file
+        path = tmp_path / "kv" / index.entries(fp)[0].file
         path.write_bytes(path.read_bytes()[:-1])
         with database_write_lock(db_url):
             persisted.save(h2, h1, [5, 6, 7, 8], 1)  # the writer takes it and waits on the database...
@@ -335,11 +336,11 @@ def test_a_block_dropped_and_saved_again_in_one_batch_is_kept(db_url, tmp_path):
             assert not persisted.load(h1, [1, 2, 3, 4], 3)  # ...while the drop of h1...
             persisted.save(h1, fp, [1, 2, 3, 4], 0)  # ...and its recomputed copy queue up together
         assert persisted.flush()
-        assert persisted.contains(h1) and {e.hash for e in store.kv_entries(fp)} == {h1, h2}
+        assert persisted.contains(h1) and {e.hash for e in index.entries(fp)} == {h1, h2}
         assert persisted.load(h1, [1, 2, 3, 4], 4) and torch.equal(kv[:, :, :, 4], kv[:, :, :, 0])
     finally:
         persisted.close()
-        store.engine.dispose()
+        index.close()
 
 
 # --- fingerprint -----------------------------------------------------------------------------------
@@ -379,7 +380,7 @@ def test_blocks_of_another_config_are_never_used(make_llm, prompt, expected):
             assert [out.token_ids] == expected([p], SHORT), config
         assert other.engine.persisted.flush() and other.engine.persisted.stats().written_blocks > 0
         other.engine.close()
-    assert set(a.engine.persisted.store.kv_totals()) == seen
+    assert set(a.engine.persisted.index.totals()) == seen
 
     a.engine.block_pool.reset_cache()  # the original config still finds its blocks on disk
     out = a.generate([p], SHORT)[0]
@@ -419,7 +420,7 @@ def test_disk_budget_evicts_least_recently_used(db_url, make_llm, prompt, expect
     assert [o.token_ids for o in llm.generate(longer, SHORT)] == expected(longer, SHORT)
     assert persisted.flush()
     on_disk = files_on_disk(kv_dir)
-    totals = persisted.store.kv_totals()
+    totals = persisted.index.totals()
     assert 0 < sum(on_disk.values()) <= budget
     assert sum(nbytes for _, nbytes in totals.values()) == sum(on_disk.values())
     assert totals[llm.engine.fingerprint][0] == len(on_disk) <= 4
@@ -432,31 +433,32 @@ def test_disk_budget_evicts_least_recently_used(db_url, make_llm, prompt, expect
 def test_eviction_takes_a_chain_tail_first_and_never_leaves_unreachable_blocks(db_url, tmp_path):
     """Blocks used together are evicted deepest first, so what stays is a usable prefix; and a block
     whose parent is evicted goes with it (nothing could ever reach it again)."""
-    store = Store(db_url)
+    index = SQLKVIndex.open(db_url)
     kv = torch.randn(2, 2, 1, 6, 4, 3)
     fp = b"E" * 16
     h1 = block_hash(fp, [1, 2, 3, 4])
     h2 = block_hash(h1, [5, 6, 7, 8])
     h3 = block_hash(h2, [9, 10, 11, 12])
     h4 = block_hash(fp, [7, 7, 7, 7])
-    probe = PersistedKV(store, tmp_path / "probe", b"P" * 16, Pool(kv))
+    probe = PersistedKV(index, tmp_path / "probe", b"P" * 16, Pool(kv))
     probe.save(block_hash(b"P" * 16, [1, 2, 3, 4]), b"P" * 16, [1, 2, 3, 4], 0)
     probe.close()
-    file_bytes = store.kv_entries(b"P" * 16)[0].nbytes  # every test block has the same size
-    store.kv_clear()
+    file_bytes = index.entries(b"P" * 16)[0].nbytes  # every test block has the same size
+    index.clear()
 
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv), budget_bytes=2 * file_bytes)
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv), budget_bytes=2 * file_bytes)
     try:
+        when = time.time()  # one time for the chain, as the engine passes: a busy machine cannot reorder it
         for depth, (digest, parent, tokens) in enumerate([(h1, fp, [1, 2, 3, 4]), (h2, h1, [5, 6, 7, 8]),
                                                           (h3, h2, [9, 10, 11, 12])]):
-            persisted.save(digest, parent, tokens, depth, depth)
+            persisted.save(digest, parent, tokens, depth, depth, when)
         assert persisted.flush()
-        assert {e.hash for e in store.kv_entries(fp)} == {h1, h2}  # the tail went, the prefix stays
+        assert {e.hash for e in index.entries(fp)} == {h1, h2}  # the tail went, the prefix stays
 
-        store.kv_set_access({h1: 1.0})  # the head is now the least recently used
+        index.set_access({h1: 1.0})  # the head is now the least recently used
         persisted.save(h4, fp, [7, 7, 7, 7], 3)
         assert persisted.flush()
-        assert {e.hash for e in store.kv_entries(fp)} == {h4}  # h1 evicted, and h2 with it
+        assert {e.hash for e in index.entries(fp)} == {h4}  # h1 evicted, and h2 with it
         assert not persisted.contains(h2) and persisted.stats().evicted_blocks == 3
         assert sorted(p.name for p in (tmp_path / "kv").rglob("*.kv")) == [f"{h4.hex()}.kv"]
     finally:
@@ -528,14 +530,14 @@ def test_preemption_and_parallel_samples_with_persistence(make_llm, prompt, expe
 # --- orphans -------------------------------------------------------------------------------------------
 
 def test_orphans_are_swept_when_opened(db_url, tmp_path):
-    store = Store(db_url)
+    index = SQLKVIndex.open(db_url)
     kv = torch.randn(2, 2, 1, 4, 4, 3)
     fp, other_fp = b"S" * 16, b"T" * 16
     h1 = block_hash(fp, [1, 2, 3, 4])
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv))
     persisted.save(h1, fp, [1, 2, 3, 4], 0)
     persisted.close()
-    kept = tmp_path / "kv" / store.kv_entries(fp)[0].file
+    kept = tmp_path / "kv" / index.entries(fp)[0].file
     model_dir = tmp_path / "kv" / fp.hex()
     stray = model_dir / "ab" / f"{'ab' * 16}.kv"  # a file the index does not name
     temp = kept.with_name(f"{kept.name}.4242.tmp")  # a write cut short before its rename
@@ -549,7 +551,7 @@ def test_orphans_are_swept_when_opened(db_url, tmp_path):
             os.utime(path, (old, old))
     (model_dir / "ef" / "a-directory").mkdir(parents=True)  # never fails the start
 
-    persisted = PersistedKV(store, tmp_path / "kv", fp, Pool(kv))
+    persisted = PersistedKV(index, tmp_path / "kv", fp, Pool(kv))
     try:
         assert not stray.exists() and not temp.exists()
         assert kept.exists() and foreign.exists() and fresh.exists()
@@ -557,4 +559,4 @@ def test_orphans_are_swept_when_opened(db_url, tmp_path):
         assert persisted.load(h1, [1, 2, 3, 4], 3) and torch.equal(kv[:, :, :, 3], kv[:, :, :, 0])
     finally:
         persisted.close()
-        store.engine.dispose()
+        index.close()

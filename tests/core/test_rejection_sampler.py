@@ -1,4 +1,4 @@
-"""The verifier (`sampler.verify`): whatever the drafts, the tokens it returns follow the target's
+"""The verifier (`sampler.sample_tokens`): whatever the drafts, the tokens it returns follow the target's
 distribution. Small vocabulary, 1e5 verifications in one batch, chi-square and total-variation bounds."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.core.sampler import SamplingBatch, verify
+from kvforge.core.sampler import SamplingBatch, sample_tokens
 from kvforge.core.sampling import SamplingParams
 
 VOCAB = 8
@@ -45,7 +45,8 @@ def run_verify(target_logits: torch.Tensor, drafts: list[list[int]], draft_probs
     params = params or SamplingParams(temperature=1.0)
     logits = torch.cat([target_logits[:len(d) + 1] for d in drafts])
     generators = [torch.Generator().manual_seed(i) for i in range(n)]
-    return verify(logits, SamplingBatch([params] * n, generators, [[0]] * n, [[]] * n, set(), drafts, draft_probs))
+    batch = SamplingBatch([params] * n, generators, [[0]] * n, [[]] * n, set(), drafts, draft_probs)
+    return sample_tokens(logits, batch)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -96,7 +97,7 @@ def test_greedy_accepts_the_argmax_prefix():
     greedy = SamplingParams(temperature=0)
     batch = SamplingBatch([greedy] * 2, [None, None], [[0], [0]], [[], []], set(), [[1, 0], []], None)
     rows = torch.cat([logits[:3], logits[3:]])
-    out = verify(rows.clone(), batch)
+    out = sample_tokens(rows.clone(), batch)
     assert out.token_ids == [[1, 0, 2], [0]]  # both drafts accepted + bonus; a sequence without drafts
     batch.drafts = [[1, 2], []]
-    assert verify(rows.clone(), batch).token_ids == [[1, 0], [0]]  # the second draft rejected: the argmax
+    assert sample_tokens(rows.clone(), batch).token_ids == [[1, 0], [0]]  # the second draft rejected: the argmax

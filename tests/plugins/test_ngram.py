@@ -46,22 +46,25 @@ def make_decoding(n: int, max_tokens: int = 100) -> list[Sequence]:
     return seqs
 
 
+def drafts_of(spec: Speculator, seqs: list[Sequence]) -> dict[tuple[str, int], list[int]]:
+    """The drafts the speculator proposes for each sequence this step (none: no entry)."""
+    return {seq.key: proposal.token_ids for seq, proposal in spec.propose(seqs)}
+
+
 def test_ngram_shrinks_k_but_never_pauses():
     spec = Speculator("ngram", {"k": 5}, NO_TARGET)
     seq = make_decoding(1)[0]
     for _ in range(30):
         spec.record(seq, seq.spec_k or 5, 0)
     assert seq.spec_k == 1 and not seq.spec_paused_until
-    spec.propose([seq])
-    assert len(seq.spec_token_ids) == 1
+    assert len(drafts_of(spec, [seq])[seq.key]) == 1
 
 
 def test_adaptive_k_follows_acceptance_and_pauses():
     spec = Speculator("ngram", {"k": 5}, NO_TARGET)
     spec.proposer.drafting_runs_a_model = True  # as a model drafter: low acceptance pauses drafting
     seq = make_decoding(1)[0]
-    spec.propose([seq])
-    assert seq.spec_token_ids == [1, 2, 3]  # "1 2 3" occurred at the start: what followed it
+    assert drafts_of(spec, [seq])[seq.key] == [1, 2, 3]  # "1 2 3" occurred at the start: what followed it
     assert seq.spec_k == 5
     spec.record(seq, 4, 1)
     assert seq.spec_k == 5  # one mostly rejected step: the moving rate is still high
@@ -72,12 +75,10 @@ def test_adaptive_k_follows_acceptance_and_pauses():
         assert len(ks) < 20
     assert ks[0] == 5 and min(ks[:-1]) < 5 and ks == sorted(ks, reverse=True)
     assert seq.spec_paused_until == len(seq.output_token_ids) + PAUSE_TOKENS
-    spec.propose([seq])
-    assert seq.spec_token_ids == []
+    assert seq.key not in drafts_of(spec, [seq])
     seq.output_token_ids += [1, 2, 3] * PAUSE_TOKENS  # generated past the pause: drafting resumes, k below max
     seq.num_computed_tokens = seq.num_tokens - 1
-    spec.propose([seq])
-    assert 0 < len(seq.spec_token_ids) < 5
+    assert 0 < len(drafts_of(spec, [seq])[seq.key]) < 5
     for _ in range(5):
         spec.record(seq, seq.spec_k, seq.spec_k)
     assert seq.spec_k == 5  # fully accepted again: back to the maximum
@@ -87,13 +88,10 @@ def test_adaptive_k_follows_acceptance_and_pauses():
 def test_drafts_stop_short_of_max_tokens_and_large_batches():
     spec = Speculator("ngram", {"k": 4, "max_batch_size": 2}, NO_TARGET)
     near_end = make_decoding(1, max_tokens=3)[0]  # 1 generated, 2 to go: one draft + one token of its own
-    spec.propose([near_end])
-    assert len(near_end.spec_token_ids) == 1
+    assert len(drafts_of(spec, [near_end])[near_end.key]) == 1
     batch = make_decoding(3)
-    spec.propose(batch)
-    assert all(not s.spec_token_ids for s in batch)  # 3 decoding sequences > max_batch_size 2
-    spec.propose(batch[:2])
-    assert all(s.spec_token_ids for s in batch[:2])
+    assert not drafts_of(spec, batch)  # 3 decoding sequences > max_batch_size 2
+    assert len(drafts_of(spec, batch[:2])) == 2
 
 
 def test_non_adaptive_k_stays():
@@ -102,8 +100,7 @@ def test_non_adaptive_k_stays():
     spec.propose([seq])
     for _ in range(10):
         spec.record(seq, 3, 0)
-    spec.propose([seq])
-    assert len(seq.spec_token_ids) == 3
+    assert len(drafts_of(spec, [seq])[seq.key]) == 3
 
 
 def test_options_errors_name_the_option():

@@ -1,0 +1,43 @@
+"""The runner interface the engine drives: one rank's `ModelRunner` and the tensor-parallel
+`ParallelRunner` both implement it, so the engine never knows which one it holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kvforge.core.runner import StepInputs
+    from kvforge.core.scheduler import ScheduledSeq
+
+
+class Runner(Protocol):
+    device: torch.device
+    kernels: str  # the attention / norm kernels: "triton" | "torch"
+    block_size: int
+    kv_bytes_per_block: int  # one KV block of every layer, on this process's rank
+    kv_block_shape: tuple[int, ...]  # one block of every layer with all KV heads (the persisted tier's unit)
+    kv_dtype: torch.dtype
+    cuda_graph_safe: bool
+    graphs: object | None  # the captured decode graphs, once enabled
+    failure: str | None  # why the runner can no longer run (a tensor-parallel rank died), or None
+    on_failure: Callable[[], None] | None  # called (from any thread) when it fails while idle
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def kv_cache_bytes(self) -> int: ...
+    def weight_bytes(self) -> int: ...
+    def allocate_kv(self, num_blocks: int) -> None: ...
+    def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None: ...
+    def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs: ...
+    def forward(self, inputs: StepInputs) -> torch.Tensor: ...
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor: ...
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+    def read_block(self, block: int) -> torch.Tensor: ...
+    def write_block(self, block: int, data: torch.Tensor) -> None: ...
+    def close(self) -> None: ...
