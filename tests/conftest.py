@@ -9,11 +9,12 @@ import tempfile
 import pytest
 import torch
 
+from tests.helpers.optional_parts import require
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # conversations and persisted KV of servers started by tests never land in the user's data dir
 os.environ.setdefault("KVFORGE_DATA_DIR", tempfile.mkdtemp(prefix="kvforge-test-data-"))
-from optional_parts import REQUIRE_ALL, require  # noqa: E402,F401 - re-exported for the test modules
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +32,16 @@ def embedded_llm(embedded_path):
     from kvforge.core import LLM
 
     return LLM(str(embedded_path), progress=False, kv_cache_bytes=256 << 20)
+
+
+@pytest.fixture(autouse=True)
+def clean_embedded_llm(request):
+    """The embedded engine is shared by the session: a failing test must not leave requests behind in it."""
+    yield
+    if "embedded_llm" in request.fixturenames:
+        engine = request.getfixturevalue("embedded_llm").engine
+        for request_id in list(engine._requests):
+            engine.abort(request_id)
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +74,6 @@ def _postgres_database():
     try:
         yield sa.engine.make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
     finally:
-        from kvforge.core.store import Store
-
-        for url, store in list(Store._open.items()):
-            if name in url:
-                store.engine.dispose()
-                del Store._open[url]
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()

@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 
-from api_checks import assert_openai_error
-from server_process import ServeProcess
+from tests.helpers.api_checks import assert_openai_error
+from tests.helpers.server_process import ServeProcess
 
 REQUEST_TIMEOUT_S = 8
 LONG = {"messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}],

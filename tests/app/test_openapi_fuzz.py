@@ -37,8 +37,8 @@ from schemathesis.core import NotSet  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
-from api_checks import assert_openai_error, lax_number  # noqa: E402
-from server_process import ServeProcess  # noqa: E402
+from tests.helpers.api_checks import assert_openai_error, lax_number  # noqa: E402
+from tests.helpers.server_process import ServeProcess  # noqa: E402
 
 API_KEY = "fuzz-key-789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api_checks import assert_openai_error
-from chromium import launch_browser
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.app.protocol import MAX_MESSAGES, MAX_SYSTEM_PROMPT_CHARS
 from kvforge.core.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from kvforge.core.tokenizer import Tokenizer
-from server_process import ServeProcess
+from tests.helpers.api_checks import assert_openai_error
+from tests.helpers.chromium import launch_browser
+from tests.helpers.server_process import ServeProcess
 
 REBINDING_NAME = "rebind.attacker.example"
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from kvforge.core import LLM, SamplingParams
-from server_process import ServeProcess
+from tests.helpers.server_process import ServeProcess
 
 QUESTION = "Name three primary colors."
 MAX_TOKENS = 24

@@ -7,10 +7,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine_helpers import wait_idle
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
+from tests.helpers.engine_helpers import wait_idle
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 MODEL = "SmolLM2-135M-Instruct"

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api_checks import assert_openai_error, lax_number
-from engine_helpers import wait_idle
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
+from tests.helpers.api_checks import assert_openai_error, lax_number
+from tests.helpers.engine_helpers import wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "robust-key-456"

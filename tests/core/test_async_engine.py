@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from engine_helpers import async_idle
 from kvforge.core import AsyncEngine, RequestRejected, SamplingParams
+from tests.helpers.engine_helpers import async_idle
 
 PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Paris is the capital of", "Once upon a time"]
 

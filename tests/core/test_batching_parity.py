@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvforge.core import LLM, SamplingParams
-from parity import compare, hf_greedy
+from tests.helpers.parity import compare, hf_greedy
 
 NEW_TOKENS = 24
 SYSTEM = ("You are a meticulous assistant for a small engineering team. Answer in plain English, keep "

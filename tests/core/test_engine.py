@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import assert_idle, clean_engine, drain  # noqa: F401 - clean_engine is an autouse fixture
 from kvforge.core import LLM, RequestRejected, SamplingParams
+from tests.helpers.engine_helpers import assert_idle, drain
 
 STORY = "Once upon a time"
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]

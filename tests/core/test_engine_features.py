@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_idle, clean_engine, drain  # noqa: F401 - clean_engine is an autouse fixture
 from kvforge.core import LLM, SamplingParams
+from tests.helpers.engine_helpers import assert_idle, drain
 
 COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from optional_parts import require
+from tests.helpers.optional_parts import require
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_CUDA = torch.cuda.is_available()
@@ -190,13 +190,13 @@ def builds() -> dict:
     workers = max(1, min(4, os.cpu_count() or 1))
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     ids = [case[0] for case in CASES]
-    tests_dir = str(Path(__file__).resolve().parents[1])
+    repo_root = str(Path(__file__).resolve().parents[2])  # where `tests` imports from
     results, failures = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for i in range(workers):
             out = os.path.join(tmp, f"worker{i}.json")
-            cmd = [sys.executable, "-c", _WORKER, tests_dir, str(Path(__file__).resolve()), out, *ids[i::workers]]
+            cmd = [sys.executable, "-c", _WORKER, repo_root, str(Path(__file__).resolve()), out, *ids[i::workers]]
             procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 text=True)))
         for out, proc in procs:

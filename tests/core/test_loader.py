@@ -11,7 +11,7 @@ import torch
 
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.loader import ModelNotFoundError, convert_gguf, embedded_gguf_path, resolve_model
-from parity import compare, hf_greedy
+from tests.helpers.parity import compare, hf_greedy
 
 NEW_TOKENS = 8
 VOCAB = 49152

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvforge.core import SamplingParams
-from parity import compare, hf_greedy
+from tests.helpers.parity import compare, hf_greedy
 
 LONG = " ".join(
     f"Section {i}: the committee reviewed the budget, the schedule and the staffing plan, and asked for "

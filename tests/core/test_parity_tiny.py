@@ -4,10 +4,10 @@ from a config inside the test: block sizes 16 and 1, prompts whole or fed as sev
 from __future__ import annotations
 
 import pytest
-from tiny_models import random_prompts, save_tiny_model
 
 from kvforge.core import LLM, SamplingParams
-from parity import compare, hf_greedy
+from tests.helpers.parity import compare, hf_greedy
+from tests.helpers.tiny_models import random_prompts, save_tiny_model
 
 NEW_TOKENS = 24
 

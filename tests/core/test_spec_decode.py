@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import clean_engine, drain  # noqa: F401 - autouse fixture
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.plugins import DraftTarget, Proposer
+from tests.helpers.engine_helpers import drain
 
 SYSTEM = "You are a careful assistant. When asked to repeat or fix a text, copy it exactly except for the fix."
 TASKS = [

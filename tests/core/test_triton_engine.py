@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import random_prompts, save_tiny_model
 
 from kvforge.core import LLM, SamplingParams
-from parity import compare, hf_greedy
+from tests.helpers.parity import compare, hf_greedy
+from tests.helpers.tiny_models import random_prompts, save_tiny_model
 
 NEW_TOKENS = 12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: compiled on a GPU, else interpreted

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_process import ServeProcess
+from tests.helpers.server_process import ServeProcess
 
 USER_MESSAGES = [
     "I am planning a vegetable garden on a small balcony that gets about five hours of direct sun in the "

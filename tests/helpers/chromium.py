@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from optional_parts import require
+from tests.helpers.optional_parts import require
 
 CHROMIUM = "/usr/bin/chromium"
 # the resolver rule stops Chromium's own lookups of outside hosts, so only the page's requests go out

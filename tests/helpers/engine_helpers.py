@@ -4,20 +4,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from kvforge.core import LLM
-
-
-@pytest.fixture(autouse=True)
-def clean_engine(request):
-    """A failing test must not leave requests behind for the next one (the engine is shared).
-    Import this fixture into a test module to make it autouse there."""
-    yield
-    if "embedded_llm" in request.fixturenames:
-        engine = request.getfixturevalue("embedded_llm").engine
-        for request_id in list(engine._requests):
-            engine.abort(request_id)
 
 
 def assert_idle(llm: LLM) -> None:

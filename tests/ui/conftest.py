@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chromium import launch_browser
+from tests.helpers.chromium import launch_browser
 
 
 @pytest.fixture(scope="module")

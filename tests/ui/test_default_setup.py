@@ -18,8 +18,8 @@ import pytest
 
 from kvforge.app.settings import ServeSettings
 from kvforge.core.config import CPU_KV_CACHE_BYTES
-from server_process import ServeProcess
-from ui_helpers import apply_and_wait, choose, model_card, send, served_quant, set_slider, wait_reply
+from tests.helpers.server_process import ServeProcess
+from tests.ui.ui_helpers import apply_and_wait, choose, model_card, send, served_quant, set_slider, wait_reply
 
 TIMEOUT_MS = 120_000
 APPLY_TIMEOUT_S = 300  # a deadline for the bnb-int8 load (quantized at load) on a slow shared machine

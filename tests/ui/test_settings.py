@@ -13,13 +13,13 @@ import threading
 import httpx
 import pytest
 
-from chromium import launch_browser
 from kvforge.app.cache import human_bytes
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
-from plugin_packages import build_and_install, toy_int8_site
-from server_process import ServeProcess
-from ui_helpers import apply_and_wait, choose, model_card, served_quant
+from tests.helpers.chromium import launch_browser
+from tests.helpers.plugin_packages import build_and_install, toy_int8_site
+from tests.helpers.server_process import ServeProcess
+from tests.ui.ui_helpers import apply_and_wait, choose, model_card, served_quant
 
 GPU_ONLY_SOURCE = '''
 from kvforge.plugins.quant.dense import DenseMethod

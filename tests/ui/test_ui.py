@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import ServeProcess
-from ui_helpers import chat_messages, last_reply_text, send, set_slider, wait_reply
+from tests.helpers.server_process import ServeProcess
+from tests.ui.ui_helpers import chat_messages, last_reply_text, send, set_slider, wait_reply
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "ui.png"
