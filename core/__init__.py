@@ -2,7 +2,8 @@
 
 from kvforge.core.async_engine import AsyncEngine, RequestStream
 from kvforge.core.config import EngineConfig
-from kvforge.core.engine import LLM, CompletionOutput, LLMEngine
+from kvforge.core.engine import LLMEngine
+from kvforge.core.llm import LLM, CompletionOutput
 from kvforge.core.output import RequestOutput
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected

@@ -1,4 +1,4 @@
-"""LLMEngine (the synchronous step loop) and LLM (the offline API).
+"""LLMEngine: the synchronous step loop (the offline API over it is core/llm.py).
 
 One step: the scheduler plans it, the runner runs the plan and returns the logits of the sequences that
 get tokens, the sampler turns them into tokens (verifying drafts), the scheduler applies them
@@ -13,7 +13,7 @@ import itertools
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,18 +64,6 @@ class RuntimeInfo:
     @property
     def cuda_graphs(self) -> bool:
         return self.cuda_graph_batch_sizes is not None
-
-
-@dataclass
-class CompletionOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    index: int = 0
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -389,53 +377,3 @@ def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) ->
         "tokenizer": tokenizer.fingerprint(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()[:16]
-
-
-class LLM:
-    """Offline API: `LLM().generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str | None = None, progress: bool = True, **config: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **config), progress=progress)
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None):
-        """One CompletionOutput per prompt; a list of n of them for requests with n > 1."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
-        except Exception:
-            for request_id in ids:  # all or nothing: do not leave half a batch queued
-                self.engine.abort(request_id)
-            raise
-        final: dict[tuple[str, int], RequestOutput] = {}
-        logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.delta_logprobs:
-                    logprobs.setdefault((out.request_id, out.index), []).extend(out.delta_logprobs)
-                if out.finished:
-                    final[(out.request_id, out.index)] = out
-        results = []
-        for request_id, p in zip(ids, params_list):
-            samples = [_completion(final[(request_id, i)], logprobs.get((request_id, i)), p) for i in range(p.n)]
-            results.append(samples[0] if p.n == 1 else samples)
-        return results
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | list[SamplingParams] | None = None):
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
-        return self.generate(prompts, params)
-
-
-def _completion(out: RequestOutput, logprobs: list[TokenLogprob] | None, params: SamplingParams) -> CompletionOutput:
-    return CompletionOutput(out.prompt_token_ids, out.token_ids, out.text, out.finish_reason, out.index,
-                            out.num_cached_tokens, (logprobs or []) if params.logprobs is not None else None,
-                            out.metrics or {})
