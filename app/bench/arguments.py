@@ -21,6 +21,17 @@ def checked_model(args: argparse.Namespace, positive: tuple[str, ...]) -> Path:
     return resolve_model(args.model)
 
 
+def add_model_options(parser: argparse.ArgumentParser, model_help: str = "the model (default: the embedded one)",
+                      dtype: str | None = None, dtype_help: str = "model dtype") -> None:
+    """--model and --dtype, as every bench takes them; the dtype's default is the engine's unless the bench
+    measures another one."""
+    from kvforge.core.config import engine_default
+
+    default = dtype or engine_default("dtype")
+    parser.add_argument("--model", default=None, help=model_help)
+    parser.add_argument("--dtype", default=default, help=f"{dtype_help} (default: {default})")
+
+
 def int_list(text: str, option: str, what: str = "integers") -> list[int]:
     """--option's comma-separated integers, each >= 1 (`what` names them in the errors)."""
     try:

@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvforge.app.bench.arguments import as_command, checked_model
+from kvforge.app.bench.arguments import add_model_options, as_command, checked_model
 from kvforge.app.bench.report import emit
 from kvforge.app.bench.runs import bench_engine, warm_up
 from kvforge.app.bench.workloads import user_messages
@@ -222,8 +222,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     """Register `chat` on the `kvforge bench` subcommands."""
     chat = bench_sub.add_parser(
         "chat", help="TTFT per turn of a multi-turn chat: no prefix cache, in-memory cache, persisted after a restart")
-    chat.add_argument("--model", default=None)
-    chat.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
+    add_model_options(chat, dtype_help="float32 | bfloat16 | float16")
     chat.add_argument("--turns", type=int, default=10, help="turns of the conversation (default: 10)")
     chat.add_argument("--user-tokens", type=int, default=100, help="tokens per user message (default: ~100)")
     chat.add_argument("--reply-tokens", type=int, default=48, help="greedy reply length cap (default: 48)")

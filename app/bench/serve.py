@@ -12,7 +12,7 @@ import json
 import time
 from contextlib import contextmanager
 
-from kvforge.app.bench.arguments import as_command, checked_model, int_list
+from kvforge.app.bench.arguments import add_model_options, as_command, checked_model, int_list
 from kvforge.app.bench.report import emit, ms, p50_p99
 from kvforge.app.bench.runs import bench_engine
 from kvforge.app.bench.workloads import chat_messages
@@ -134,8 +134,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
 def add_parser(bench_sub) -> argparse.ArgumentParser:
     """Register `serve` on the `kvforge bench` subcommands."""
     serve = bench_sub.add_parser("serve", help="requests/s, tok/s, TTFT and TPOT of concurrent streaming HTTP clients")
-    serve.add_argument("--model", default=None)
-    serve.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: float32)")
+    add_model_options(serve, dtype_help="float32 | bfloat16 | float16")
     serve.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts (default: 1,4,16,64)")
     serve.add_argument("--requests-per-client", type=int, default=2, help="chat requests each client sends in turn")
     serve.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvforge.app.bench.arguments import checked_model, use_threads
+from kvforge.app.bench.arguments import add_model_options, checked_model, use_threads
 from kvforge.app.bench.runs import SMALL_KV_BYTES
 from kvforge.app.bench.workloads import spec_prompts
 
@@ -249,8 +249,7 @@ def _print_row(row: SpecRow, first: bool, width: int = 22) -> None:
 def add_parser(bench_sub) -> None:
     spec = bench_sub.add_parser("spec", help="batch-1 decode tok/s with and without speculative decoding, "
                                              "on input-grounded and open-chat prompts")
-    spec.add_argument("--model", default=None, help="the target model (default: the embedded one)")
-    spec.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    add_model_options(spec, model_help="the target model (default: the embedded one)")
     spec.add_argument("--config", action="append", default=None, metavar="SPEC",
                       help='a speculative configuration, "PLUGIN [OPTION=VALUE ...]" (e.g. "ngram k=8 min_n=1", '
                            '"draft layers=10"); repeatable. Default: ngram, ngram k=4, draft layers=<a third of '

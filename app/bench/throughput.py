@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvforge.app.bench.arguments import as_command, checked_model, rank_threads, use_threads
+from kvforge.app.bench.arguments import add_model_options, as_command, checked_model, rank_threads, use_threads
 from kvforge.app.bench.references import hf_generate, load_hf
 from kvforge.app.bench.report import emit, ms, p50_p99
 from kvforge.app.bench.runs import bench_engine, warm_up
@@ -167,8 +167,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
 
     throughput = bench_sub.add_parser(
         "throughput", help="output tok/s of many chat requests at once, against HF sequential and static batches")
-    throughput.add_argument("--model", default=None)
-    throughput.add_argument("--dtype", default="float32", help="kvforge and HF dtype (default: float32)")
+    add_model_options(throughput, dtype_help="kvforge and HF dtype")
     throughput.add_argument("--no-prefix-caching", action="store_true",
                             help="kvforge: no reuse of the shared system prompt's KV")
     throughput.add_argument("--num-requests", type=int, default=64, help="chat requests, submitted at once")
