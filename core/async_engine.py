@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine, RequestsFailed
 from kvforge.core.metrics import EngineStats
 from kvforge.core.output import RequestOutput
@@ -127,6 +128,11 @@ class AsyncEngine:
         """Abort every request in flight (graceful shutdown): each stream still gets its final output."""
         for request_id in list(self._streams):
             self.abort(request_id)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration the engine was built with."""
+        return self.engine.config
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe to read from any thread), with the persisted

@@ -21,7 +21,7 @@ import pandas as pd
 
 from kvforge.app.cache import human_bytes
 from kvforge.core.metrics import gpu_memory
-from kvforge.ui.service import UIService, engine_config
+from kvforge.ui.service import UIService
 
 
 def process_rss_bytes() -> int:
@@ -75,7 +75,7 @@ class DashboardSampler:
         stats, config = {}, {}
         if engine is not None:
             stats = engine.stats().as_dict()
-            core = engine_config(engine)
+            core = engine.config
             config = {"dtype": core.dtype, "quant": core.quant, "quant_options": core.quant_options,
                       "decoding": core.decoding or "none", "decoding_options": core.decoding_options,
                       "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching,

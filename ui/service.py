@@ -18,14 +18,7 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, resolve_model
 
 if TYPE_CHECKING:
-    from kvforge.core.async_engine import AsyncEngine
     from kvforge.ui.dashboard import DashboardSampler, Sample
-
-
-def engine_config(engine: AsyncEngine) -> EngineConfig:
-    """The configuration the engine was built with."""
-    # AsyncEngine has no accessor for it yet: this is the UI's one read through AsyncEngine.engine
-    return engine.engine.config
 
 
 class UIService:
@@ -107,7 +100,7 @@ class UIService:
     def running_config(self) -> EngineConfig | None:
         """The configuration the running engine was built with (None: no model loaded)."""
         engine = self._host.engine
-        return engine_config(engine) if engine is not None else None
+        return engine.config if engine is not None else None
 
     def kv_pool_bytes(self) -> int | None:
         """The running engine's KV pool size (None: no model loaded)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.app.cache import human_bytes
 from kvforge.app.models import ModelSpec
+from kvforge.core.config import DTYPE_NAMES
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
 from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover, resolve_quant
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 KV_BUDGET_INFO = ("Empty: the server's --kv-cache-gb, or without one automatic: 1 GiB on CPU; on a GPU, what "
                   "--gpu-memory-utilization leaves after the weights.")
-DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def memory_estimate_markdown(service: UIService, model: str, dtype: str, context_tokens: float, quant: str = "none",
@@ -168,7 +168,8 @@ class SettingsHandlers:
         quants = sorted(discover(QUANT_GROUP).plugins)
         decodings = ["none"] + sorted(discover(DECODING_GROUP).plugins)
         return (gr.update(choices=self.service.available_models(), value=self.service.model_choice()),
-                core.dtype if core else "float32", gr.update(choices=quants, value=core.quant if core else "none"),
+                core.dtype if core else ModelSpec.dtype,
+                gr.update(choices=quants, value=core.quant if core else "none"),
                 json.dumps(core.quant_options if core else {}),
                 gr.update(choices=decodings, value=core.decoding if core else "none"),
                 json.dumps(core.decoding_options if core else {}), kv_budget_update(self.service),
@@ -266,7 +267,7 @@ def settings_panel() -> SettingsPanel:
 
     with gr.Accordion("Model settings", open=False, elem_id="settings"):
         model = gr.Dropdown(label="Model", elem_id="settings-model")
-        dtype = gr.Radio(DTYPES, label="dtype", elem_id="settings-dtype")
+        dtype = gr.Radio(list(DTYPE_NAMES), label="dtype", elem_id="settings-dtype")
         quant, quant_help, quant_options = plugin_choice("quant", "Quantization plugin",
                                                          "Quantization options (JSON)", QUANT_GROUP)
         decoding, decoding_help, decoding_options = plugin_choice("decoding", "Decoding plugin (speculative)",
