@@ -26,7 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvforge.core.models.registry import model_class_for
-from kvforge.core.plugins import QuantMethod
+from kvforge.core.quant_config import QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def load_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
-def build_model(config, dtype: torch.dtype, quant: Callable[[], QuantMethod]) -> nn.Module:
+def build_model(config, dtype: torch.dtype, quant: QuantConfig) -> nn.Module:
     return model_class_for(config)(config, quant, dtype)
 
 

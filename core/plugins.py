@@ -7,6 +7,7 @@ the others still load. The built-in dense method `none` comes through the same g
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -18,11 +19,15 @@ from typing import Any
 
 import torch
 
+from kvforge.core.draft_target import DraftTarget as DraftTarget  # part of the plugin API
+
 log = logging.getLogger(__name__)
 
 QUANT_GROUP = "kvforge.quant"
 DECODING_GROUP = "kvforge.decoding"
 BUILTIN_DISTRIBUTION = "kvforge"
+# A quant option of every method, read by the core (core/quant_config.py): modules that stay dense
+DENSE_MODULES_OPTION = "modules_to_not_convert"
 
 
 class QuantMethod(ABC):
@@ -45,8 +50,17 @@ class QuantMethod(ABC):
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
         """Check `options` against the declared `settings` (unknown names, types, enums, bounds) and fill
-        in defaults. Errors name the option, so the CLI, the admin API and the UI can show them as is."""
-        return validate_settings(cls.name, cls.settings, options)
+        in defaults. Errors name the option, so the CLI, the admin API and the UI can show them as is.
+        `modules_to_not_convert` (module names kept dense) is the core's, not the method's."""
+        options = dict(options)
+        dense_modules = options.pop(DENSE_MODULES_OPTION, None)
+        resolved = validate_settings(cls.name, cls.settings, options)
+        if dense_modules is not None:
+            if not (isinstance(dense_modules, list) and all(isinstance(n, str) and n for n in dense_modules)):
+                raise ValueError(f"option {DENSE_MODULES_OPTION!r} of plugin {cls.name!r} must be a list of module "
+                                 f"names, got {dense_modules!r}")
+            resolved[DENSE_MODULES_OPTION] = dense_modules
+        return resolved
 
     @classmethod
     def bits_per_weight(cls, options: dict[str, Any]) -> float | None:
@@ -87,17 +101,6 @@ class QuantMethod(ABC):
 
 
 @dataclass
-class DraftTarget:
-    """What a proposer may know about the engine it drafts for (the target model and its settings)."""
-
-    config: Any  # EngineConfig
-    hf_config: Any
-    model_path: Path
-    tokenizer: Any  # core.tokenizer.Tokenizer
-    runner: Any  # the target's ModelRunner (its model, device, dtype)
-
-
-@dataclass
 class Proposal:
     """Draft tokens for one sequence; `probs` [tokens, vocab] when the drafter sampled them from a
     distribution (rejection sampling needs it), None when they are deterministic (n-gram, greedy)."""
@@ -108,7 +111,7 @@ class Proposal:
 
 class Proposer(ABC):
     """A speculative-decoding drafter: proposes up to k tokens per sequence; the core verifies them
-    (`sampler.verify`), so every proposer is lossless by construction.
+    (`sampler.sample_tokens`), so every proposer is lossless by construction.
 
     `settings` always holds the core's speculation knobs below; a plugin adds its own with
     `settings = Proposer.settings | {...}`.
@@ -205,12 +208,22 @@ class PluginRegistry:
 
 
 def discover(group: str, override: set[str] | None = None) -> PluginRegistry:
-    """Load every entry point of `group`.
+    """Load every entry point of `group`, once per process (the UI asks on each field change):
+    `refresh_plugins()` rescans, e.g. after a plugin package was installed into a running process.
 
     A name claimed by two distributions is refused for the non-built-in one (built-ins win) unless
     that name is listed in `override`, in which case the third-party plugin replaces the built-in.
     """
-    override = override or set()
+    return _scan(group, frozenset(override or ()))
+
+
+def refresh_plugins() -> None:
+    """Forget what discovery found: the next `discover` scans the entry points again."""
+    _scan.cache_clear()
+
+
+@functools.cache
+def _scan(group: str, override: frozenset[str]) -> PluginRegistry:
     registry = PluginRegistry(group)
     entries = sorted(importlib.metadata.entry_points(group=group),
                      key=lambda ep: _distribution_name(ep) != BUILTIN_DISTRIBUTION)

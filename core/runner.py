@@ -1,6 +1,6 @@
-"""ModelRunner: owns the model and the KV pool; plans a scheduled batch as plain lists (`StepInputs`),
-runs one forward over the flat batch and returns the logits of every sequence whose chunk reached its
-end. Under tensor parallelism rank 0 plans and every rank runs the same StepInputs (core/tp.py)."""
+"""ModelRunner: owns the model and the KV pool; lays a scheduled batch out as plain lists (`StepInputs`),
+runs one forward over the flat batch and returns the logits rows of the sequences that sample, in the
+plan's order. Under tensor parallelism rank 0 lays out and every rank runs the same StepInputs (core/tp.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
-from kvforge.core.plugins import QUANT_GROUP, discover
+from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
+from kvforge.core.quant_config import QuantConfig
 from kvforge.core.scheduler import ScheduledSeq
 
 DECODE_GROUP_SIZE = 8  # decode tokens attended together; similar lengths keep the padding small
@@ -57,20 +58,19 @@ class ModelRunner:
     on_failure = None
 
     def __init__(self, config: EngineConfig, model_path: Path | None, hf_config, progress: bool = True,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, kernels: str = "torch") -> None:
         """Loads the model from `model_path`, or runs a given `model` (a drafter built on the target's
-        own layers); `hf_config` shapes the KV pool. The pool itself comes with `allocate_kv`."""
+        own layers, with the `kernels` they were built with); `hf_config` shapes the KV pool. The pool
+        itself comes with `allocate_kv`."""
         self.config = config
         self.block_size = config.block_size
         self.device = check_device(torch.device(config.device))
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
+        self.cuda_graph_safe = False  # whether the quant method lets CUDA graphs capture decode steps
         if model is None:
-            model = self._load(config, model_path, hf_config, progress)
+            model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress)
         self.model = model.eval()
-        # the kernels its layers were built with (a drafter on the target's own layers: the target's)
-        self.kernels = model.kernels
+        self.kernels = kernels  # the attention / norm kernels its layers were built with
 
         heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size(), tp_rank())
         self.first_kv_head, self.num_kv_heads = heads.kv_first, heads.kv_count
@@ -99,7 +99,8 @@ class ModelRunner:
         self._plane_slots = planes * num_blocks * self.block_size
 
     @staticmethod
-    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool) -> torch.nn.Module:
+    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool) -> tuple[torch.nn.Module, str, bool]:
+        """The loaded model, the kernels its layers use, and whether its quant method is CUDA-graph safe."""
         quant_cls = discover(QUANT_GROUP).get(config.quant)
         if torch.device(config.device).type not in quant_cls.devices:  # refused before anything is loaded
             raise ValueError(f"quant plugin {config.quant!r} runs on {' / '.join(quant_cls.devices)}, "
@@ -107,12 +108,11 @@ class ModelRunner:
         options = quant_cls.validate_options(config.quant_options)
         kernels = resolve_kernels(config.kernels, torch.device(config.device))
         with torch.device(config.device), kernel_backend(kernels):
-            model = build_model(hf_config, config.torch_dtype, lambda: quant_cls(**options))
-        model.kernels = kernels
-        model.cuda_graph_safe = quant_cls.cuda_graph_safe
+            model = build_model(hf_config, config.torch_dtype, QuantConfig.for_checkpoint(
+                quant_cls, options, checkpoint_quantization(hf_config, model_path)))
         load_weights(model, model_path, progress=progress,
                      transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
-        return model
+        return model, kernels, quant_cls.cuda_graph_safe
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -133,11 +133,10 @@ class ModelRunner:
         blocks = torch.tensor(tables, dtype=torch.long).unsqueeze(2)  # [seqs, blocks, 1]
         return (self._plane_blocks + blocks.transpose(1, 2)).view(-1).to(self.device)
 
-    def plan(self, batch: list[ScheduledSeq], all_logits: bool = False) -> tuple[StepInputs, list[ScheduledSeq]]:
-        """Order the batch (decode tokens by context length, then prefill chunks) and lay it out flat.
-        Returns the step's inputs and the items whose chunk reached the end of their sequence (they get
-        a next token): one logits row each, or 1 + drafts rows for a sequence verifying draft tokens (the
-        logits after its last token and after each draft), in item order. `all_logits`: every row's."""
+    def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs:
+        """Order the batch (decode tokens by context length, then prefill chunks) and lay it out flat. The
+        logits rows are those of the items that sample, in batch order: 1 + drafts rows each (the logits
+        after its last token and after each draft). `all_logits`: every row's, in flat order."""
         decodes = sorted((item for item in batch if item.num_new_tokens == 1),
                          key=lambda item: item.seq.num_computed_tokens)
         prefills = [item for item in batch if item.num_new_tokens > 1]
@@ -164,16 +163,18 @@ class ModelRunner:
             inputs.slots.extend(table[p // size] * size + p % size for p in range(start, end))
             row = len(inputs.positions) - item.num_new_tokens
             inputs.prefills.append((row, row + item.num_new_tokens, end, table[: -(-end // size)]))
-        sampled, row = [], 0
+        if all_logits:
+            inputs.logits_rows = list(range(len(inputs.positions)))
+            return inputs
+        last_row, row = {}, 0  # each item's last row in the flat batch
         for item in decodes + prefills:
             row += item.num_new_tokens
-            seq = item.seq
-            if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens + len(seq.spec_token_ids):
-                inputs.logits_rows.extend(range(row - 1 - len(seq.spec_token_ids), row))
-                sampled.append(item)
-        if all_logits:
-            inputs.logits_rows = list(range(row))
-        return inputs, sampled
+            last_row[id(item)] = row
+        for item in batch:
+            if item.samples:
+                end = last_row[id(item)]
+                inputs.logits_rows.extend(range(end - item.num_logits_rows, end))
+        return inputs
 
     def _context(self, inputs: StepInputs) -> StepContext:
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
@@ -220,7 +221,7 @@ class ModelRunner:
 
         if self.kernels != "triton":
             raise ValueError("CUDA graphs need the Triton kernels (kernels='triton')")
-        if not getattr(self.model, "cuda_graph_safe", False):
+        if not self.cuda_graph_safe:
             raise ValueError(f"the {self.config.quant!r} quant method may sync with the host: no CUDA graphs")
         self.graphs = None  # a failed capture leaves the eager path
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_batch, capture)
@@ -241,10 +242,9 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Plan and run one step: the items that get a next token and their logits (see `plan`)."""
-        inputs, sampled = self.plan(batch)
-        return sampled, self.forward(inputs)
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step: the logits rows of the items that sample, in batch order (see `layout`)."""
+        return self.forward(self.layout(batch))
 
     def read_block(self, block: int) -> torch.Tensor:
         """A copy of pool block `block` in every layer: [layers, 2, this rank's KV heads, block_size, head_dim]."""

@@ -38,12 +38,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(ColumnParallelLinear):
-    """Logits over the vocabulary; always dense (quantized checkpoints keep the head unquantized)."""
+    """Logits over the vocabulary; its quant method is the QuantConfig's for `lm_head` (dense: quantized
+    checkpoints keep the head unquantized)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, quant_config=None,
+                 prefix: str = "lm_head") -> None:
         self.vocab_size = vocab_size
         padded = -(-vocab_size // tp_size()) * tp_size()
-        super().__init__(hidden_size, [padded], bias=False, params_dtype=dtype)
+        super().__init__(hidden_size, [padded], bias=False, params_dtype=dtype, quant_config=quant_config,
+                         prefix=prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         missing = self.output_sizes[0] - loaded.shape[0]

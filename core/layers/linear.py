@@ -7,6 +7,9 @@ place of its (possibly fused) parameter. A QuantMethod never sees fusion or tens
 only tags each parameter with the axes the layer needs (`output_dim`, `input_dim`; `packed_dim` and
 `pack_factor` when several values share one stored element). Untagged parameters are dense:
 output features on axis 0, input features on axis 1.
+
+Each layer gets its QuantMethod from the model's QuantConfig by its dotted name (`prefix`), so named
+layers can stay dense; a `quant_method` given directly (a standalone layer, tests) is used as is.
 """
 
 from __future__ import annotations
@@ -17,24 +20,23 @@ from torch import nn
 
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.plugins import QuantMethod
-
-
-def _dense() -> QuantMethod:
-    from kvforge.plugins.quant.dense import DenseMethod
-
-    return DenseMethod()
+from kvforge.core.quant_config import QuantConfig, dense_method
 
 
 class LinearBase(nn.Module):
     """y = x @ W.T + b, with W of shape [sum(out_features_per_shard), in_features] on this rank."""
 
     def __init__(self, in_features: int, out_features_per_shard: list[int], bias: bool,
-                 quant_method: QuantMethod | None, params_dtype: torch.dtype) -> None:
+                 quant_method: QuantMethod | None, params_dtype: torch.dtype,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features_per_shard = out_features_per_shard
         self.out_features = sum(out_features_per_shard)
-        self.quant_method = quant_method or _dense()
+        self.prefix = prefix  # the layer's dotted name in the model
+        if quant_method is None:
+            quant_method = quant_config.method_for(prefix) if quant_config is not None else dense_method()
+        self.quant_method = quant_method
         self.quant_method.create_weights(self, in_features, out_features_per_shard, params_dtype)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=params_dtype), requires_grad=False)
@@ -87,8 +89,9 @@ def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 class ReplicatedLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(in_features, [out_features], bias, quant_method, params_dtype)
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__(in_features, [out_features], bias, quant_method, params_dtype, quant_config, prefix)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         _copy(param, loaded)
@@ -98,13 +101,15 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; shards (e.g. gate and up) each split on their own."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
         for size in output_sizes:
             if size % self.tp_size:
                 raise ValueError(f"output size {size} is not divisible by tensor-parallel size {self.tp_size}")
         self.output_sizes = output_sizes
-        super().__init__(in_features, [s // self.tp_size for s in output_sizes], bias, quant_method, params_dtype)
+        super().__init__(in_features, [s // self.tp_size for s in output_sizes], bias, quant_method, params_dtype,
+                         quant_config, prefix)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         dim = output_dim_of(param)
@@ -133,13 +138,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; query heads and kv heads are split across ranks separately."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32) -> None:
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
         heads = heads_of_rank(num_heads, num_kv_heads, self.tp_size, self.tp_rank)
         self.heads, self.head_dim = heads, head_dim
         self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         LinearBase.__init__(self, hidden_size, [heads.q_count * head_dim, heads.kv_count * head_dim,
-                                                heads.kv_count * head_dim], bias, quant_method, params_dtype)
+                                                heads.kv_count * head_dim], bias, quant_method, params_dtype,
+                            quant_config, prefix)
 
     def _source_start(self, index: int) -> int:
         # this rank's heads (a KV head may be replicated on several ranks)
@@ -156,7 +163,8 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
-                 input_shard: tuple[int, int] | None = None) -> None:
+                 input_shard: tuple[int, int] | None = None, quant_config: QuantConfig | None = None,
+                 prefix: str = "") -> None:
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
         if input_shard is None:
             if in_features % self.tp_size:
@@ -164,7 +172,7 @@ class RowParallelLinear(LinearBase):
             input_shard = (self.tp_rank * in_features // self.tp_size, in_features // self.tp_size)
         self.full_in_features, self.input_first = in_features, input_shard[0]
         self.input_split = self.tp_size > 1  # a quant method may need to know (e.g. GPTQ's group indices)
-        super().__init__(input_shard[1], [out_features], bias, quant_method, params_dtype)
+        super().__init__(input_shard[1], [out_features], bias, quant_method, params_dtype, quant_config, prefix)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         dim = input_dim_of(param)

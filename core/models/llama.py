@@ -2,12 +2,11 @@
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); tied or separate embeddings.
 
 Parameter names follow the HF checkpoints, except that q/k/v and gate/up are fused; the loader
-uses `packed_modules_mapping` to route each checkpoint tensor to its shard.
+uses `packed_modules_mapping` to route each checkpoint tensor to its shard. Each linear layer gets its
+quant method from the QuantConfig by its dotted name (`prefix`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,9 +18,7 @@ from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.norm import RMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, apply_rotary
-from kvforge.core.plugins import QuantMethod
-
-QuantFactory = Callable[[], QuantMethod]
+from kvforge.core.quant_config import QuantConfig
 
 
 def head_dim_of(config) -> int:
@@ -38,18 +35,20 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, quant: QuantFactory, dtype: torch.dtype) -> None:
+    def __init__(self, config, layer_idx: int, quant: QuantConfig, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=attention_bias or config.model_type == "qwen2", quant_method=quant(), params_dtype=dtype)
+            bias=attention_bias or config.model_type == "qwen2", params_dtype=dtype, quant_config=quant,
+            prefix=f"{prefix}.qkv_proj")
         heads = self.qkv_proj.heads  # this rank's query and KV heads
         self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=attention_bias, quant_method=quant(), params_dtype=dtype,
-                                        input_shard=(heads.q_first * self.head_dim, heads.q_count * self.head_dim))
+                                        bias=attention_bias, params_dtype=dtype,
+                                        input_shard=(heads.q_first * self.head_dim, heads.q_count * self.head_dim),
+                                        quant_config=quant, prefix=f"{prefix}.o_proj")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -79,13 +78,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, quant: QuantFactory, dtype: torch.dtype) -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_method=quant(), params_dtype=dtype)
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, params_dtype=dtype, quant_config=quant,
+            prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           quant_method=quant(), params_dtype=dtype)
+                                           params_dtype=dtype, quant_config=quant, prefix=f"{prefix}.down_proj")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {config.hidden_act!r} is not supported (silu only)")
         self.act = SiluAndMul()
@@ -95,10 +95,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, quant: QuantFactory, dtype: torch.dtype) -> None:
+    def __init__(self, config, layer_idx: int, quant: QuantConfig, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, quant, dtype)
-        self.mlp = LlamaMLP(config, quant, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, quant, dtype, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant, dtype, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -114,11 +114,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, quant: QuantFactory, dtype: torch.dtype) -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant, dtype) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, quant, dtype, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -139,11 +139,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, quant: QuantFactory, dtype: torch.dtype) -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
+        quant = quant.with_packed_modules(self.packed_modules_mapping)
         self.model = LlamaModel(config, quant, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:

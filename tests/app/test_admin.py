@@ -109,7 +109,7 @@ def test_unload_then_load_the_embedded_model_again(server):
 def test_quant_swap_with_a_request_in_flight(server, models_dir):
     """The request in flight finishes on the old model; the next one runs on the new quant plugin, and
     /v1/models shows the plugin, its options and the smaller weights."""
-    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+    from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
 
     url, host = server
     write_rtn_checkpoint(models_dir / "tiny-llama", models_dir / "tiny-llama-gptq", method="gptq", sym=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from optional_parts import require
+from tests.helpers.optional_parts import require
 
 METHODS = ("gptq", "awq", "bnb-nf4", "bnb-int8")
 GPTQMODEL_METHODS = ("gptq", "awq")
@@ -303,7 +303,7 @@ def test_missing_gptqmodel_says_which_extra_to_install(method, tmp_path):
 
 
 def test_builtin_calibration_set():
-    from kvforge.app.quantize import calibration_passages
+    from kvforge.app.quantize.calibration import calibration_passages
 
     passages = calibration_passages()
     chats = [p for p in passages if isinstance(p, list)]
@@ -314,7 +314,7 @@ def test_builtin_calibration_set():
 
 
 def test_calibration_samples_are_packed_and_spread(tokenizer):
-    from kvforge.app.quantize import calibration_passages, calibration_samples
+    from kvforge.app.quantize.calibration import calibration_passages, calibration_samples
 
     passages = calibration_passages()
     samples = calibration_samples(tokenizer, passages, 64, 256)
@@ -328,7 +328,7 @@ def test_calibration_samples_are_packed_and_spread(tokenizer):
 
 
 def test_plain_calibration_file_is_one_passage(tmp_path):
-    from kvforge.app.quantize import calibration_passages
+    from kvforge.app.quantize.calibration import calibration_passages
 
     path = tmp_path / "calib.txt"
     path.write_text("Just some text.\n\nAnother paragraph.\n")
@@ -342,7 +342,7 @@ def test_kvforge_and_hf_transformers_run_the_same_checkpoint(method, build, toke
     two compute in different precisions: kvforge's CPU int4 / int8 kernels in bf16, HF in its own)."""
     from transformers import AutoModelForCausalLM
 
-    from kvforge.core.engine import LLM
+    from kvforge.core import LLM
     from kvforge.core.sampling import SamplingParams
 
     out, _ = build(method)

@@ -179,7 +179,7 @@ def test_persisted_kv_written_by_tp2_is_loaded_by_a_restarted_tp2_engine(embedde
 @pytest.fixture(scope="module")
 def quantized(embedded_path, tmp_path_factory):
     """Round-to-nearest GPTQ / AWQ checkpoints of the embedded model (its o_proj splits 384 + 192 inputs)."""
-    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+    from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
 
     made = {}
 
@@ -237,7 +237,7 @@ def test_group_size_that_a_rank_split_cannot_align_with_is_refused(tmp_path_fact
     """down_proj's 192 inputs quantized in groups of 64 split into 96 per rank: not whole groups."""
     from transformers import LlamaConfig
 
-    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+    from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
 
     config = LlamaConfig(hidden_size=128, intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)

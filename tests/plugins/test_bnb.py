@@ -28,16 +28,11 @@ from kvforge.core import LLM, SamplingParams
 from kvforge.core.layers.linear import LinearBase, MergedColumnParallelLinear, ReplicatedLinear
 from kvforge.core.loader import build_model, iterate_tensors, load_config, load_weights
 from kvforge.core.plugins import get_quant_method, resolve_quant
-from kvforge.plugins.quant.bnb import (
-    INT8PACK_MAX_ROWS,
-    BnbInt8Method,
-    BnbNf4Method,
-    dequantize_4bit,
-    dequantize_checkpoint,
-    dequantize_int8,
-    quantize_4bit,
-    quantize_int8,
-)
+from kvforge.core.quant_config import QuantConfig
+from kvforge.plugins.quant.bnb_checkpoint import dequantize_checkpoint
+from kvforge.plugins.quant.bnb_common import dequantize_4bit, dequantize_int8
+from kvforge.plugins.quant.bnb_int8 import INT8PACK_MAX_ROWS, BnbInt8Method, quantize_int8
+from kvforge.plugins.quant.bnb_nf4 import BnbNf4Method, quantize_4bit
 
 K, N = 128, 96
 CASES = [
@@ -326,7 +321,7 @@ def test_loader_fuses_a_bnb_checkpoint_into_the_stored_codes(fmt, bnb_checkpoint
     name, options = resolve_quant("none", {"compute_dtype": "float32"}, config, path)
     cls = BnbInt8Method if fmt == "int8" else BnbNf4Method
     assert name == cls.name
-    model = build_model(config, torch.float32, lambda: cls(**options))
+    model = build_model(config, torch.float32, QuantConfig(cls, options))
     load_weights(model, path, progress=False, transform=lambda t: cls.checkpoint_tensors(t, options))
     stored = _stored(path)
     for i, layer in enumerate(model.model.layers):

@@ -31,8 +31,8 @@ from kvforge.plugins.quant.awq import AwqMethod
 from kvforge.plugins.quant.cpu_kernels import int4pack_available
 from kvforge.plugins.quant.gptq import GptqMethod
 from kvforge.plugins.quant.packing import Quantized, pack_awq, pack_gptq, quantize_rtn, unpack_awq, unpack_gptq
-from optional_parts import require
-from parity import compare, hf_greedy
+from tests.helpers.optional_parts import require
+from tests.helpers.parity import compare, hf_greedy
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_CUDA = torch.cuda.is_available()
@@ -552,7 +552,7 @@ def _dequantized_hf_model(model, out, method: str, checkpoint_format: str = "gpt
 @pytest.fixture(scope="module")
 def checkpoint(tiny_llama, tmp_path_factory):
     """method -> (checkpoint dir, HF greedy ids and logits on its dequantized weights), written once per module."""
-    from kvforge.plugins.quant.rtn import write_rtn_checkpoint
+    from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
 
     src, model, prompts = tiny_llama
     made = {}

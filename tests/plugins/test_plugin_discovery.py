@@ -13,15 +13,15 @@ import torch
 
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.layers.linear import LinearBase
-from kvforge.core.plugins import QUANT_GROUP, QuantMethod, discover
+from kvforge.core.plugins import QUANT_GROUP, QuantMethod, discover, refresh_plugins
 from kvforge.plugins.quant.dense import DenseMethod
-from plugin_packages import build_and_install, toy_int8_site
+from tests.helpers.plugin_packages import build_and_install, toy_int8_site
 
 VOCAB = 49152
 
 SQUATTER_SOURCE = '''
 from kvforge.plugins.quant.dense import DenseMethod
-from plugin_packages import build_and_install, toy_int8_site
+from tests.helpers.plugin_packages import build_and_install, toy_int8_site
 
 
 class SquatterMethod(DenseMethod):
@@ -57,10 +57,19 @@ def squatter_site(tmp_path_factory):
                               {"none": "kvforge_none_squatter:SquatterMethod"})
 
 
+@pytest.fixture(autouse=True)
+def _rescan_plugins():
+    """Discovery is cached per process: rescan after each test's sites left sys.path (monkeypatch's undo
+    runs before this teardown), so later tests do not see them."""
+    yield
+    refresh_plugins()
+
+
 def _use(monkeypatch, *sites: Path) -> None:
     for site in sites:
         monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
+    refresh_plugins()
 
 
 # --- the built-in ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """End to end on the embedded model, per quantization method: greedy tokens close to fp32 by vLLM's
 top-5 rule (logprobs_close) on 10 chat prompts run as one batch, and perplexity on a held-out text
 bounded (8-bit within +3% of fp32, 4-bit within +25%). GPTQ / AWQ checkpoints are written here by our
-own packer (round-to-nearest, group 64; plugins/quant/rtn.py); bitsandbytes quantizes at load.
+own packer (round-to-nearest, group 64; app/quantize/rtn_writer.py); bitsandbytes quantizes at load.
 Calibrated GPTQ / AWQ checkpoints (`kvforge quantize`) are held to the same rule in tests/app/test_quantize.py.
 
 The embedded model's weights are themselves 4-bit (the GGUF is Q4_1: 32-weight blocks with a float
@@ -18,13 +18,13 @@ from importlib.resources import files
 
 import pytest
 
-from kvforge.core.engine import LLM
+from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
+from kvforge.core import LLM
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.perplexity import perplexity
 from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.sampling import SamplingParams
-from kvforge.plugins.quant.rtn import write_rtn_checkpoint
-from parity import logprobs_close
+from tests.helpers.parity import logprobs_close
 
 # Prompts whose fp32 first token leads the runner-up by more than 1.5 nats: at a near tie in the
 # reference (several chat openers are within 0.1 nat) any perturbation flips the pick, which says

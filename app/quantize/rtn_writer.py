@@ -3,7 +3,8 @@
 The layouts are exactly what GPTQ / AWQ tools write (packing.py), so kvforge and HF transformers load
 them like any GPTQ / AWQ checkpoint; the values are plain per-group rounding (what GPTQ starts from,
 without its error compensation). Used by the accuracy tests and `kvforge bench quant`; `kvforge quantize`
-makes calibrated checkpoints with GPTQModel. Reads the whole dense state dict (small models).
+makes calibrated checkpoints with GPTQModel. Reads the whole dense state dict (small models). Modules named
+in `modules_to_not_convert` stay dense, recorded in the quantization_config as GPTQ / AWQ tools do.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvforge.core.loader import iterate_tensors, safetensors_files
+from kvforge.core.quant_config import module_matches
 from kvforge.plugins.quant.packing import pack_awq, pack_gptq, quantize_rtn
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -24,7 +26,8 @@ SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "g
 
 
 def write_rtn_checkpoint(source: Path, out: Path, method: str = "gptq", bits: int = 4, group_size: int = 64,
-                         sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq") -> Path:
+                         sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq",
+                         modules_to_not_convert: list[str] | None = None) -> Path:
     if method not in ("gptq", "awq"):
         raise ValueError(f"method must be 'gptq' or 'awq', got {method!r}")
     if method == "awq" and (bits != 4 or desc_act or sym):
@@ -35,7 +38,7 @@ def write_rtn_checkpoint(source: Path, out: Path, method: str = "gptq", bits: in
     for name, tensor in tensors.items():
         module, _, leaf = name.rpartition(".")
         projection = module.rpartition(".")[2]
-        if leaf != "weight" or projection not in PROJECTIONS:
+        if leaf != "weight" or projection not in PROJECTIONS or module_matches(module, modules_to_not_convert or ()):
             written[name] = tensor
             continue
         order = orders.get(_input_key(module))
@@ -55,6 +58,8 @@ def write_rtn_checkpoint(source: Path, out: Path, method: str = "gptq", bits: in
     else:
         config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group_size,
                                          "zero_point": True, "version": "gemm"}
+    if modules_to_not_convert:
+        config["quantization_config"]["modules_to_not_convert"] = list(modules_to_not_convert)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
