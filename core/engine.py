@@ -236,7 +236,7 @@ class LLMEngine:
         return self._outputs(updates, sampled)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepTokens:
-        entries = plan.sampling_rows()
+        entries = plan.sampling_rows
         rows = [row for _, seq_rows, _ in entries for row in seq_rows]
         if len(rows) != len(logits):  # a forked sample draws from its parent's row
             logits = logits[rows]

@@ -16,6 +16,7 @@ stop conditions and finishing. Sequence progress (`num_computed_tokens`, drafts)
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class StepPlan:
         """The items that get a next token; the runner returns their logits rows in this order."""
         return [item for item in self.scheduled if item.samples]
 
+    @functools.cached_property  # read by the sampler and by update_from_output: laid out once, before drafts clear
     def sampling_rows(self) -> list[tuple[Sequence, list[int], Sequence | None]]:
         """Every sequence that gets tokens this step, with its rows of the runner's logits and the parent it
         forks off (None for the scheduled sequences): a forked sample draws from its parent's last row."""
@@ -222,7 +224,7 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, sampled: StepTokens | None,
                            stop_string: StopStringCheck) -> tuple[list[SeqUpdate], list[tuple[int, int]]]:
-        """Apply a step that ran `plan` and sampled `sampled` (one entry per `plan.sampling_rows()`).
+        """Apply a step that ran `plan` and sampled `sampled` (one entry per `plan.sampling_rows`).
         Returns each sampled sequence's update, in that order, and the KV blocks (source, destination) the
         runner must copy for the samples forked in this step."""
         for item in plan.scheduled:  # draft positions count as computed only once accepted (below)
@@ -230,7 +232,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(item.seq)
         if sampled is None:
             return [], []
-        entries = plan.sampling_rows()
+        entries = plan.sampling_rows
         # Fork every sample before any token is processed: a parent that finishes on its first token (max_tokens
         # 1, EOS, a stop string) frees its blocks below, and its samples share or copy them.
         copies = []
