@@ -286,17 +286,17 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             return f"data: {json.dumps(payload)}\n\n"
 
         finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()  # samples whose first chunk (with the role) is sent
         try:
-            if chat:
-                for i in range(n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
             async for out in within(stream, request_timeout_s):
                 lp = format_logprobs(out.delta_logprobs, chat, engine.tokenizer) if out.delta_logprobs else None
-                if out.delta_text or lp:
+                # The role goes out with the first token, not before prefill: a client's TTFT is then true.
+                first = chat and out.index not in started
+                if out.delta_text or lp or first:
                     if chat:
-                        yield chunk([{"index": out.index, "delta": {"content": out.delta_text}, "logprobs": lp,
-                                      "finish_reason": None}])
+                        started.add(out.index)
+                        delta = {"role": "assistant", "content": out.delta_text} if first else {"content": out.delta_text}
+                        yield chunk([{"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": None}])
                     else:
                         yield chunk([{"index": out.index, "text": out.delta_text, "logprobs": lp,
                                       "finish_reason": None}])

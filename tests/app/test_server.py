@@ -49,7 +49,10 @@ def test_streamed_chat_deltas_join_to_the_answer(client, server):
     chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16,
                                                   stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
+    # the role comes with the first token, after prefill (as vLLM and OpenAI send it): clients' TTFT is true
+    assert chunks[0].choices[0].delta.content and [c for c in chunks if c.choices][1].choices[0].delta.role is None
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith(chunks[0].choices[0].delta.content)
     assert "Paris" in text
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # really streamed
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
