@@ -29,7 +29,10 @@ def free_memory(device: str) -> None:
 
 
 def cpu_name() -> str:
-    return platform.processor() or platform.machine()
+    """The CPU's model and ISA extensions (core/cpu.py): named with every figure a bench prints."""
+    from kvforge.core.cpu import cpu_model_and_flags, isa
+
+    return f"{cpu_model_and_flags()[0]}; {' '.join(isa()) or 'no AVX2'}"
 
 
 def device_info(device: str) -> dict:
