@@ -23,14 +23,24 @@ def bench_engine(**config):
     return build_engine(spec, progress=False, **config)
 
 
+def generate_one(engine, ids: list[int], params):
+    """One request on an idle engine, stepped to the end: its final RequestOutput (token ids, finish reason,
+    the request's metrics)."""
+    request_id = engine.add_request(ids, params)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    return final
+
+
 def warm_up(engine, ids: list[int], ignore_eos: bool = False) -> None:
     """One 2-token greedy request, outside the measurement (first launches, allocations); the caller picks
     `ids` short enough that nothing lands in the prefix cache."""
     from kvforge.core import SamplingParams
 
-    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=ignore_eos))
-    while engine.has_unfinished():
-        engine.step()
+    generate_one(engine, ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=ignore_eos))
 
 
 def run_batch(engine, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,

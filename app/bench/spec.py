@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvforge.app.bench.arguments import add_model_options, checked_model, use_threads
-from kvforge.app.bench.runs import SMALL_KV_BYTES
+from kvforge.app.bench.runs import SMALL_KV_BYTES, bench_engine, generate_one
 from kvforge.app.bench.workloads import spec_prompts
 
 TASKS = {"grounded": "input-grounded", "chat": "open chat"}
@@ -124,11 +124,11 @@ def _checked(args: argparse.Namespace):
     return path, tasks, configs
 
 
-def _run_task(llm, prompts: list[list[int]], params) -> tuple[list, dict]:
+def _run_task(engine, prompts: list[list[int]], params) -> tuple[list, dict]:
     """Each prompt alone, one after the other; the outputs and the engine's speculation counts for them."""
-    before = llm.engine.stats().as_dict()
-    outs = [llm.generate([ids], params)[0] for ids in prompts]
-    after = llm.engine.stats().as_dict()
+    before = engine.stats().as_dict()
+    outs = [generate_one(engine, ids, params) for ids in prompts]
+    after = engine.stats().as_dict()
     counts = {key: after[f"spec_{key}_total"] - before[f"spec_{key}_total"]
               for key in ("drafted_tokens", "accepted_tokens", "verify_steps")}
     return outs, counts
@@ -137,20 +137,21 @@ def _run_task(llm, prompts: list[list[int]], params) -> tuple[list, dict]:
 def measure(config: Config, args, path, task_prompts: dict[str, list[list[int]]],
             baseline: dict[str, list[list[int]]] | None) -> list[tuple[SpecRow, list[list[int]]]]:
     """One row per task, with each prompt's generated tokens."""
-    from kvforge.core import LLM, SamplingParams
+    from kvforge.core import SamplingParams
 
-    llm = LLM(str(path), progress=False, dtype=args.dtype, kv_cache_bytes=SMALL_KV_BYTES, enable_prefix_caching=False,
-              decoding=config.decoding, decoding_options=config.options, num_threads=args.threads)
+    engine = bench_engine(model=str(path), dtype=args.dtype, kv_cache_bytes=SMALL_KV_BYTES,
+                          enable_prefix_caching=False, decoding=config.decoding, decoding_options=config.options,
+                          num_threads=args.threads)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         first = next(iter(task_prompts.values()))[0]
-        llm.generate([first], SamplingParams(temperature=0, max_tokens=min(args.max_tokens, 16)))  # warm-up
+        generate_one(engine, first, SamplingParams(temperature=0, max_tokens=min(args.max_tokens, 16)))  # warm-up
         rows = []
         for task, prompts in task_prompts.items():
-            outs, counts = _run_task(llm, prompts, params)
+            outs, counts = _run_task(engine, prompts, params)
             per_prompt = []
             for out in outs:
-                m = out.metrics
+                m = out.metrics or {}
                 per_prompt.append({"generated_tokens": len(out.token_ids), "tpot": m.get("tpot"),
                                    "e2e_latency": m["e2e_latency"], "finish_reason": out.finish_reason,
                                    "spec_acceptance_rate": m.get("spec_acceptance_rate"),
@@ -171,8 +172,8 @@ def measure(config: Config, args, path, task_prompts: dict[str, list[list[int]]]
                 per_prompt), tokens))
         return rows
     finally:
-        llm.engine.close()
-        del llm
+        engine.close()
+        del engine
         gc.collect()
 
 
