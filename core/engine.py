@@ -32,7 +32,7 @@ from kvforge.core.runner import ModelRunner
 from kvforge.core.runner_api import Runner
 from kvforge.core.sampler import SamplingBatch, StepTokens, sample_tokens
 from kvforge.core.sampling import SamplingParams
-from kvforge.core.scheduler import Scheduler, SeqUpdate, StepPlan
+from kvforge.core.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepPlan
 from kvforge.core.speculative import Speculator, spec_metrics
 from kvforge.core.tokenizer import Tokenizer
 
@@ -60,6 +60,7 @@ class RuntimeInfo:
     embedding_bytes: int  # of which the input embedding table (a decode step reads one row of it)
     kv_cache_bytes: int  # the paged KV pool on this process's rank
     kv_bytes_per_token: float
+    linear_kernels: dict[str, str]  # linear shape ("<method>:<dtype>:<out>x<in>") -> the matmul kernel chosen
 
     @property
     def cuda_graphs(self) -> bool:
@@ -201,6 +202,27 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_ids), params.max_tokens)
         return prompt_ids
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
+        """Teacher-forced log-probability of each of token_ids[1:] given the tokens before it (float32, on the CPU):
+        chunked prefills on the engine's own KV pool (what serving runs), borrowed while the engine is idle."""
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed the model's context of {self.max_model_len}")
+        seq = Sequence("prompt-logprobs", list(token_ids), SamplingParams(max_tokens=1))
+        targets = torch.tensor(token_ids[1:], dtype=torch.long).view(-1, 1)
+        chunks = []
+        try:
+            for start in range(0, len(token_ids) - 1, chunk):
+                n = min(chunk, len(token_ids) - 1 - start)
+                if not self.kv.allocate(seq, n):
+                    raise ValueError("the text does not fit in the free KV pool")
+                logits = self.runner.forward(self.runner.layout([ScheduledSeq(seq, n)], all_logits=True))
+                chunks.append(torch.log_softmax(logits, -1).gather(1, targets[start:start + n].to(logits.device)))
+                seq.num_computed_tokens += n
+        finally:
+            self.kv.free(seq)
+        return torch.cat(chunks).view(-1).cpu() if chunks else torch.empty(0)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -337,7 +359,8 @@ class LLMEngine:
         table = runner.model.model.embed_tokens.weight
         return RuntimeInfo(str(runner.device), runner.kernels, list(runner.graphs.sizes) if runner.graphs else None,
                            runner.weight_bytes(), table.numel() * table.element_size(), runner.kv_cache_bytes,
-                           runner.kv_bytes_per_block / runner.block_size)
+                           runner.kv_bytes_per_block / runner.block_size,
+                           {c.key: c.choice for c in runner.linear_choices})
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from any thread) when the engine fails while idle (a tensor-parallel rank died)."""
