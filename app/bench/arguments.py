@@ -32,6 +32,18 @@ def add_model_options(parser: argparse.ArgumentParser, model_help: str = "the mo
     parser.add_argument("--dtype", default=default, help=f"{dtype_help} (default: {default})")
 
 
+def bench_parser(bench_sub, name: str, help: str, run: Callable[[argparse.Namespace], object], *,
+                 dtype_help: str = "model dtype", threads_help: str | None = None) -> argparse.ArgumentParser:
+    """`kvforge bench NAME` with what the table benches share: --model and --dtype, --threads, --json (one JSON
+    object instead of the table), and `run` as the command. The bench adds its own options to what it returns."""
+    parser = bench_sub.add_parser(name, help=help)
+    add_model_options(parser, dtype_help=dtype_help)
+    parser.add_argument("--threads", type=int, default=None, help=threads_help)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.set_defaults(func=as_command(run))
+    return parser
+
+
 def int_list(text: str, option: str, what: str = "integers") -> list[int]:
     """--option's comma-separated integers, each >= 1 (`what` names them in the errors)."""
     try:

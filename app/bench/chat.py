@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvforge.app.bench.arguments import add_model_options, as_command, checked_model
+from kvforge.app.bench.arguments import bench_parser, checked_model
 from kvforge.app.bench.report import emit
 from kvforge.app.bench.runs import bench_engine, warm_up
 from kvforge.app.bench.workloads import user_messages
@@ -220,13 +220,9 @@ def run_chat_bench(args: argparse.Namespace) -> dict:
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
     """Register `chat` on the `kvforge bench` subcommands."""
-    chat = bench_sub.add_parser(
-        "chat", help="TTFT per turn of a multi-turn chat: no prefix cache, in-memory cache, persisted after a restart")
-    add_model_options(chat, dtype_help="float32 | bfloat16 | float16")
+    chat = bench_parser(bench_sub, "chat", "TTFT per turn of a multi-turn chat: no prefix cache, in-memory cache, "
+                        "persisted after a restart", run_chat_bench, dtype_help="float32 | bfloat16 | float16")
     chat.add_argument("--turns", type=int, default=10, help="turns of the conversation (default: 10)")
     chat.add_argument("--user-tokens", type=int, default=100, help="tokens per user message (default: ~100)")
     chat.add_argument("--reply-tokens", type=int, default=48, help="greedy reply length cap (default: 48)")
-    chat.add_argument("--threads", type=int, default=None)
-    chat.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    chat.set_defaults(func=as_command(run_chat_bench))
     return chat

@@ -12,7 +12,7 @@ import json
 import time
 from contextlib import contextmanager
 
-from kvforge.app.bench.arguments import add_model_options, as_command, checked_model, int_list
+from kvforge.app.bench.arguments import bench_parser, checked_model, int_list
 from kvforge.app.bench.report import emit, ms, p50_p99
 from kvforge.app.bench.runs import bench_engine
 from kvforge.app.bench.workloads import chat_messages
@@ -133,16 +133,13 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
     """Register `serve` on the `kvforge bench` subcommands."""
-    serve = bench_sub.add_parser("serve", help="requests/s, tok/s, TTFT and TPOT of concurrent streaming HTTP clients")
-    add_model_options(serve, dtype_help="float32 | bfloat16 | float16")
+    serve = bench_parser(bench_sub, "serve", "requests/s, tok/s, TTFT and TPOT of concurrent streaming HTTP clients",
+                         run_serve_bench, dtype_help="float32 | bfloat16 | float16")
     serve.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts (default: 1,4,16,64)")
     serve.add_argument("--requests-per-client", type=int, default=2, help="chat requests each client sends in turn")
     serve.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step")
     serve.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache budget in GiB")
     serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--timeout", type=float, default=600, help="per-request HTTP timeout in seconds")
-    serve.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    serve.set_defaults(func=as_command(run_serve_bench))
     return serve

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvforge.app.bench.arguments import add_model_options, as_command, checked_model, rank_threads, use_threads
+from kvforge.app.bench.arguments import bench_parser, checked_model, rank_threads, use_threads
 from kvforge.app.bench.references import hf_generate, load_hf
 from kvforge.app.bench.report import emit, ms, p50_p99
 from kvforge.app.bench.runs import bench_engine, warm_up
@@ -165,9 +165,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     """Register `throughput` on the `kvforge bench` subcommands."""
     from kvforge.app.settings import tp_ranks  # the --tp type: argparse names the flag in its error
 
-    throughput = bench_sub.add_parser(
-        "throughput", help="output tok/s of many chat requests at once, against HF sequential and static batches")
-    add_model_options(throughput, dtype_help="kvforge and HF dtype")
+    throughput = bench_parser(
+        bench_sub, "throughput", "output tok/s of many chat requests at once, against HF sequential and static batches",
+        run_throughput, dtype_help="kvforge and HF dtype", threads_help="CPU threads in all (split among --tp ranks)")
     throughput.add_argument("--no-prefix-caching", action="store_true",
                             help="kvforge: no reuse of the shared system prompt's KV")
     throughput.add_argument("--num-requests", type=int, default=64, help="chat requests, submitted at once")
@@ -181,8 +181,5 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     throughput.add_argument("--hf-batches", type=int, default=None,
                             help="HF static batches to run (default: all, covering every request)")
     throughput.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
-    throughput.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    throughput.add_argument("--threads", type=int, default=None, help="CPU threads in all (split among --tp ranks)")
     throughput.add_argument("--tp", type=tp_ranks, default=1, metavar="N", help="kvforge tensor-parallel ranks")
-    throughput.set_defaults(func=as_command(run_throughput))
     return throughput
