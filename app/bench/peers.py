@@ -119,11 +119,15 @@ def vllm_cpu_binding(threads: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `threads` threads on the CPUs this process may use (vLLM's "auto" keeps a
     core for its scheduler and one thread per physical core: on a small machine it would run on fewer threads
     than the other engines)."""
+    return ",".join(str(c) for c in usable_cpus()[:threads])
+
+
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity)."""
     try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = list(range(os.cpu_count() or 1))
-    return ",".join(str(c) for c in cpus[:threads])
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 def run_engine(run: EngineRun, job: dict, workdir: Path, timeout: float, env: dict) -> EngineRun:
@@ -201,8 +205,9 @@ def print_report(report: dict) -> None:
     print(f"kvforge bench peers: {report['model']}; greedy, {o['output_tokens']} output tokens per request "
           f"(EOS ignored), prefix caching off; each engine in its own process, one after another")
     print(f"CPU: {cpu['model']} ({cpu['machine']}); ISA: {' '.join(cpu['isa']) or 'no AVX2'}; "
-          f"{cpu['usable_cpus']} of {cpu['logical_cpus']} logical CPUs usable; {o['threads']} threads per engine"
-          + (f" (vLLM bound to CPUs {o['vllm_cpus']})" if o.get("vllm_cpus") else ""))
+          f"{cpu['usable_cpus']} of {cpu['logical_cpus']} logical CPUs usable; {o['threads']} "
+          f"thread{'s' if o['threads'] > 1 else ''} per engine"
+          + (f" (vLLM bound to CPU ids {o['vllm_cpus']})" if o.get("vllm_cpus") else ""))
     print(f"prompts: {p['count']} chat prompts, the same token ids for every engine ({p['min_tokens']}-"
           f"{p['max_tokens']} tokens, mean {p['mean_tokens']:.0f}); at batch B the first ceil({o['prompts']} / B)"
           f" * B of them, in waves of B submitted at once")
@@ -212,7 +217,9 @@ def print_report(report: dict) -> None:
         if e["status"] == "skipped":
             line += f" {e['why']}"
         else:
-            line += f" {fmt(e['seconds'], '.0f')} s" + (f"; {e['info']['library']}" if e["info"].get("library") else "")
+            line += f" {fmt(e['seconds'], '.0f')} s"
+            line += f" (load {e['info']['load_s']:.0f} s)" if e["info"].get("load_s") is not None else ""
+            line += f"; {e['info']['library']}" if e["info"].get("library") else ""
             line += f"; {e['why']}" if e["why"] else ""
         print(line)
         for batch, why in e["skipped_batches"].items():
@@ -278,7 +285,7 @@ def run_peers(args: argparse.Namespace) -> int:
     engines = _selected(args)
     quantized = str(resolve_model(args.kvforge_4bit)) if args.kvforge_4bit else None
     model_dir, gguf = resolve_model(None), embedded_gguf_path()  # vLLM reads kvforge's conversion of the GGUF
-    threads = args.threads or len(os.sched_getaffinity(0))
+    threads = args.threads or len(usable_cpus())
     requests = requests_per_batch(args.prompts, batches)
     tokenizer = Tokenizer(model_dir)
     prompts = [tokenizer.apply_chat_template(m) for m in chat_messages(max(requests.values()))]
@@ -288,7 +295,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
     cpu_model, _ = cpu_model_and_flags()
     cpu = {"model": cpu_model, "machine": os.uname().machine, "isa": isa(), "logical_cpus": os.cpu_count(),
-           "usable_cpus": len(os.sched_getaffinity(0)), "threads": threads}
+           "usable_cpus": len(usable_cpus()), "threads": threads}
     vllm_cpus = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or vllm_cpu_binding(threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1",
