@@ -1,22 +1,32 @@
-"""Memory estimates before loading: weights by parameter count (projections at the quant method's
-bits per weight), KV by the seed formula (2 x layers x kv_heads x head_dim x tokens x dtype bytes)."""
+"""Memory estimates before loading: weights by parameter count (each projection at the bits per weight its
+quant method stores, or dense), KV by the seed formula (2 x layers x kv_heads x head_dim x tokens x dtype
+bytes)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvforge.core.config import DTYPES, kv_bytes_per_token
+from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.distributed import heads_of_rank
-from kvforge.core.models.llama import head_dim_of
+from kvforge.core.models.llama import LlamaForCausalLM, head_dim_of
+from kvforge.core.quant_config import QuantConfig
+
+
+def projection_weights(hf_config, tp_size: int = 1, rank: int = 0) -> dict[str, int]:
+    """The attention and MLP projections as kvforge's layers name them (q/k/v fused into qkv_proj, gate/up into
+    gate_up_proj) -> the weights `rank` of `tp_size` holds of each (no biases): what a quant method stores."""
+    c = hf_config
+    head_dim = head_dim_of(c)
+    heads = heads_of_rank(c.num_attention_heads, c.num_key_value_heads, tp_size, rank)
+    q, kv, inter = heads.q_count * head_dim, heads.kv_count * head_dim, c.intermediate_size // tp_size
+    per_layer = {"self_attn.qkv_proj": c.hidden_size * (q + 2 * kv), "self_attn.o_proj": q * c.hidden_size,
+                 "mlp.gate_up_proj": 2 * c.hidden_size * inter, "mlp.down_proj": inter * c.hidden_size}
+    return {f"model.layers.{i}.{name}": n for i in range(c.num_hidden_layers) for name, n in per_layer.items()}
 
 
 def linear_parameter_count(hf_config) -> int:
     """Weights of the attention and MLP projections: what a quant method stores (no biases)."""
-    c = hf_config
-    head_dim = head_dim_of(c)
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
-    return c.num_hidden_layers * (attention + 3 * c.hidden_size * c.intermediate_size)
+    return sum(projection_weights(hf_config).values())
 
 
 def parameter_count(hf_config) -> int:
@@ -31,17 +41,25 @@ def parameter_count(hf_config) -> int:
     return vocab * hidden + linear_parameter_count(c) + layers * per_layer_rest + hidden + head
 
 
-def estimate_memory(hf_config, dtype: str, context_tokens: int, bits_per_weight: float | None = None,
+def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConfig | None = None,
                     tp_size: int = 1) -> dict:
-    """Bytes of weights and of the KV cache for `context_tokens` tokens. The projections take
-    `bits_per_weight` (a quant method's figure, scales included) or the dtype's size; embeddings,
-    norms and the LM head stay in `dtype` (a tied head is held twice: the embedding and the head's packed
-copy), and so does the KV cache."""
-    torch_dtype = DTYPES[dtype]
+    """Bytes of weights and of the KV cache for `context_tokens` tokens. Each projection takes the bits per
+    weight `quant` stores it in (its method's figure, scales included) or, when `quant` keeps it dense (the
+    modules_to_not_convert) or there is no `quant`, the dtype's size; embeddings, norms and the LM head stay in
+    `dtype` (a tied head is held twice: the embedding and the head's packed copy), and so does the KV cache."""
+    torch_dtype = DTYPES[resolve_dtype(dtype)]
     element = torch.empty((), dtype=torch_dtype).element_size()
-    params, linear = parameter_count(hf_config), linear_parameter_count(hf_config)
-    projection_bytes = linear * (bits_per_weight / 8 if bits_per_weight else element)
-    weights = (params - linear) * element + projection_bytes
+    quant = quant.with_packed_modules(LlamaForCausalLM.packed_modules_mapping) if quant is not None else None
+
+    def projection_bytes(size: int = 1, rank: int = 0) -> float:
+        total = 0.0
+        for prefix, count in projection_weights(hf_config, size, rank).items():
+            bits = quant.bits_per_weight(prefix) if quant is not None else None
+            total += count * (bits / 8 if bits else element)
+        return total
+
+    params, linear, projections = parameter_count(hf_config), linear_parameter_count(hf_config), projection_bytes()
+    weights = (params - linear) * element + projections
     if getattr(hf_config, "tie_word_embeddings", False):  # the LM head keeps its own prepacked copy (speed)
         weights += hf_config.vocab_size * hf_config.hidden_size * element
     kv = context_tokens * kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
@@ -50,11 +68,8 @@ copy), and so does the KV cache."""
                 "total_bytes": int(weights) + int(kv)}
     if tp_size > 1:  # rank 0 holds the largest share (heads split unevenly give it the extra)
         heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size, 0)
-        c, head_dim = hf_config, head_dim_of(hf_config)
-        rank_linear = c.num_hidden_layers * (c.hidden_size * (2 * heads.q_count + 2 * heads.kv_count) * head_dim
-                                             + 3 * c.hidden_size * c.intermediate_size // tp_size)
         # the projections by this rank's share; embeddings and head split evenly (norms are noise)
-        rank_weights = (weights - projection_bytes) / tp_size + projection_bytes * rank_linear / linear
+        rank_weights = (weights - projections) / tp_size + projection_bytes(tp_size, 0)
         rank_kv = kv * heads.kv_count / hf_config.num_key_value_heads
         estimate |= {"rank_weights_bytes": int(rank_weights), "rank_kv_bytes": int(rank_kv),
                      "rank_total_bytes": int(rank_weights) + int(rank_kv)}

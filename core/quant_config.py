@@ -87,6 +87,11 @@ class QuantConfig:
                              "only some of them: name all of them or none")
         return all(dense)
 
+    def bits_per_weight(self, prefix: str) -> float | None:
+        """Storage bits per weight of the linear layer named `prefix` (scales included), for memory estimates
+        before loading; None: dense in the model dtype."""
+        return None if self.is_dense(prefix) else self.method.bits_per_weight(self.options)
+
     def method_for(self, prefix: str) -> QuantMethod:
         """A new quant method for the linear layer named `prefix`."""
         return dense_method() if self.is_dense(prefix) else self.method(**self.options)

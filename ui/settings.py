@@ -21,7 +21,8 @@ from kvforge.app.models import ModelSpec
 from kvforge.core.config import DTYPE_NAMES
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
-from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, discover, resolve_quant
+from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, checkpoint_quantization, discover, resolve_quant
+from kvforge.core.quant_config import QuantConfig
 from kvforge.ui.service import UIService
 
 if TYPE_CHECKING:
@@ -41,9 +42,12 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
             return f"No estimate for {model!r} before it is converted (GGUF)."
         hf_config = load_config(path)
         quant, quant_options = resolve_quant(quant or "none", json.loads(options or "{}"), hf_config, path)
-        bits = discover(QUANT_GROUP).get(quant).bits_per_weight(quant_options)
+        method = discover(QUANT_GROUP).get(quant)
+        bits = method.bits_per_weight(quant_options)
+        # what loading builds: the method per layer, the LM head and modules_to_not_convert dense
+        quant_config = QuantConfig.for_checkpoint(method, quant_options, checkpoint_quantization(hf_config, path))
         ranks = int(tp or 1)
-        e = estimate_memory(hf_config, dtype, int(context_tokens), bits, tp_size=ranks)
+        e = estimate_memory(hf_config, dtype, int(context_tokens), quant_config, tp_size=ranks)
     except Exception as exc:  # a broken config or option: say so, never break the page
         return f"No estimate: {type(exc).__name__}: {exc}"
     layers = f"{quant} at {bits:.2f} bits per weight" if bits else f"dense {dtype}"

@@ -22,7 +22,8 @@ from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
 from kvforge.core import LLM
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.perplexity import perplexity
-from kvforge.core.plugins import QUANT_GROUP, discover
+from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
+from kvforge.core.quant_config import QuantConfig
 from kvforge.core.sampling import SamplingParams
 from tests.helpers.parity import logprobs_close
 
@@ -99,13 +100,14 @@ def test_quantized_model_stays_close_to_fp32(method, fp32_reference, checkpoints
     diverged = _divergences(ids, tops, fp32_reference)
     record_property("perplexity", ppl)
     print(f"\n{method}: perplexity {ppl:.2f} vs fp32 {fp32_reference[2]:.2f} ({ratio:.3f}x); weights "
-          f"{llm.engine.runner.weight_bytes() / 2**20:.1f} MiB; outside the top-{TOP}: {diverged or 'none'}")
+          f"{llm.engine.runtime().weight_bytes / 2**20:.1f} MiB; outside the top-{TOP}: {diverged or 'none'}")
     assert len(diverged) <= allowed, diverged
     assert ratio <= bound, f"{method}: perplexity {ppl:.2f} is {ratio:.3f}x fp32's (bound {bound}x)"
-    config = llm.engine.config  # the estimator (UI settings) predicts what loading measured
-    bits = discover(QUANT_GROUP).get(config.quant).bits_per_weight(config.quant_options)
-    estimate = estimate_memory(llm.engine.hf_config, config.dtype, 0, bits)["weights_bytes"]
-    assert abs(estimate / llm.engine.runner.weight_bytes() - 1) < 0.05, (estimate, llm.engine.runner.weight_bytes())
+    engine, config = llm.engine, llm.engine.config  # the estimator (UI settings) predicts what loading measured
+    quant = QuantConfig.for_checkpoint(discover(QUANT_GROUP).get(config.quant), config.quant_options,
+                                       checkpoint_quantization(engine.hf_config, engine.model_path))
+    estimate = estimate_memory(engine.hf_config, config.dtype, 0, quant)["weights_bytes"]
+    assert abs(estimate / engine.runtime().weight_bytes - 1) < 0.05, (estimate, engine.runtime().weight_bytes)
 
 
 def test_awq_and_gptq_layouts_of_the_same_weights_run_the_same_model(fp32_reference, checkpoints, embedded_path):
