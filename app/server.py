@@ -295,7 +295,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 if out.delta_text or lp or first:
                     if chat:
                         started.add(out.index)
-                        delta = {"role": "assistant", "content": out.delta_text} if first else {"content": out.delta_text}
+                        delta = {"role": "assistant"} if first else {}
+                        delta["content"] = out.delta_text
                         yield chunk([{"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": None}])
                     else:
                         yield chunk([{"index": out.index, "text": out.delta_text, "logprobs": lp,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES
-from kvforge.core.config import KERNELS, engine_default
+from kvforge.core.config import DECODE_ATTENTION, KERNELS, LINEAR_KERNELS, engine_default
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -141,7 +141,9 @@ class ServeSettings:
     # what an engine is built from (flags of generate and chat too); ModelSpec takes the model-defining ones
     model: str | None = engine_setting(engine_default("model"), "HF model directory, .gguf file or hub id (default: "
                                        "the embedded SmolLM2-135M-Instruct)")
-    dtype: str = engine_setting(engine_default("dtype"), "float32 | bfloat16 | float16 (default: {default})")
+    dtype: str = engine_setting(engine_default("dtype"), "auto | float32 | bfloat16 | float16 (default: {default}: "
+                                "bfloat16 where the CPU computes it natively (AVX512_BF16 / AMX) or on a GPU, "
+                                "else float32)")
     kv_cache_gb: float | None = engine_setting(engine_default("kv_cache_bytes"), KV_CACHE_HELP, float)
     block_size: int = engine_setting(engine_default("block_size"), "tokens per KV block (default: {default})", int,
                                      engine="block_size")
@@ -162,6 +164,14 @@ class ServeSettings:
         "and KV (default: {default})", float, engine="gpu_memory_utilization")
     kernels: str = engine_setting(engine_default("kernels"), "Triton kernels or the torch ones (default auto: Triton "
                                   "on CUDA)", choices=KERNELS, engine="kernels")
+    linear_kernels: str = engine_setting(engine_default("linear_kernels"), "CPU matmul of dense linears: torch "
+                                         "(F.linear), onednn (prepacked) or auto: the faster here, timed per shape "
+                                         "at load and cached (default: {default})", choices=LINEAR_KERNELS,
+                                         engine="linear_kernels")
+    decode_attention: str = engine_setting(engine_default("decode_attention"), "CPU decode attention: bmm (fp32 "
+                                           "batched matmuls), sdpa (fused, in the model dtype) or auto: the faster "
+                                           "here, timed at load and cached (default: {default})",
+                                           choices=DECODE_ATTENTION, engine="decode_attention")
     enforce_eager: bool = engine_setting(not engine_default("cuda_graphs"), "no CUDA graphs: run every decode step "
                                          "eagerly", bool, engine="cuda_graphs", to_engine=operator.not_)
     threads: int | None = engine_setting(engine_default("num_threads"), "CPU threads for torch (default: torch's)",

@@ -14,7 +14,21 @@ import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the long names: what the admin API and the UI offer
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # the long names: what the admin API and the UI offer
+LINEAR_KERNELS = ("auto", "torch", "onednn")  # see core/kernel_choice.py
+DECODE_ATTENTION = ("auto", "bmm", "sdpa")  # see core/layers/decode_attention.py
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """The long name of `dtype`; "auto" is bfloat16 where the device computes it natively (a CPU with
+    AVX512_BF16 or AMX, a CUDA GPU with bf16) and float32 on other CPUs (bf16 emulated there is slower)."""
+    if dtype != "auto":
+        return next(name for name in DTYPE_NAMES[1:] if DTYPES[name] == DTYPES[dtype])
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    from kvforge.core.cpu import native_bf16
+
+    return "bfloat16" if native_bf16() else "float32"
 
 KERNELS = ("auto", "triton", "torch")
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU pool's default budget
@@ -41,7 +55,9 @@ def check_bounds(name: str, value: Any, metadata: Any) -> None:
 @dataclass
 class EngineConfig:
     model: str | None = knob(None, "None: the embedded default model")
-    dtype: str = knob("float32", "float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16)", choices=DTYPES)
+    dtype: str = knob("auto", "auto | float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16); auto: "
+                      "bfloat16 where the CPU computes it natively (AVX512_BF16 / AMX) or on a GPU, else float32; "
+                      "resolved when the config is made", choices=(*DTYPES, "auto"))
     quant: str = knob("none", "a `kvforge.quant` plugin name")
     quant_options: dict[str, Any] = knob(default_factory=dict, help="the quant plugin's options")
     decoding: str = knob("none", "a `kvforge.decoding` plugin name (speculative decoding); \"none\": off")
@@ -57,6 +73,12 @@ class EngineConfig:
                                          "and KV", gt=0, le=1)
     kernels: str = knob("auto", "Triton kernels or the torch ones (auto: Triton on CUDA when triton is installed)",
                         choices=KERNELS)
+    linear_kernels: str = knob("auto", "which matmul runs dense linears on CPU: torch's F.linear, oneDNN's prepacked "
+                               "linear, or auto: the faster on this CPU, timed per shape at load and cached",
+                               choices=LINEAR_KERNELS)
+    decode_attention: str = knob("auto", "decode attention on the torch path: bmm (fp32 batched matmuls), sdpa "
+                                 "(torch's fused attention in the model dtype) or auto: the faster on this machine, "
+                                 "timed at load and cached", choices=DECODE_ATTENTION)
     cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")
     num_kv_blocks: int | None = knob(None, "the KV pool's size in blocks (instead of kv_cache_bytes)", ge=1)
     max_model_len: int | None = knob(None, "default: the model's max_position_embeddings", ge=1)
@@ -81,6 +103,7 @@ class EngineConfig:
             raise ValueError("decoding_options are given but decoding is 'none': choose a decoding plugin")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.dtype = resolve_dtype(self.dtype, self.device)  # one concrete dtype from here on (fingerprints, reports)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -60,7 +60,7 @@ class RuntimeInfo:
     embedding_bytes: int  # of which the input embedding table (a decode step reads one row of it)
     kv_cache_bytes: int  # the paged KV pool on this process's rank
     kv_bytes_per_token: float
-    linear_kernels: dict[str, str]  # linear shape ("<method>:<dtype>:<out>x<in>") -> the matmul kernel chosen
+    kernel_choices: dict[str, str]  # op class and shape (core/kernel_choice.py ShapeChoice.key) -> the kernel chosen
 
     @property
     def cuda_graphs(self) -> bool:
@@ -360,7 +360,7 @@ class LLMEngine:
         return RuntimeInfo(str(runner.device), runner.kernels, list(runner.graphs.sizes) if runner.graphs else None,
                            runner.weight_bytes(), table.numel() * table.element_size(), runner.kv_cache_bytes,
                            runner.kv_bytes_per_block / runner.block_size,
-                           {c.key: c.choice for c in runner.linear_choices})
+                           {c.key: c.choice for c in runner.kernel_choices})
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from any thread) when the engine fails while idle (a tensor-parallel rank died)."""

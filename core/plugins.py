@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvforge.core.draft_target import DraftTarget as DraftTarget  # part of the plugin API
+from kvforge.core.kernel_choice import LinearKernel as LinearKernel  # part of the plugin API
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,15 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ...
+
+    def kernels(self, layer: torch.nn.Module) -> dict[str, LinearKernel]:
+        """The implementations of this layer's matmul the runner may choose between by timing them on this
+        machine (core/kernel_choice.py), the stock one first; {} or one: nothing to choose. Each `prepare`s
+        the layer's `weight` and runs on what it prepared."""
+        return {}
+
+    def use_kernel(self, layer: torch.nn.Module, name: str) -> None:  # noqa: B027 - only with kernels()
+        """Switch the layer to kernels(layer)[name] (called once, after loading)."""
 
     def weight_bytes(self, layer: torch.nn.Module) -> int:
         """Bytes the layer's weights take after processing (for memory reports)."""

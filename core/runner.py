@@ -12,6 +12,7 @@ import torch
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
 from kvforge.core.context import DecodeGroup, KernelBatch, PrefillSeq, StepContext, set_context
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
+from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
@@ -67,8 +68,11 @@ class ModelRunner:
         self.device = check_device(torch.device(config.device))
         self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
         self.cuda_graph_safe = False  # whether the quant method lets CUDA graphs capture decode steps
+        self.kernel_choices: list[ShapeChoice] = []  # the kernel chosen per op class and shape (kernel_choice.py)
         if model is None:
             model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress)
+            self.kernel_choices = choose_kernels(model, config.torch_dtype, config.linear_kernels,
+                                                 config.decode_attention)
         self.model = model.eval()
         self.kernels = kernels  # the attention / norm kernels its layers were built with
 

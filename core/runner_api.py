@@ -24,6 +24,7 @@ class Runner(Protocol):
     kv_dtype: torch.dtype
     cuda_graph_safe: bool
     graphs: object | None  # the captured decode graphs, once enabled
+    kernel_choices: list  # core/kernel_choice.py ShapeChoice per op class and shape: the kernel each runs
     failure: str | None  # why the runner can no longer run (a tensor-parallel rank died), or None
     on_failure: Callable[[], None] | None  # called (from any thread) when it fails while idle
 

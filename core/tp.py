@@ -63,6 +63,10 @@ class ParallelRunner:
             config = dataclasses.replace(config, num_threads=max(1, self._threads // self.size))
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # ranks would time kernels at once on shared cores, and must agree: the stock ones unless forced
+        config = dataclasses.replace(config, linear_kernels="torch" if config.linear_kernels == "auto" else
+                                     config.linear_kernels, decode_attention="bmm" if config.decode_attention == "auto"
+                                     else config.decode_attention)
         self.failure: str | None = None  # why the ranks can no longer run, once they cannot
         self.on_failure: Callable[[], None] | None = None  # called from the monitor thread on a failure
         self._processes: dict[int, subprocess.Popen] = {}  # rank -> the worker process spawned for it
@@ -129,6 +133,7 @@ class ParallelRunner:
     kv_dtype = property(lambda self: self.local.kv_dtype)
     kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
     model = property(lambda self: self.local.model)
+    kernel_choices = property(lambda self: self.local.kernel_choices)
     cuda_graph_safe = False  # a decode step is collectives across processes: never captured
     graphs = None
 

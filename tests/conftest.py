@@ -29,9 +29,11 @@ def embedded_path():
 
 @pytest.fixture(scope="session")
 def embedded_llm(embedded_path):
+    """The embedded model in fp32, the dtype of the greedy-parity tests (the default, dtype auto, is bf16 on CPUs
+    that compute it natively: README command 1's servers in the tests run that)."""
     from kvforge.core import LLM
 
-    return LLM(str(embedded_path), progress=False, kv_cache_bytes=256 << 20)
+    return LLM(str(embedded_path), progress=False, kv_cache_bytes=256 << 20, dtype="float32")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
-"""The `kvforge bench` commands, one module per verb (latency, throughput, serve, chat, quant, spec, gpu, peers),
-and the pieces they share: arguments (checks before anything loads), workloads (prompt sets), runs (driving
+"""The `kvforge bench` commands, one module per verb (latency, throughput, serve, chat, quant, spec, gpu, peers,
+kernels), and the pieces they share: arguments (checks before anything loads), workloads (prompt sets), runs (driving
 a kvforge engine), references (HF transformers runs and the parity rule), probe (the device),
 random_models (the GPU bench's models) and report (percentiles, tables, verdicts)."""
 
@@ -10,7 +10,7 @@ import argparse
 
 def add_parsers(bench_sub: argparse._SubParsersAction) -> None:
     """Register every bench verb on the `kvforge bench` subcommands, in the order `--help` lists them."""
-    from kvforge.app.bench import chat, gpu, latency, peers, quant, serve, spec, throughput
+    from kvforge.app.bench import chat, gpu, kernels, latency, peers, quant, serve, spec, throughput
 
-    for verb in (latency, throughput, serve, chat, quant, spec, gpu, peers):
+    for verb in (latency, throughput, serve, chat, quant, spec, gpu, peers, kernels):
         verb.add_parser(bench_sub)

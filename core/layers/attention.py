@@ -5,8 +5,8 @@ The cache is head-major and paged: [2 (K, V), kv_heads, num_blocks, block_size, 
 layer, so a gathered context comes out as [2, kv_heads, tokens, head_dim], the layout the matmuls
 want, and gathering copies whole blocks (see context.py). The layer first writes the step's new K/V.
 Prefill chunks attend one sequence at a time over their context (SDPA). Decode tokens attend in
-groups of similar context length with two batched matmuls, so the number of operations per layer
-does not grow with the number of sequences.
+groups of similar context length (layers/decode_attention.py: fp32 batched matmuls or SDPA, whichever is
+faster on this machine), so the number of operations per layer does not grow with the number of sequences.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core.context import DecodeGroup, KernelBatch, PrefillSeq, StepContext, get_context
+from kvforge.core.context import KernelBatch, PrefillSeq, StepContext, get_context
 from kvforge.core.layers.backend import use_triton
+from kvforge.core.layers.decode_attention import DECODE_VARIANTS
 
 
 class Attention(nn.Module):
@@ -27,6 +28,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.use_decode_variant("bmm")  # the stock one until the runner times the others (core/kernel_choice.py)
         self.triton = use_triton()
         if self.triton:  # bound once here, not per call; imported only with the Triton kernels (triton is optional)
             from kvforge.core.kernels.fused import store_kv
@@ -107,24 +109,20 @@ class Attention(nn.Module):
         return gathered.view(2, seqs, self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, ctx: StepContext, cache: torch.Tensor, i: int, q: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence of the group, as three batched ops over (sequence, kv head):
-        scaled scores (+ additive padding mask), softmax, weighted values. Computed in fp32: CPU
-        bf16 batched matmuls at these odd shapes are several times slower."""
+        """One new token per sequence of the group, attended over its gathered context by the decode variant
+        chosen for this machine (layers/decode_attention.py); the group's mask is built once per step."""
         group = ctx.decode_groups[i]
-        g, kv_heads, head_dim = group.end - group.start, self.num_kv_heads, self.head_dim
-        dtype = q.dtype
-        queries = (q[group.start:group.end].float() * self.scale).view(g * kv_heads, -1, head_dim)
+        g = group.end - group.start
+        key = (self.decode_variant, i, self.sliding_window)
+        if key not in ctx.masks:
+            mask = self.decode.mask(group.lengths, group.padded_len, self.sliding_window, self.num_kv_heads,
+                                    self.num_heads // self.num_kv_heads)
+            ctx.masks[key] = None if mask is None else mask.to(ctx.kv_cache.device)
         kv = self._gather(cache, group.gather_rows, g)
-        if dtype != torch.float32:
-            kv = kv.float()
-        keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
-        mask = decode_mask(ctx, i, group, self.sliding_window, queries.shape[1], kv_heads)
-        if mask is None:
-            scores = torch.bmm(queries, keys.transpose(1, 2))
-        else:
-            scores = torch.baddbmm(mask, queries, keys.transpose(1, 2))
-        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [g * kv_heads, queries per head, head_dim]
-        return out.view(g, -1).to(dtype)
+        return self.decode.run(q[group.start:group.end], kv, ctx.masks[key], self.scale)
+
+    def use_decode_variant(self, name: str) -> None:
+        self.decode_variant, self.decode = name, DECODE_VARIANTS[name]
 
 
 SHORT_CHUNK = 16  # chunks of at most this many tokens after a cached context attend like decode tokens
@@ -161,27 +159,4 @@ def short_chunk_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | No
         visible = visible_keys(seq.end - seq.start, seq.context_len, window, repeat=group)
         additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(0)
         ctx.masks[key] = additive.to(ctx.kv_cache.device)
-    return ctx.masks[key]
-
-
-def decode_mask(ctx: StepContext, i: int, group: DecodeGroup, window: int | None, queries_per_head: int,
-                kv_heads: int) -> torch.Tensor | None:
-    """Additive mask [g * kv_heads, queries per head, padded_len] (0 visible, -inf hidden), or None when
-    every gathered key is visible. Built once per step and shared by all layers."""
-    key = ("decode", i, window)
-    if key not in ctx.masks:
-        padded = group.padded_len
-        needs_window = window is not None and int(group.lengths.max()) > window
-        if bool((group.lengths == padded).all()) and not needs_window:
-            ctx.masks[key] = None
-        else:
-            pos = torch.arange(padded).unsqueeze(0)
-            lengths = group.lengths.unsqueeze(1)
-            valid = pos < lengths
-            if needs_window:
-                valid &= pos >= lengths - window
-            additive = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
-            g = valid.shape[0]
-            ctx.masks[key] = additive.view(g, 1, 1, padded).expand(g, kv_heads, queries_per_head, padded) \
-                .reshape(g * kv_heads, queries_per_head, padded).to(ctx.kv_cache.device)
     return ctx.masks[key]

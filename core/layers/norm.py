@@ -24,11 +24,9 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; bit-identical to the reference in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Same operation order as the HF reference: normalise in fp32, cast, then scale.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # The HF reference's order: normalise in fp32 (the fused kernel, bit-identical to its pow / mean / rsqrt),
+        # cast, then scale.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""

@@ -1,22 +1,20 @@
-"""The built-in `none` method: dense fp32 / bf16 / fp16 weights, registered like any plugin."""
+"""The built-in `none` method: dense fp32 / bf16 / fp16 weights, registered like any plugin.
+
+On CPU it offers two kernels, chosen per shape by timing them on the machine (core/kernel_choice.py): torch's
+`F.linear` and oneDNN's prepacked linear (faster on some CPUs, slower on others; docs/MEASUREMENTS.md)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kvforge.core.plugins import QuantMethod
+from kvforge.core.plugins import LinearKernel, QuantMethod
 
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
-    """oneDNN prepacked linears: on these CPUs ~2.3x faster than F.linear in fp32 (batch 1 to 1024)
-    and ~1.2x in bf16, with fp32-level rounding (see tests/plugins/test_dense.py). They are private
-    torch ops, so they are used only where they exist and can be switched off
-    (KVFORGE_ONEDNN_LINEAR=0)."""
+    """oneDNN's prepacked linear (fp32-level rounding, see tests/plugins/test_dense.py): private torch ops, so
+    offered only where they exist."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and os.environ.get("KVFORGE_ONEDNN_LINEAR", "1") != "0"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -31,6 +29,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     shape = x.shape
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), packed, bias, "none", [], "")
     return out.view(*shape[:-1], out.shape[-1])
+
+
+TORCH_LINEAR = LinearKernel(prepare=lambda weight: weight, run=F.linear)
+ONEDNN_LINEAR = LinearKernel(prepare=pack_weight, run=packed_linear)
 
 
 def create_dense_weight(layer: torch.nn.Module, in_features: int, out_features_per_shard: list[int],
@@ -51,14 +53,21 @@ class DenseMethod(QuantMethod):
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
         create_dense_weight(layer, in_features, out_features_per_shard, params_dtype)
-        layer.packed_weight = None
+        layer.packed_weight = None  # oneDNN's layout of the weight, when that kernel is chosen
         layer.weight_bytes = 0
 
     def process_after_loading(self, layer) -> None:
         w = layer.weight
         layer.weight_bytes = w.numel() * w.element_size()
-        if onednn_packing_available(w):
-            layer.packed_weight = pack_weight(w)
+
+    def kernels(self, layer) -> dict[str, LinearKernel]:
+        if layer.weight is None or not onednn_packing_available(layer.weight):
+            return {}
+        return {"torch": TORCH_LINEAR, "onednn": ONEDNN_LINEAR}
+
+    def use_kernel(self, layer, name: str) -> None:
+        if name == "onednn":
+            layer.packed_weight = pack_weight(layer.weight)
             del layer.weight  # the packed copy replaces it
             layer.weight = None
 

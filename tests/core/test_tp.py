@@ -35,8 +35,9 @@ def _children() -> list[psutil.Process]:
 
 
 def _tokens(path, prompts, rounds: int = 1, **config) -> tuple[list[list[list[int]]], dict]:
-    """Greedy tokens of `prompts` for each round, and the engine's final stats; the engine is closed."""
-    llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **config)
+    """Greedy tokens of `prompts` for each round, and the engine's final stats; the engine is closed. fp32 unless
+    `config` says otherwise: the ranks' tokens must equal one rank's exactly, whatever kernels each runs."""
+    llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **{"dtype": "float32", **config})
     try:
         results = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
         stats = llm.engine.stats()
@@ -83,7 +84,7 @@ def test_forked_samples_get_their_partial_block_copied_on_every_rank(embedded_pa
     params = SamplingParams(temperature=0.8, top_p=0.95, n=3, seed=11, max_tokens=16)
     samples = {}
     for tp in (1, 2):
-        llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, tp_size=tp)
+        llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, tp_size=tp, dtype="float32")
         try:
             (outs,) = llm.generate([chat_prompts[1]], params)
             samples[tp] = [o.token_ids for o in outs]
@@ -138,7 +139,7 @@ def test_estimate_of_the_largest_rank_share_matches_rank_0(embedded_path):
     """The settings panel's estimate for TP = 2: rank 0 (2 of the 3 KV heads) holds what it says."""
     from kvforge.core.estimate import estimate_memory
 
-    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, tp_size=2)
+    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, tp_size=2, dtype="float32")
     try:
         runner = llm.engine.runner
         estimate = estimate_memory(llm.engine.hf_config, "float32", 64 * 16, tp_size=2)

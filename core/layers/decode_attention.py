@@ -1,0 +1,78 @@
+"""Decode attention on the torch path: one new token per sequence of a group, over its gathered context
+(q [g, heads, head_dim], kv [2, g, kv_heads, padded_len, head_dim]). Two variants; which one runs is timed per
+machine at load (core/kernel_choice.py), since which is faster depends on the CPU and the dtype:
+- "bmm" (the stock one): fp32 batched matmuls over (sequence, KV head): scores plus an additive padding mask,
+  softmax, weighted values. fp32 because CPU bf16 batched matmuls at these odd shapes are slow where the CPU
+  has no native bf16.
+- "sdpa": torch's fused scaled_dot_product_attention in the model dtype with a boolean mask (GQA native): one
+  op per group, no fp32 copy of the context.
+Each builds its mask once per step (shared by every layer): None when every gathered key is visible."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# (context lengths [g], padded length, sliding window, kv heads, queries per kv head) -> mask or None
+MaskBuilder = Callable[[torch.Tensor, int, "int | None", int, int], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    mask: MaskBuilder
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]  # -> [g, heads * d]
+
+
+def visible_positions(lengths: torch.Tensor, padded: int, window: int | None) -> torch.Tensor | None:
+    """[g, padded] bool: the gathered keys each sequence sees (its context, within the window); None: all."""
+    needs_window = window is not None and int(lengths.max()) > window
+    if bool((lengths == padded).all()) and not needs_window:
+        return None
+    pos = torch.arange(padded).unsqueeze(0)
+    valid = pos < lengths.unsqueeze(1)
+    if needs_window:
+        valid &= pos >= lengths.unsqueeze(1) - window
+    return valid
+
+
+def bmm_mask(lengths, padded, window, kv_heads, per_head) -> torch.Tensor | None:
+    """Additive [g * kv_heads, queries per kv head, padded] (0 visible, -inf hidden)."""
+    valid = visible_positions(lengths, padded, window)
+    if valid is None:
+        return None
+    g = valid.shape[0]
+    additive = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+    return additive.view(g, 1, 1, padded).expand(g, kv_heads, per_head, padded).reshape(g * kv_heads, per_head, padded)
+
+
+def bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    g, _, head_dim = q.shape
+    kv_heads = kv.shape[2]
+    queries = (q.float() * scale).reshape(g * kv_heads, -1, head_dim)
+    if kv.dtype != torch.float32:
+        kv = kv.float()
+    keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
+    if mask is None:
+        scores = torch.bmm(queries, keys.transpose(1, 2))
+    else:
+        scores = torch.baddbmm(mask, queries, keys.transpose(1, 2))
+    out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [g * kv_heads, queries per kv head, head_dim]
+    return out.view(g, -1).to(q.dtype)
+
+
+def sdpa_mask(lengths, padded, window, kv_heads, per_head) -> torch.Tensor | None:
+    """Boolean [g, 1, 1, padded] (True: attended), broadcast over heads."""
+    valid = visible_positions(lengths, padded, window)
+    return None if valid is None else valid.view(valid.shape[0], 1, 1, padded)
+
+
+def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    keys, values = kv.unbind(0)  # [g, kv_heads, padded, head_dim]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.reshape(q.shape[0], -1)
+
+
+DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_mask, bmm_run), "sdpa": DecodeVariant(sdpa_mask, sdpa_run)}
