@@ -118,5 +118,8 @@ def runs_on(engine) -> str:
     parts = [runtime.device, engine.config.dtype, f"{runtime.kernels.capitalize()} kernels"]
     if runtime.cuda_graphs:
         parts.append("CUDA graphs")
+    chosen = sorted(set(runtime.kernel_choices.values()))  # timed on this CPU at load (core/kernel_choice.py)
+    if chosen:
+        parts.append(f"{' + '.join(chosen)} chosen by timing")
     parts.append(f"KV {runtime.kv_cache_bytes / GIB:.2f} GiB")
     return ", ".join(parts)
