@@ -24,3 +24,37 @@ def test_reduced_precision_matches_fp32_answers(embedded_llm, embedded_path, dty
     assert all(o.token_ids[0] == r[0] for o, r in zip(outs, reference))
     assert sum(o.token_ids == r for o, r in zip(outs, reference)) >= 3
     assert llm.engine.block_pool.num_used == 0
+
+
+def test_default_dtype_is_close_to_hf_transformers_in_that_dtype(embedded_path):
+    """The default (dtype auto: bf16 on CPUs that compute it natively, else fp32) against HF transformers in the
+    same dtype, greedy, vLLM's closeness rule: at the first divergence each side's token is among the other's
+    top-5 (exact equality is for fp32; in bf16 a logit tie rounds either way: HF's bf16 logits tie on the
+    first token of "What is 2 + 2?", where fp32 prefers ours). Most answers are equal outright."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.parity import logprobs_close
+
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20)  # the defaults
+    try:
+        dtype = llm.engine.config.torch_dtype
+        hf = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=dtype).eval()
+        tok = llm.tokenizer
+        failures, equal = [], 0
+        for question in PROMPTS:
+            ids = tok.apply_chat_template([{"role": "user", "content": question}])
+            ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, logprobs=5))[0]
+            with torch.inference_mode():
+                out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                  pad_token_id=tok.hf.pad_token_id or 0)
+            theirs = out.sequences[0, len(ids):].tolist()
+            their_top = [set(step[0].float().topk(5).indices.tolist()) for step in out.logits]
+            our_top = [{t for t, _ in lp.top} for lp in ours.logprobs]
+            failures.append(logprobs_close(ours.token_ids, our_top, theirs, their_top, question))
+            equal += ours.token_ids == theirs
+        assert not [f for f in failures if f], failures
+        assert equal >= len(PROMPTS) - 1
+    finally:
+        llm.engine.close()

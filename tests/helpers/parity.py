@@ -58,11 +58,10 @@ def compare(ours: list[list[int]], theirs: list[list[int]], their_logits) -> Par
 
 def logprobs_close(ours: list[int], our_top: list[set[int]], theirs: list[int], their_top: list[set[int]],
                    name: str = "") -> str | None:
-    """vLLM's `check_logprobs_close` rule for approximate models (e.g. quantized against fp32): the
-    first tokens are equal and, until the first divergence, each side's token is among the other's
-    top-k. Returns why the rule fails, or None."""
-    if not ours or not theirs or ours[0] != theirs[0]:
-        return f"{name}: first tokens differ: {ours[:1]} vs {theirs[:1]}"
+    """vLLM's `check_logprobs_close` rule for approximate models (reduced precision, quantized against fp32):
+    at the first divergence, each side's token is among the other's top-k. Returns why it fails, or None."""
+    if not ours or not theirs:
+        return f"{name}: an empty output: {ours} vs {theirs}"
     for pos, (a, b) in enumerate(zip(ours, theirs)):
         if a == b:
             continue
