@@ -55,6 +55,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="gptq: symmetric (default) or with zero points; awq is always --no-sym")
     g.add_argument("--checkpoint-format", choices=("gptq", "gptq_v2"), default=None,
                    help="gptq: 'gptq' (v1, what most loaders read; default) or 'gptq_v2'")
+    g.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
+                   help="awq: search a clipping range per weight group (default); --no-clip skips that search, "
+                        "most of the build's time on CPU")
     g.add_argument("--calibration-samples", type=int, default=None, help="calibration sequences (default: 64)")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default: 256)")
     g.add_argument("--calibration-file", default=None,

@@ -34,12 +34,39 @@ def write_gptqmodel(options: QuantizeOptions, source: Path, staging: Path, say) 
         config = QuantizeConfig(bits=options.bits, group_size=options.group_size, quant_method="awq",
                                 format="gemm", sym=False)
         backend = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH
+    clip = "" if options.clip in (None, True) else ", no clip search"
     say(f"{options.method}: {options.bits}-bit, group size {options.group_size}, {len(data)} calibration "
-        f"samples of {options.seq_len} tokens, GPTQModel {gptqmodel.__version__} (its progress bars follow)")
+        f"samples of {options.seq_len} tokens{clip}, GPTQModel {gptqmodel.__version__} (its progress bars follow)")
     model = GPTQModel.load(str(source), quantize_config=config, dtype=torch.bfloat16)
-    with tempfile.TemporaryDirectory(prefix="kvforge-gptqmodel-logs-") as logs, _gptqmodel_logs_in(Path(logs)):
+    with tempfile.TemporaryDirectory(prefix="kvforge-gptqmodel-logs-") as logs, _gptqmodel_logs_in(Path(logs)), \
+            _awq_clip_search(options.clip is not False):
         model.quantize(data, backend=backend)
     model.save(str(staging))
+
+
+@contextmanager
+def _awq_clip_search(enabled: bool):
+    """AWQ's search of a clipping range per weight group (AutoAWQ's `apply_clip`), on unless `enabled` is False
+    (on CPU it is most of the build: docs/MEASUREMENTS.md). GPTQModel keeps its switch on the AWQ processor it
+    builds, not in QuantizeConfig, so it is turned off on each processor built meanwhile."""
+    if enabled:
+        yield
+        return
+    from gptqmodel.looper.awq_processor import AWQProcessor
+
+    original = AWQProcessor.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if not hasattr(self, "apply_clip"):  # another GPTQModel version: refuse rather than clip anyway
+            raise RuntimeError("--no-clip: this GPTQModel version's AWQ processor has no apply_clip switch")
+        self.apply_clip = False
+
+    AWQProcessor.__init__ = init
+    try:
+        yield
+    finally:
+        AWQProcessor.__init__ = original
 
 
 @contextmanager

@@ -28,6 +28,7 @@ class QuantizeOptions:
     desc_act: bool | None = None  # gptq: quantize columns in order of decreasing activation (default off)
     sym: bool | None = None  # gptq: symmetric (default); awq: asymmetric with zero points only
     checkpoint_format: str | None = None  # gptq: "gptq" (v1, stored zero = z - 1; default) or "gptq_v2"
+    clip: bool | None = None  # awq: search a clipping range per weight group (AutoAWQ's apply_clip; default on)
     calibration_samples: int | None = None  # sequences (default 64)
     seq_len: int | None = None  # tokens per sequence (default 256)
     calibration_file: str | None = None  # default: the built-in calibration.txt
@@ -39,20 +40,20 @@ class QuantizeOptions:
 DEFAULTS = {
     "gptq": dict(bits=4, group_size=64, desc_act=False, sym=True, checkpoint_format="gptq", calibration_samples=64,
                  seq_len=256),
-    "awq": dict(bits=4, group_size=64, sym=False, calibration_samples=64, seq_len=256),
+    "awq": dict(bits=4, group_size=64, sym=False, clip=True, calibration_samples=64, seq_len=256),
     "bnb-nf4": dict(double_quant=False, quant_type="nf4"),
     "bnb-int8": dict(),
 }
 CHOICES = {
     "gptq": dict(bits=(4, 8), sym=(True, False), desc_act=(True, False), checkpoint_format=("gptq", "gptq_v2")),
-    "awq": dict(bits=(4,), sym=(False,)),
+    "awq": dict(bits=(4,), sym=(False,), clip=(True, False)),
     "bnb-nf4": dict(quant_type=("nf4", "fp4"), double_quant=(True, False)),
     "bnb-int8": dict(),
 }
 FLAGS = {"bits": "--bits", "group_size": "--group-size", "desc_act": "--desc-act", "sym": "--sym/--no-sym",
-         "checkpoint_format": "--checkpoint-format", "calibration_samples": "--calibration-samples",
-         "seq_len": "--seq-len", "calibration_file": "--calibration-file", "double_quant": "--double-quant",
-         "quant_type": "--quant-type"}
+         "checkpoint_format": "--checkpoint-format", "clip": "--clip/--no-clip",
+         "calibration_samples": "--calibration-samples", "seq_len": "--seq-len",
+         "calibration_file": "--calibration-file", "double_quant": "--double-quant", "quant_type": "--quant-type"}
 
 
 def resolved(options: QuantizeOptions) -> QuantizeOptions:
