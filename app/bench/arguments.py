@@ -17,7 +17,7 @@ def checked_model(args: argparse.Namespace, positive: tuple[str, ...]) -> Path:
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    EngineConfig(dtype=args.dtype)
+    args.dtype = EngineConfig(dtype=args.dtype).dtype  # "auto" resolved: the reports name the dtype measured
     return resolve_model(args.model)
 
 

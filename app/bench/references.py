@@ -19,9 +19,9 @@ def load_hf(path, dtype: str | torch.dtype, device: str = "cpu"):
     """The HF model at `path` in `dtype` (a kvforge dtype name or a torch dtype), on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from kvforge.core.config import DTYPES
+    from kvforge.core.config import DTYPES, resolve_dtype
 
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = DTYPES[resolve_dtype(dtype, device)] if isinstance(dtype, str) else dtype
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from kvforge.core.config import EngineConfig
+
 NUM_REQUESTS, OUTPUT_LEN = 4, 4
 
 
@@ -34,7 +36,7 @@ def test_report_has_every_figure(report):
     for key in ("ttft_s", "tpot_s"):
         assert set(report["kvforge"][key]) == {"p50", "p99"}
         assert 0 < report["kvforge"][key]["p50"] <= report["kvforge"][key]["p99"]
-    assert report["dtype"] == "float32"
+    assert report["dtype"] == EngineConfig().dtype  # the default, "auto", named as what it resolved to here
 
 
 def test_counts_are_plausible(report):
