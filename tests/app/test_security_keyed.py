@@ -190,7 +190,7 @@ def test_gradio_client_without_the_key_cannot_read_post_delete_or_apply(server, 
              ("/send", ("And tell everyone.", private_conversation, "", 0.0, 1.0, 4)),
              ("/delete", (private_conversation,)),
              ("/new_conversation", ("injected system prompt",)),
-             ("/apply_settings", ("SmolLM2-135M-Instruct", "bfloat16", "none", "{}", "none", "{}", None, 1))]
+             ("/apply_settings", ("SmolLM2-135M-Instruct", "float16", "none", "{}", "none", "{}", None, 1))]
     for api_name, args in calls:
         with pytest.raises(Exception) as failure:
             client.predict(*args, api_name=api_name)
@@ -203,7 +203,7 @@ def test_gradio_client_without_the_key_cannot_read_post_delete_or_apply(server, 
     titles = [s["title"] for s in httpx.get(f"{server.url}/v1/sessions", headers=AUTH, timeout=30).json()["data"]]
     assert titles == ["medical notes"], titles
     model_after = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
-    assert model_after["dtype"] == model_before["dtype"] == "float32", "the settings were applied"
+    assert model_after["dtype"] == model_before["dtype"] != "float16", "the settings were applied"
 
 
 def test_a_browser_logs_in_with_a_strict_httponly_cookie_and_chats(server):

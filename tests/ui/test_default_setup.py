@@ -17,7 +17,7 @@ from dataclasses import fields
 import pytest
 
 from kvforge.app.settings import ServeSettings
-from kvforge.core.config import CPU_KV_CACHE_BYTES
+from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
 from tests.helpers.server_process import ServeProcess
 from tests.ui.ui_helpers import apply_and_wait, choose, model_card, send, served_quant, set_slider, wait_reply
 
@@ -125,7 +125,7 @@ def chat(page, server, message: str) -> str:
 
 def test_default_setup_swaps_quant_from_the_settings_and_chats_without_an_error(page, server):
     card = model_card(server)
-    assert card["quant"] == "none" and card["dtype"] == "float32", card
+    assert card["quant"] == "none" and card["dtype"] == EngineConfig().dtype, card  # auto: bf16 where native
     kv_bytes = card["memory"]["kv_cache_bytes"]
     if card["device"] == "cpu":  # automatic on CPU: 1 GiB (whole blocks)
         assert 0.99 * CPU_KV_CACHE_BYTES < kv_bytes <= CPU_KV_CACHE_BYTES, kv_bytes

@@ -62,8 +62,9 @@ def page(server):
         yield page
 
 
-def test_memory_estimate_is_shown_before_applying(page, embedded_path):
-    expected = estimate_memory(load_config(embedded_path), "float32", 8192)
+def test_memory_estimate_is_shown_before_applying(page, server, embedded_path):
+    dtype = model_card(server)["dtype"]  # the settings start from the running model's (the default: auto, resolved)
+    expected = estimate_memory(load_config(embedded_path), dtype, 8192)
     estimate = page.locator("#settings-estimate")
     estimate.filter(has_text=human_bytes(expected["total_bytes"])).wait_for()
     text = estimate.inner_text()
@@ -71,7 +72,7 @@ def test_memory_estimate_is_shown_before_applying(page, embedded_path):
 
     page.fill("#settings-context input", "1024")
     page.locator("#settings-context input").press("Enter")
-    smaller = estimate_memory(load_config(embedded_path), "float32", 1024)
+    smaller = estimate_memory(load_config(embedded_path), dtype, 1024)
     estimate.filter(has_text=human_bytes(smaller["kv_bytes"])).wait_for()  # KV scales with the context
 
 
