@@ -54,7 +54,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_concurrent_greedy_matches_hf(name, embedded_path, prompts, hf_reference):
-    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=128 << 20, **CONFIGS[name])
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=128 << 20, dtype="float32", **CONFIGS[name])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     report = compare([o.token_ids for o in outs], *hf_reference)
     stats = llm.engine.stats()

@@ -63,7 +63,7 @@ def prompts():
 
 
 def _greedy(path, prompts) -> list[list[int]]:
-    llm = LLM(str(path), progress=False, num_kv_blocks=64)
+    llm = LLM(str(path), progress=False, num_kv_blocks=64, dtype="float32")  # parity with HF in fp32
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     assert llm.engine.block_pool.num_used == 0
     return [o.token_ids for o in outs]
