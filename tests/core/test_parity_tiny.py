@@ -31,7 +31,7 @@ def hf_reference(tiny):
 def test_tiny_greedy_matches_hf(tiny, hf_reference, block_size, chunk):
     name, path, _, prompts = tiny
     llm = LLM(str(path), progress=False, block_size=block_size, num_kv_blocks=2048 // block_size,
-              max_num_batched_tokens=chunk or 2048)
+              max_num_batched_tokens=chunk or 2048, dtype="float32")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     report = compare([o.token_ids for o in outs], *hf_reference)
     print(name, block_size, chunk, report)

@@ -56,8 +56,10 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def reference(embedded_path):
-    """The ground truth: the same model without any prefix caching (so without the disk tier)."""
-    return LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    """The ground truth: the same model without any prefix caching (so without the disk tier). fp32, like every
+    engine of this module: what is loaded from disk must give exactly the tokens of a recomputation."""
+    return LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+               dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,7 @@ def make_llm(embedded_path, tmp_path):
 
     def make(db_url: str | None, **config) -> LLM:
         llm = LLM(str(embedded_path), progress=False, persist_kv=True, data_dir=str(tmp_path), db_url=db_url,
-                  kv_cache_bytes=64 << 20, **config)
+                  kv_cache_bytes=64 << 20, **{"dtype": "float32", **config})
         built.append(llm)
         return llm
     yield make
@@ -347,10 +349,11 @@ def test_a_block_dropped_and_saved_again_in_one_batch_is_kept(db_url, tmp_path):
 
 def test_model_fingerprint_covers_everything_that_changes_the_kv(embedded_path, reference):
     tok = reference.tokenizer
-    base = model_fingerprint(EngineConfig(), embedded_path, tok)
+    base = model_fingerprint(EngineConfig(dtype="float32"), embedded_path, tok)
     assert len(base) == 16
-    same = [dict(), dict(dtype="fp32"), dict(kv_cache_bytes=1 << 20, max_num_seqs=3, persist_kv=True, seed=7,
-                                             data_dir="/elsewhere", kv_disk_budget_bytes=1)]
+    same = [dict(dtype="float32"), dict(dtype="fp32"),
+            dict(dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=3, persist_kv=True, seed=7,
+                 data_dir="/elsewhere", kv_disk_budget_bytes=1, linear_kernels="torch", decode_attention="sdpa")]
     for config in same:
         assert model_fingerprint(EngineConfig(**config), embedded_path, tok) == base, config
     different = [dict(dtype="bfloat16"), dict(dtype="float16"), dict(quant="int8"),
@@ -358,6 +361,9 @@ def test_model_fingerprint_covers_everything_that_changes_the_kv(embedded_path, 
                  dict(block_size=8), dict(block_size=32)]
     prints = [model_fingerprint(EngineConfig(**config), embedded_path, tok) for config in different]
     assert len(set(prints) | {base}) == len(different) + 1
+    resolved = EngineConfig().dtype  # the default, auto, is the dtype it resolves to on this machine
+    assert model_fingerprint(EngineConfig(), embedded_path, tok) == model_fingerprint(
+        EngineConfig(dtype=resolved), embedded_path, tok)
 
 
 def test_blocks_of_another_config_are_never_used(make_llm, prompt, expected):

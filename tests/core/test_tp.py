@@ -159,7 +159,7 @@ def test_whole_blocks_are_gathered_from_and_handed_to_the_ranks(tmp_path_factory
     llm = LLM(str(path), progress=False, num_kv_blocks=8, tp_size=2)
     try:
         runner = llm.engine.runner
-        data = torch.randn(runner.kv_block_shape)
+        data = torch.randn(runner.kv_block_shape).to(runner.kv_dtype)
         runner.write_block(5, data)
         assert torch.equal(runner.read_block(5), data)
         assert not torch.equal(runner.read_block(4), data)
