@@ -28,8 +28,9 @@ def tiny(request, tmp_path_factory, embedded_path):
 
 
 def _generate(path, prompts, rounds: int = 2, **config) -> tuple[LLM, list[list[list[int]]]]:
-    """Greedy tokens of every round (later rounds hit the prefix cache)."""
-    llm = LLM(str(path), progress=False, **config)
+    """Greedy tokens of every round (later rounds hit the prefix cache); fp32 unless `config` says otherwise (the
+    kernels must give the torch path's tokens and HF's exactly)."""
+    llm = LLM(str(path), progress=False, **{"dtype": "float32", **config})
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(rounds)]
     assert llm.engine.block_pool.num_used == 0
@@ -55,7 +56,7 @@ def test_decode_graph_buffers_give_the_eager_tokens(tiny):
     path, _, prompts = tiny
     common = dict(kernels="triton", device=DEVICE, num_kv_blocks=40, max_num_seqs=8)
     _, eager = _generate(path, prompts[1:], rounds=1, **common)
-    llm = LLM(str(path), progress=False, **common)
+    llm = LLM(str(path), progress=False, dtype="float32", **common)
     engine = llm.engine
     engine.runner.enable_decode_graphs(engine.max_model_len, max_batch=8, capture=False)
     graphs = engine.runner.graphs
@@ -74,7 +75,8 @@ def test_embedded_model_on_triton_kernels_matches_hf(embedded_path):
     """The real model (30 layers, 9 query / 3 KV heads) on the Triton kernels: the HF greedy answer."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(embedded_path), progress=False, kernels="triton", device=DEVICE, kv_cache_bytes=32 << 20)
+    llm = LLM(str(embedded_path), progress=False, kernels="triton", device=DEVICE, kv_cache_bytes=32 << 20,
+              dtype="float32")
     messages = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
     prompt = llm.tokenizer.apply_chat_template(messages)  # token ids
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
