@@ -571,7 +571,7 @@ def checkpoint(tiny_llama, tmp_path_factory):
 def _generate(path, prompts, **config):
     from kvforge.core import LLM, SamplingParams
 
-    llm = LLM(str(path), progress=False, num_kv_blocks=64, **config)
+    llm = LLM(str(path), progress=False, num_kv_blocks=64, **{"dtype": "float32", **config})  # HF's fp32 reference
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     return llm, [o.token_ids for o in outs]
 

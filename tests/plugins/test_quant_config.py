@@ -84,7 +84,7 @@ def test_the_option_is_checked_and_kept_out_of_the_methods_options():
 def test_layers_named_by_the_user_stay_dense_at_load(tiny):
     path, hf = tiny
     llm = LLM(str(path), quant="bnb-int8", quant_options={DENSE_MODULES_OPTION: ["model.layers.0.mlp"]},
-              progress=False, num_kv_blocks=64)
+              progress=False, num_kv_blocks=64, dtype="float32")  # the dense layers compared with fp32 F.linear
     methods = _methods(llm)
     dense = {name for name, cls in methods.items() if cls is DenseMethod}
     assert dense == {"lm_head", "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"}
@@ -112,7 +112,7 @@ def test_a_checkpoints_modules_to_not_convert_load_dense(tiny, tmp_path):
     quantization_config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quantization_config["modules_to_not_convert"] == ["model.layers.1.self_attn"]
 
-    llm = LLM(str(out), progress=False, num_kv_blocks=64)
+    llm = LLM(str(out), progress=False, num_kv_blocks=64, dtype="float32")
     assert llm.engine.config.quant == "gptq"
     methods = _methods(llm)
     dense = {name for name, cls in methods.items() if cls is DenseMethod}
