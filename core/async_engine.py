@@ -3,7 +3,9 @@
 Requests are validated in the caller's thread (so a bad request fails at once, before anything
 is queued) and handed to the loop thread, which applies new requests and aborts between steps;
 the loop never blocks the caller's event loop. Outputs are handed back to each stream's event
-loop thread-safely. A step that raises fails the requests in it, not the engine.
+loop thread-safely, all of a step's at once: one wakeup of each event loop per step, not one per
+token per stream (each wakeup is a syscall on the engine thread and a chance for the event loop to
+take the GIL mid-step). A step that raises fails the requests in it, not the engine.
 """
 
 from __future__ import annotations
@@ -37,12 +39,6 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
-    def _put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody can read this any more
-            self.engine.abort(self.request_id)
-
     @property
     def finished(self) -> bool:
         return self._remaining == 0
@@ -73,6 +69,12 @@ class RequestStream:
         self.abort()
 
 
+def _hand_over(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """On the consumers' event loop: a step's outputs into their streams, in order."""
+    for stream, item in items:
+        stream._queue.put_nowait(item)
+
+
 def build_off_main_thread(build: Callable[[], Any]) -> Any:
     """Run `build` (loading a model) in a short-lived thread. Measured here: once the main thread has
     run parallel torch work, oneDNN matmuls issued from the engine thread run ~2x slower; keeping all
@@ -93,6 +95,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._unfinished: dict[str, int] = {}  # samples of each request not yet delivered as finished
+        # what the engine thread has for the streams, by their event loop, until _flush hands it over
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
         self._wakeup = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
@@ -150,31 +154,50 @@ class AsyncEngine:
     # --- the engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stopped:
-            if self.engine.failure():
-                self._die(self.engine.failure())
-                return
-            self._apply_commands()
-            if not self.engine.has_unfinished():
+        try:
+            while not self._stopped:
+                self._flush()
+                if self.engine.failure():
+                    self._die(self.engine.failure())
+                    return
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._flush()
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except RequestsFailed as exc:  # e.g. out of device memory: only these requests stop
+                    log.warning("%s", exc)
+                    for request_id in exc.request_ids:
+                        self._fail(request_id, exc)
+                    continue
+                except Exception as exc:  # fail the requests of this step, keep serving the others
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
+                    continue  # unless the engine cannot run any more (checked at the top)
+                for output in outputs:
+                    self._deliver(output)
+                self._flush()
                 self._stats = self.engine.stats()
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
+            self._fail_all(RuntimeError("the engine was closed"))
+        finally:
+            self._flush()
+
+    def _send(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        self._outbox.setdefault(stream._loop, []).append((stream, item))
+
+    def _flush(self) -> None:
+        """Hand everything queued to the streams: one call into each consumer event loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
             try:
-                outputs = self.engine.step()
-            except RequestsFailed as exc:  # e.g. out of device memory: only these requests stop
-                log.warning("%s", exc)
-                for request_id in exc.request_ids:
-                    self._fail(request_id, exc)
-                continue
-            except Exception as exc:  # fail the requests of this step, keep serving the others
-                log.exception("engine step failed")
-                self._fail_all(exc)
-                continue  # unless the engine cannot run any more (checked at the top)
-            for output in outputs:
-                self._deliver(output)
-            self._stats = self.engine.stats()
-        self._fail_all(RuntimeError("the engine was closed"))
+                loop.call_soon_threadsafe(_hand_over, items)
+            except RuntimeError:  # the consumers' event loop is closed: nobody can read these any more
+                for request_id in dict.fromkeys(stream.request_id for stream, _ in items):
+                    self.abort(request_id)
 
     def _apply_commands(self) -> None:
         while True:
@@ -190,7 +213,7 @@ class AsyncEngine:
                     self.engine.add_request(prompt_ids, params, request_id=request_id)
                 except Exception as exc:
                     self._unfinished.pop(request_id, None)
-                    self._streams.pop(request_id)._put(exc)
+                    self._send(self._streams.pop(request_id), exc)
             else:
                 for output in self.engine.abort(command[1]):
                     self._deliver(output)
@@ -199,7 +222,7 @@ class AsyncEngine:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        stream._put(output)
+        self._send(stream, output)
         if output.finished:
             self._unfinished[output.request_id] -= 1
             if self._unfinished[output.request_id] == 0:
@@ -212,7 +235,8 @@ class AsyncEngine:
         error = RuntimeError(f"the engine stopped: {why}")
         for request_id in list(self._streams):  # no engine.abort: the engine cannot run (or free) anything now
             self._unfinished.pop(request_id, None)
-            self._streams.pop(request_id)._put(error)
+            self._send(self._streams.pop(request_id), error)
+        self._flush()
         if self.on_fatal is not None:
             self.on_fatal(why)
 
@@ -226,4 +250,4 @@ class AsyncEngine:
         self._unfinished.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream._put(exc)
+            self._send(stream, exc)

@@ -46,15 +46,17 @@ class RateMeter:
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self._events: deque[tuple[float, int]] = deque()
+        self._total = 0  # the counts in _events (the engine reads the rate after every step)
 
     def add(self, count: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self._events.append((now, count))
+        self._total += count
         self._trim(now)
 
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
+            self._total -= self._events.popleft()[1]
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
@@ -62,7 +64,7 @@ class RateMeter:
         if not self._events:
             return 0.0
         span = min(self.window_s, max(now - self._events[0][0], 1.0))  # >= 1 s: no burst spikes
-        return sum(count for _, count in self._events) / span
+        return self._total / span
 
 
 @dataclass

@@ -37,6 +37,7 @@ class BlockPool:
         # Unused blocks, oldest first: allocation takes from the front, so cached blocks freed long
         # ago are evicted first (LRU). OrderedDict: O(1) removal when a cache hit revives a block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._num_cached_free = 0  # blocks in _free that hold a hash: kept as they move (stats read it every step)
 
     @property
     def num_free(self) -> int:
@@ -50,7 +51,7 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         """Unused blocks that still hold a reusable cached prefix."""
-        return sum(1 for block in self._free if self.hashes[block] is not None)
+        return self._num_cached_free
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -64,11 +65,13 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: int) -> None:
+        """Forget the prefix a block taken from the free queue (or still in it) holds."""
         digest = self.hashes[block]
         if digest is not None:
             if self.cached.get(digest) == block:
                 del self.cached[digest]
             self.hashes[block] = self.block_tokens[block] = None
+            self._num_cached_free -= 1
 
     def share(self, blocks: list[int]) -> None:
         """Another sequence uses these blocks too (n samples of one prompt, prefix-cache hits)."""
@@ -77,6 +80,7 @@ class BlockPool:
                 if self.hashes[block] is None:
                     raise ValueError(f"block {block} is not allocated")
                 del self._free[block]
+                self._num_cached_free -= 1
             self.ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
@@ -94,6 +98,7 @@ class BlockPool:
                     self._free.move_to_end(block, last=False)  # uncached: reuse it first
                 else:
                     self._free[block] = None
+                    self._num_cached_free += 1
 
     def lookup(self, digest: bytes, token_ids: Sequence[int]) -> int | None:
         """The cached block holding exactly these tokens under this hash, or None."""
@@ -113,6 +118,8 @@ class BlockPool:
             return False  # the same prefix is cached in another block already
         self.hashes[block], self.block_tokens[block] = digest, tuple(token_ids)
         self.cached[digest] = block
+        if self.ref_counts[block] == 0:  # an unused block (none of the engine's callers does this)
+            self._num_cached_free += 1
         return True
 
     def reset_cache(self) -> int:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, Integer, LargeBinary, String, delete, func, select, update
+from sqlalchemy import BigInteger, Float, Integer, LargeBinary, String, delete, func, insert, select, update
 from sqlalchemy.orm import Mapped, mapped_column
 
 from kvforge.core.kv.index import KVEntry
@@ -64,11 +64,16 @@ class SQLKVIndex:
             return [r.entry() for r in rows]
 
     def add(self, entries: Iterable[KVEntry]) -> None:
-        with self.store.session() as s, s.begin():
-            for e in entries:
-                s.merge(KVBlockRow(hash=e.hash, parent_hash=e.parent_hash, fingerprint=e.fingerprint,
-                                   token_digest=e.token_digest, num_tokens=e.num_tokens, file=e.file,
-                                   nbytes=e.nbytes, checksum=e.checksum, last_access=e.last_access))
+        """Two statements per batch (a row per block through the ORM costs the writer thread, and so the engine
+        thread waiting for the GIL, ~0.5 ms a block): rows of these hashes replaced, in one transaction."""
+        rows = {e.hash: {"hash": e.hash, "parent_hash": e.parent_hash, "fingerprint": e.fingerprint,
+                         "token_digest": e.token_digest, "num_tokens": e.num_tokens, "file": e.file,
+                         "nbytes": e.nbytes, "checksum": e.checksum, "last_access": e.last_access}
+                for e in entries}
+        if rows:
+            with self.store.session() as s, s.begin():
+                s.execute(delete(KVBlockRow).where(KVBlockRow.hash.in_(list(rows))))
+                s.execute(insert(KVBlockRow), list(rows.values()))
 
     def touch(self, hashes: Iterable[bytes], when: float | None = None) -> None:
         when = when or time.time()

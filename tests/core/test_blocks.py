@@ -146,3 +146,34 @@ def test_random_operations_keep_invariants():
     for owner in owners:
         pool.free(owner)
     assert pool.num_used == 0
+
+
+def test_cached_free_count_follows_every_move():
+    """num_cached_free is kept as blocks move (the engine's stats read it after every step): it always equals a
+    recount of the free queue, through registering, freeing, reviving cache hits, evicting and resetting."""
+    pool, rng = BlockPool(12), random.Random(7)
+    owners: list[list[int]] = []
+    digests: dict[bytes, tuple[int, ...]] = {}
+    most = 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.3 and pool.num_free:
+            owners.append(pool.allocate(rng.randint(1, min(3, pool.num_free))))
+        elif op < 0.5 and owners:
+            block = rng.choice(rng.choice(owners))
+            tokens = (step,)
+            if pool.register(block, bytes([step % 251]) * 16, tokens):
+                digests[bytes([step % 251]) * 16] = tokens
+        elif op < 0.7 and digests:
+            digest, tokens = rng.choice(list(digests.items()))
+            block = pool.lookup(digest, tokens)
+            if block is not None:  # a hit, maybe on a free block: revived
+                pool.share([block])
+                owners.append([block])
+        elif op < 0.97 and owners:
+            pool.free(owners.pop(rng.randrange(len(owners))))
+        else:
+            pool.reset_cache()
+        assert pool.num_cached_free == sum(1 for b in pool._free if pool.hashes[b] is not None)
+        most = max(most, pool.num_cached_free)
+    assert most >= 3  # the walk did keep cached blocks in the free queue
