@@ -1,16 +1,20 @@
 """`kvforge bench peers`, run as a real subprocess on the embedded model with HF and kvforge only (tiny sizes, no
 timing assertions: the table, the JSON rows and the arithmetic that ties them together). The peers (vLLM,
 llama.cpp) are not part of CI: here they are pointed at paths that do not exist and must be reported as skipped;
-an engine that fails is driven with a stand-in interpreter."""
+an engine that fails is driven with a stand-in interpreter. --http runs kvforge's own server under our httpx client
+(vLLM forced off, so its `vllm bench serve` is not the load generator); the parsing of `vllm bench serve`'s result
+file and the stopping of a server's process group are checked on stand-ins."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -110,3 +114,114 @@ def test_a_peer_without_its_module_is_skipped(tmp_path, monkeypatch):
     python, why = find_peer("llama", args)
     assert python is None and why.startswith(f"not installed: no {tmp_path}")
     assert find_peer("vllm", argparse.Namespace(**{**vars(args), "no_peers": True})) == (None, "--no-peers")
+
+
+@pytest.fixture(scope="module")
+def http_run(embedded_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-peers-http")
+    out = tmp / "peers-http.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--http", "--no-peers", "--engines",
+         "kvforge-fp32,vllm-bf16", "--prompts", str(PROMPTS), "--concurrency", ",".join(map(str, BATCHES)),
+         "--output-tokens", str(OUTPUT_TOKENS), "--threads", "1", "--timeout", "300", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_http_serves_kvforge_under_our_client_and_fills_the_same_rows(http_run):
+    stdout, report = http_run
+    assert report["command"] == "kvforge bench peers --http"
+    assert report["options"]["http"] and report["options"]["concurrency"] == list(BATCHES)
+    assert report["options"]["load_generator"]["kind"] == "kvforge" and report["prompts"]["source"] == "chat"
+    assert "load generator: kvforge's streaming httpx client (vllm bench serve: --no-peers)" in stdout
+    engines = {e["engine"]: e for e in report["engines"]}
+    assert set(engines) == {"kvforge-fp32", "vllm-bf16"}
+    assert engines["vllm-bf16"]["status"] == "skipped" and engines["vllm-bf16"]["why"] == "--no-peers"
+    kvforge = engines["kvforge-fp32"]
+    assert kvforge["status"] == "ok" and kvforge["info"]["stop"] == "stopped" and kvforge["info"]["load_s"] > 0
+    assert "kvforge serve" in kvforge["info"]["library"]
+    rows = {r["batch"]: r for r in report["rows"]}
+    assert set(rows) == set(BATCHES) and all(r["engine"] == "kvforge-fp32" for r in report["rows"])
+    for batch, r in rows.items():
+        assert r["requests"] == PROMPTS and r["generated_tokens"] == PROMPTS * OUTPUT_TOKENS
+        assert r["output_tok_s"] == pytest.approx(r["generated_tokens"] / r["wall_s"])
+        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["tpot_s"]["p50"] > 0
+        assert r["prompt_tokens"] > 0  # as the server counted them (usage)
+        assert r["vs_hf"] is None and r["vs_vllm_bf16"] is None
+        table = stdout.split(f"== concurrency {batch}:")[1].split("\n\n")[0]
+        assert "TTFT p50" in table and any(line.startswith("kvforge-fp32") for line in table.splitlines())
+
+
+def test_http_refuses_an_engine_without_a_server():
+    from kvforge.app.bench.peers import _selected
+
+    args = argparse.Namespace(engines="hf-fp32,kvforge-bf16", kvforge_4bit=None, http=True)
+    with pytest.raises(ValueError, match="hf-fp32: no server"):
+        _selected(args)
+    assert "hf-fp32" not in [e.name for e in _selected(argparse.Namespace(**{**vars(args), "engines": None}))]
+
+
+def _vllm_result(requests: int, tokens: int, **changes) -> dict:
+    """What `vllm bench serve --save-result --save-detailed` writes, the fields the bench reads."""
+    return {"duration": 2.0, "completed": requests, "failed": 0, "total_input_tokens": 130 * requests,
+            "total_output_tokens": requests * tokens, "ttfts": [0.1 * (i + 1) for i in range(requests)],
+            "latencies": [0.1 * (i + 1) + 0.05 * (tokens - 1) for i in range(requests)],
+            "output_lens": [tokens] * requests, "errors": [""] * requests, **changes}
+
+
+def test_a_vllm_bench_result_becomes_a_row_with_ratios_against_vllm_bf16():
+    from kvforge.app.bench.peers import ENGINES, EngineRun, measurement_rows, vllm_bench_measurement
+
+    engines = {e.name: e for e in ENGINES}
+    vllm = EngineRun(engines["vllm-bf16"], measurements=[vllm_bench_measurement(_vllm_result(4, 8), 2, 4, 8)])
+    ours = EngineRun(engines["kvforge-bf16"], measurements=[vllm_bench_measurement(
+        _vllm_result(4, 8, duration=1.0), 2, 4, 8)])
+    rows = {r["engine"]: r for r in measurement_rows([vllm, ours], 8, [])}
+    assert rows["vllm-bf16"]["output_tok_s"] == pytest.approx(16.0) and rows["kvforge-bf16"]["vs_vllm_bf16"] == 2.0
+    assert rows["vllm-bf16"]["prompt_tokens"] == 520 and rows["vllm-bf16"]["waves"] == 2
+    assert rows["vllm-bf16"]["ttft_s"]["p50"] == pytest.approx(0.25)
+    assert rows["vllm-bf16"]["tpot_s"]["p50"] == pytest.approx(0.05)
+
+
+def test_a_vllm_bench_result_with_failed_or_short_requests_is_refused():
+    from kvforge.app.bench.peers import HttpFailure, vllm_bench_measurement
+
+    failed = _vllm_result(4, 8, completed=3, failed=1, errors=["", "Traceback ...\nConnectionResetError: gone", "", ""])
+    with pytest.raises(HttpFailure, match="3 of 4 requests completed; first error: ConnectionResetError: gone"):
+        vllm_bench_measurement(failed, 2, 4, 8)
+    with pytest.raises(HttpFailure, match="31 tokens generated, 32 expected"):
+        vllm_bench_measurement(_vllm_result(4, 8, total_output_tokens=31), 2, 4, 8)
+
+
+def test_a_server_that_ignores_sigterm_is_killed_with_its_whole_group(tmp_path):
+    from kvforge.app.bench.peers import stop_server
+
+    child_pid = tmp_path / "child.pid"
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+        open({str(child_pid)!r}, "w").write(str(child.pid))
+        time.sleep(60)
+    """)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (child_pid.exists() and child_pid.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(child_pid.read_text())
+    assert stop_server(server, grace=1) == "killed (no exit 1 s after SIGTERM)"
+    assert server.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:  # killed, then reaped by init
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
