@@ -68,7 +68,7 @@ def test_serve_tp2_answers_the_openai_client_and_leaves_no_process(tmp_path, ref
         assert refused.status_code == 400 and "3 KV heads cannot be split across 4" in refused.text, refused.text
         assert "no model is loaded" in refused.text and refused.json()["error"]["param"] == "tp"
         assert _gone(new_rank1) and not psutil.Process(server.process.pid).children(recursive=True)
-        loaded = httpx.post(f"{server.url}/admin/models/load", json={"tp": 1}, timeout=120)
+        loaded = httpx.post(f"{server.url}/admin/models/load", json={"tp": 1, "dtype": "float32"}, timeout=120)
         assert loaded.status_code == 200 and loaded.json()["loaded"]["tp"] == 1, loaded.text
         assert ask(client) == reference_text
         # ... while from one rank the old model keeps serving
