@@ -104,7 +104,7 @@ def test_a_failing_engine_is_reported_with_its_stderr_and_keeps_what_it_measured
 
 
 def test_a_peer_without_its_module_is_skipped(tmp_path, monkeypatch):
-    from kvforge.app.bench.peers import find_peer
+    from kvforge.app.bench.peer_engines import find_peer
 
     monkeypatch.delenv("KVFORGE_LLAMA_PYTHON", raising=False)
     args = argparse.Namespace(no_peers=False, vllm_python=sys.executable, llama_python=None,
@@ -172,7 +172,9 @@ def _vllm_result(requests: int, tokens: int, **changes) -> dict:
 
 
 def test_a_vllm_bench_result_becomes_a_row_with_ratios_against_vllm_bf16():
-    from kvforge.app.bench.peers import ENGINES, EngineRun, measurement_rows, vllm_bench_measurement
+    from kvforge.app.bench.peer_engines import ENGINES, EngineRun
+    from kvforge.app.bench.peers_http import vllm_bench_measurement
+    from kvforge.app.bench.peers_report import measurement_rows
 
     engines = {e.name: e for e in ENGINES}
     vllm = EngineRun(engines["vllm-bf16"], measurements=[vllm_bench_measurement(_vllm_result(4, 8), 2, 4, 8)])
@@ -186,7 +188,7 @@ def test_a_vllm_bench_result_becomes_a_row_with_ratios_against_vllm_bf16():
 
 
 def test_a_vllm_bench_result_with_failed_or_short_requests_is_refused():
-    from kvforge.app.bench.peers import HttpFailure, vllm_bench_measurement
+    from kvforge.app.bench.peers_http import HttpFailure, vllm_bench_measurement
 
     failed = _vllm_result(4, 8, completed=3, failed=1, errors=["", "Traceback ...\nConnectionResetError: gone", "", ""])
     with pytest.raises(HttpFailure, match="3 of 4 requests completed; first error: ConnectionResetError: gone"):
@@ -196,7 +198,7 @@ def test_a_vllm_bench_result_with_failed_or_short_requests_is_refused():
 
 
 def test_a_server_that_ignores_sigterm_is_killed_with_its_whole_group(tmp_path):
-    from kvforge.app.bench.peers import stop_server
+    from kvforge.app.bench.peers_http import stop_server
 
     child_pid = tmp_path / "child.pid"
     server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

@@ -1,0 +1,118 @@
+"""`kvforge bench peers`' rows (one per engine and batch, with the same-run ratios) and its printed table."""
+
+from __future__ import annotations
+
+from kvforge.app.bench.peer_engines import EngineRun
+from kvforge.app.bench.report import fmt, ms, percentile
+
+REFERENCES = {"vs_hf": "hf-fp32", "vs_vllm_bf16": "vllm-bf16", "vs_llama_cpp": "llama.cpp-q4_1"}
+RATIO_TITLES = {"vs_hf": "vs HF", "vs_vllm_bf16": "vs vLLM bf16", "vs_llama_cpp": "vs llama.cpp"}
+
+def measurement_rows(runs: list[EngineRun], output_tokens: int, prompt_lens: list[int]) -> list[dict]:
+    """One row per engine and batch measured, with the ratios against the reference engines' rows of the same
+    batch in this run."""
+    rows = []
+    for run in runs:
+        for m in run.measurements:
+            if "skipped" in m:
+                continue
+            ttft, tpot = m.get("ttft_s"), m.get("tpot_s")
+            rows.append({
+                "engine": run.engine.name, "kind": run.engine.kind, "dtype": run.engine.dtype, "batch": m["batch"],
+                "requests": m["requests"], "waves": m["requests"] // m["batch"], "output_tokens": output_tokens,
+                "prompt_tokens": m["prompt_tokens"] if m.get("prompt_tokens") is not None
+                else sum(prompt_lens[:m["requests"]]), "generated_tokens": m["generated_tokens"],
+                "wall_s": m["wall_s"], "output_tok_s": m["generated_tokens"] / m["wall_s"],
+                "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)} if ttft else None,
+                "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)} if tpot else None,
+                "timing": m.get("timing")})
+    by_key = {(r["engine"], r["batch"]): r for r in rows}
+    for r in rows:
+        for key, ref_name in REFERENCES.items():
+            ref = by_key.get((ref_name, r["batch"]))
+            r[key] = r["output_tok_s"] / ref["output_tok_s"] if ref else None
+    return rows
+
+
+def print_report(report: dict) -> None:
+    cpu, o, p = report["cpu"], report["options"], report["prompts"]
+    http = o.get("http")
+    if http:
+        print(f"kvforge bench peers --http: {report['model']}; greedy, {o['output_tokens']} output tokens per "
+              "request (EOS ignored), prefix caching off; each engine's OpenAI-compatible server a subprocess of "
+              "its own, one after another, streamed chat requests")
+    else:
+        print(f"kvforge bench peers: {report['model']}; greedy, {o['output_tokens']} output tokens per request "
+              f"(EOS ignored), prefix caching off; each engine in its own process, one after another")
+    print(f"CPU: {cpu['model']} ({cpu['machine']}); ISA: {' '.join(cpu['isa']) or 'no AVX2'}; "
+          f"{cpu['usable_cpus']} of {cpu['logical_cpus']} logical CPUs usable; {o['threads']} "
+          f"thread{'s' if o['threads'] > 1 else ''} per engine"
+          + (f" (vLLM bound to CPU ids {o['vllm_cpus']})" if o.get("vllm_cpus") else ""))
+    if http:
+        gen = o["load_generator"]
+        print(f"load generator: {gen['description']}" + (f" ({gen['why']})" if gen.get("why") else ""))
+    if http and p.get("source") == "random":
+        print(f"prompts: random, {p['input_tokens']} tokens each (vllm bench serve --dataset-name random --seed "
+              f"{p['seed']}: the same for every server; the server's chat template adds its own); at concurrency C "
+              f"ceil({o['prompts']} / C) * C of them, at most C in flight")
+    elif http:
+        print(f"prompts: {p['count']} chat prompts, the same messages for every server ({p['min_tokens']}-"
+              f"{p['max_tokens']} tokens with kvforge's chat template, mean {p['mean_tokens']:.0f}); at concurrency"
+              f" C the first ceil({o['prompts']} / C) * C of them, at most C in flight")
+    else:
+        print(f"prompts: {p['count']} chat prompts, the same token ids for every engine ({p['min_tokens']}-"
+              f"{p['max_tokens']} tokens, mean {p['mean_tokens']:.0f}); at batch B the first "
+              f"ceil({o['prompts']} / B) * B of them, in waves of B submitted at once")
+    print("engines:")
+    for e in report["engines"]:
+        line = f"  {e['engine']:<15} {e['status']:<8}"
+        if e["status"] == "skipped":
+            line += f" {e['why']}"
+        else:
+            line += f" {fmt(e['seconds'], '.0f')} s"
+            line += (f" ({'up' if http else 'load'} {e['info']['load_s']:.0f} s)"
+                     if e["info"].get("load_s") is not None else "")
+            line += f"; {e['info']['library']}" if e["info"].get("library") else ""
+            line += f"; {e['why']}" if e["why"] else ""
+        print(line)
+        for batch, why in e["skipped_batches"].items():
+            print(f"  {'':<15} {'':<8} batch {batch} skipped: {why}")
+    rows = report["rows"]
+    level = "concurrency" if http else "batch"
+    for batch in o["batches"]:
+        here = [r for r in rows if r["batch"] == batch]
+        requests = report["requests_per_batch"][str(batch)]
+        if http:
+            how = "one at a time" if batch == 1 else f"at most {batch} in flight"
+        else:
+            how = "one at a time" if batch == 1 else f"in waves of {batch} submitted at once"
+        print(f"\n== {level} {batch}: {requests} requests {how} ==")
+        if not here:
+            print(f"(no engine measured this {level})")
+            continue
+        ratios = [k for k in REFERENCES if any(r[k] is not None for r in here)]
+        header = (f"{'engine':<15} {'tok/s':>8} {'TTFT p50':>10} {'TPOT p50':>10}"
+                  + "".join(f" {RATIO_TITLES[k]:>13}" for k in ratios))
+        print(header)
+        print("-" * len(header))
+        for r in here:
+            print(f"{r['engine']:<15} {r['output_tok_s']:>8.1f} {p50_ms(r['ttft_s']):>10} {p50_ms(r['tpot_s']):>10}"
+                  + "".join(f" {fmt(r[k], '.2f', '-') + ('x' if r[k] is not None else ''):>13}" for k in ratios))
+    timings = {}
+    for r in rows:
+        timings.setdefault(r["kind"], r["timing"])
+    if http and rows:
+        print(f"\nTTFT / TPOT in ms, p50 over the requests, measured by the load generator: {rows[0]['timing']}")
+    elif timings:
+        print("\nTTFT / TPOT in ms, p50 over the requests (\"-\": not measurable on that engine):")
+        for kind, how in timings.items():
+            print(f"  {kind}: {how}")
+    failed = [e for e in report["engines"] if e["status"] == "failed"]
+    for e in failed:
+        print(f"\n{e['engine']} FAILED ({e['why']}); the tail of its stderr:")
+        for line in (e["stderr_tail"] or "(empty)").splitlines():
+            print(f"  | {line}")
+
+
+def p50_ms(stat: dict | None) -> str:
+    return "-" if not stat or stat.get("p50") is None else ms(stat["p50"])
