@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvforge.app.bench.http_client import stream_chat
 from kvforge.app.bench.peer_engines import (
     SERVERS,
     STDERR_TAIL_LINES,
@@ -176,32 +177,14 @@ def stop_server(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> str:
 
 
 async def _stream_chat(client, messages: list[dict], tokens: int, extra: dict) -> dict:
-    """One streamed chat request; its TTFT at the first chunk with content, TPOT (last - first content chunk) /
-    (tokens - 1), the token counts from the usage chunk."""
-    payload = {"model": SERVED_NAME, "messages": messages, "max_tokens": tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
-    start, times, usage = time.perf_counter(), [], {}
-    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
-        if response.status_code != 200:
-            body = (await response.aread()).decode(errors="replace")
-            raise HttpFailure(f"HTTP {response.status_code}: {body[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise HttpFailure(f"stream error: {chunk['error']}")
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
-    if not times:
+    """One streamed chat request (http_client.stream_chat); a failed one, or one without content, is an HttpFailure."""
+    try:
+        result = await stream_chat(client, SERVED_NAME, messages, tokens, extra)
+    except RuntimeError as exc:
+        raise HttpFailure(str(exc)) from exc
+    if result["ttft"] is None:
         raise HttpFailure("a stream ended without content")
-    n = usage.get("completion_tokens", len(times))
-    return {"tokens": n, "prompt_tokens": usage.get("prompt_tokens"), "ttft": times[0] - start,
-            "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 and len(times) > 1 else None}
+    return result
 
 
 async def client_level(url: str, conversations: list[list[dict]], concurrency: int, tokens: int, extra: dict,

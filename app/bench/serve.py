@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import subprocess
@@ -25,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvforge.app.bench.arguments import bench_parser, checked_model, int_list
+from kvforge.app.bench.http_client import stream_chat
 from kvforge.app.bench.report import emit, fmt, ms, p50_p99, percentile
 from kvforge.app.bench.runs import bench_engine
 from kvforge.app.bench.workloads import chat_messages
@@ -97,39 +97,6 @@ def serve_process(args: argparse.Namespace, startup_timeout_s: float = 600) -> I
                     process.wait()
 
 
-async def _stream_one(client, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat request; client-side times of every content delta."""
-    payload = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    token_times: list[float] = []
-    completion_tokens = None
-    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
-        if response.status_code != 200:
-            body = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {body[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                completion_tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk["choices"]:
-                if choice.get("delta", {}).get("content"):
-                    token_times.append(time.perf_counter())
-    end = time.perf_counter()
-    tokens = completion_tokens if completion_tokens is not None else len(token_times)
-    ttft = token_times[0] - start if token_times else None
-    # deltas can carry several tokens (held back while text is incomplete): spread over the token count
-    tpot = (token_times[-1] - token_times[0]) / (tokens - 1) if token_times and tokens > 1 else None
-    return {"tokens": tokens, "ttft": ttft, "tpot": tpot, "latency": end - start}
-
-
 def client_prompts(prompts: list, concurrency: int, requests_per_client: int) -> list[list]:
     """What each client sends, in order: the HTTP run and the offline run take the same."""
     return [[prompts[(c * requests_per_client + r) % len(prompts)] for r in range(requests_per_client)]
@@ -144,7 +111,7 @@ async def _run_level(url: str, concurrency: int, requests_per_client: int, max_t
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
         async def one_client(messages: list[list[dict]]) -> list[dict]:
-            return [await _stream_one(client, m, max_tokens) for m in messages]
+            return [await stream_chat(client, MODEL_NAME, m, max_tokens) for m in messages]
 
         start = time.perf_counter()
         per_client = await asyncio.gather(*(one_client(m) for m in client_prompts(prompts, concurrency,
