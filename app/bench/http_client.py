@@ -37,3 +37,21 @@ async def stream_chat(client, model: str, messages: list[dict], max_tokens: int,
             "ttft": times[0] - start if times else None,
             "tpot": (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None,
             "latency": end - start}
+
+
+def wait_until_serving(process, url: str, deadline: float, path: str = "/v1/models") -> None:
+    """Until GET `path` answers 200 (the model is loaded). RuntimeError when the server process exits first or the
+    monotonic `deadline` passes."""
+    import httpx
+
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited (code {process.returncode}) before it answered")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not answer {path} in time")
+        try:
+            if httpx.get(f"{url}{path}", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)

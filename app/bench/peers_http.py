@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvforge.app.bench.http_client import stream_chat
+from kvforge.app.bench.http_client import stream_chat, wait_until_serving
 from kvforge.app.bench.peer_engines import (
     SERVERS,
     STDERR_TAIL_LINES,
@@ -141,23 +141,6 @@ def server_version(engine: Engine, python: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         found = ""
     return f"`{SERVERS[engine.kind]}`, {dists[0]} {found.strip() or '?'}"
-
-
-def wait_until_serving(proc: subprocess.Popen, url: str, deadline: float, log: Path) -> None:
-    """Until GET /v1/models answers 200 (the model is loaded); the server's exit or the deadline fail the engine."""
-    import httpx
-
-    while True:
-        if proc.poll() is not None:
-            raise HttpFailure(f"the server exited (code {proc.returncode}) before it answered")
-        if time.monotonic() > deadline:
-            raise HttpFailure("the server did not answer /v1/models before --timeout")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
 
 
 def stop_server(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> str:
@@ -287,7 +270,10 @@ def run_http_engine(run: EngineRun, setup: HttpSetup, workdir: Path) -> EngineRu
         with open(log, "w") as out:
             proc = subprocess.Popen(server_argv(engine, run.python, port, setup, data_dir), cwd=jobdir, env=env,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until_serving(proc, url, deadline, log)
+        try:
+            wait_until_serving(proc, url, deadline)
+        except RuntimeError as exc:
+            raise HttpFailure(f"{exc} (--timeout)") from exc
         run.info["load_s"] = time.perf_counter() - start
         tokens = setup.args.output_tokens
         asyncio.run(client_level(url, [WARM_UP], 1, 2, extra_body(engine, 2), max(1.0, deadline - time.monotonic())))

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvforge.app.bench.arguments import bench_parser, checked_model, int_list
-from kvforge.app.bench.http_client import stream_chat
+from kvforge.app.bench.http_client import stream_chat, wait_until_serving
 from kvforge.app.bench.report import emit, fmt, ms, p50_p99, percentile
 from kvforge.app.bench.runs import bench_engine
 from kvforge.app.bench.workloads import chat_messages
@@ -62,7 +62,6 @@ def serve_argv(args: argparse.Namespace, port: int, data_dir: str) -> list[str]:
 def serve_process(args: argparse.Namespace, startup_timeout_s: float = 600) -> Iterator[tuple[str, int]]:
     """A `kvforge serve` subprocess on a free loopback port and a temporary data directory; yields its base URL
     and pid (to profile it), and stops it with SIGTERM on exit. Its output goes to a file, shown if it fails."""
-    import httpx
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvforge-bench-serve-") as data_dir, \
@@ -73,19 +72,11 @@ def serve_process(args: argparse.Namespace, startup_timeout_s: float = 600) -> I
                                    text=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + startup_timeout_s
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = log.read()[-3000:]
-                    raise RuntimeError(f"kvforge serve {'exited' if process.poll() is not None else 'did not start'}"
-                                       f":\n{tail}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.25)
+            try:
+                wait_until_serving(process, url, time.monotonic() + startup_timeout_s, "/health")
+            except RuntimeError as exc:
+                log.seek(0)
+                raise RuntimeError(f"kvforge serve: {exc}:\n{log.read()[-3000:]}") from None
             yield url, process.pid
         finally:
             if process.poll() is None:
