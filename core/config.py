@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # the long names: what the admin API and the UI offer
 LINEAR_KERNELS = ("auto", "torch", "onednn")  # see core/kernel_choice.py
-DECODE_ATTENTION = ("auto", "bmm", "sdpa")  # see core/layers/decode_attention.py
+DECODE_ATTENTION = ("auto", "bmm", "bmm-native", "sdpa")  # see core/layers/decode_attention.py
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -76,8 +76,9 @@ class EngineConfig:
     linear_kernels: str = knob("auto", "which matmul runs dense linears on CPU: torch's F.linear, oneDNN's prepacked "
                                "linear, or auto: the faster on this CPU, timed per shape at load and cached",
                                choices=LINEAR_KERNELS)
-    decode_attention: str = knob("auto", "decode attention on the torch path: bmm (fp32 batched matmuls), sdpa "
-                                 "(torch's fused attention in the model dtype) or auto: the faster on this machine, "
+    decode_attention: str = knob("auto", "decode attention on the torch path: bmm (fp32 batched matmuls), "
+                                 "bmm-native (batched matmuls in the model dtype), sdpa (torch's fused attention in "
+                                 "the model dtype) or auto: the faster on this machine, "
                                  "timed at load and cached", choices=DECODE_ATTENTION)
     cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")
     num_kv_blocks: int | None = knob(None, "the KV pool's size in blocks (instead of kv_cache_bytes)", ge=1)

@@ -47,12 +47,13 @@ def run_kernels(args: argparse.Namespace) -> list[dict]:
             continue
         kernels = list(dict.fromkeys(k for r in table for k in r["us"]))
         sizes = sorted({n for r in table for t in r["us"].values() for n in t})
-        head = "".join(f"{f'{k} @{n}':>14}" for k in kernels for n in sizes)
+        width = max(14, *(len(f"{k} @{n}") + 2 for k in kernels for n in sizes))
+        head = "".join(f"{f'{k} @{n}':>{width}}" for k in kernels for n in sizes)
         shape = "heads x kv x dim" if op == "decode_attention" else "out x in"
         print(f"\n{op}: microseconds per call at N {unit}")
         print(f"{'dtype':<9} {'op':<16} {shape:<17} {'layers':>6}{head}  chosen")
         for r in table:
-            cells = "".join(f"{r['us'].get(k, {}).get(n, float('nan')):>14.1f}" for k in kernels for n in sizes)
+            cells = "".join(f"{r['us'].get(k, {}).get(n, float('nan')):>{width}.1f}" for k in kernels for n in sizes)
             print(f"{r['dtype']:<9} {r['op']:<16} {r['shape']:<17} {r['layers']:>6}{cells}  {r['choice']}")
     return rows
 

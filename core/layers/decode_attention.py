@@ -1,9 +1,12 @@
 """Decode attention on the torch path: one new token per sequence of a group, over its gathered context
-(q [g, heads, head_dim], kv [2, g, kv_heads, padded_len, head_dim]). Two variants; which one runs is timed per
+(q [g, heads, head_dim], kv [2, g, kv_heads, padded_len, head_dim]). Three variants; which one runs is timed per
 machine at load (core/kernel_choice.py), since which is faster depends on the CPU and the dtype:
 - "bmm" (the stock one): fp32 batched matmuls over (sequence, KV head): scores plus an additive padding mask,
   softmax, weighted values. fp32 because CPU bf16 batched matmuls at these odd shapes are slow where the CPU
   has no native bf16.
+- "bmm-native": the same batched matmuls in the model dtype, in HF's eager order (scores in the model dtype,
+  scaled, masked, softmax in fp32, cast back, weighted values): no fp32 copy of the context, which is most of
+  "bmm"'s cost at large batches where the CPU multiplies bf16 natively.
 - "sdpa": torch's fused scaled_dot_product_attention in the model dtype with a boolean mask (GQA native): one
   op per group, no fp32 copy of the context.
 Each builds its mask once per step (shared by every layer): None when every gathered key is visible."""
@@ -63,6 +66,18 @@ def bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale:
     return out.view(g, -1).to(q.dtype)
 
 
+def native_bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    g, _, head_dim = q.shape
+    kv_heads = kv.shape[2]
+    queries = q.reshape(g * kv_heads, -1, head_dim)
+    keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
+    scores = torch.bmm(queries, keys.transpose(1, 2)) * scale
+    if mask is not None:  # the fp32 mask lifts the scores to fp32 (their bf16 values kept exactly)
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(weights, values).view(g, -1)
+
+
 def sdpa_mask(lengths, padded, window, kv_heads, per_head) -> torch.Tensor | None:
     """Boolean [g, 1, 1, padded] (True: attended), broadcast over heads."""
     valid = visible_positions(lengths, padded, window)
@@ -75,4 +90,5 @@ def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale
     return out.reshape(q.shape[0], -1)
 
 
-DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_mask, bmm_run), "sdpa": DecodeVariant(sdpa_mask, sdpa_run)}
+DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_mask, bmm_run), "bmm-native": DecodeVariant(bmm_mask, native_bmm_run),
+                   "sdpa": DecodeVariant(sdpa_mask, sdpa_run)}

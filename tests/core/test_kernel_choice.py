@@ -97,7 +97,7 @@ def test_a_busy_machines_timing_is_not_cached(tmp_path, monkeypatch):
 def test_unknown_or_unavailable_kernel_is_refused(tmp_path):
     with pytest.raises(ValueError, match="linear_kernels must be one of auto, torch, onednn"):
         choose_kernels(torch.nn.Sequential(), torch.float32, linear="fast", cache_dir=tmp_path)
-    with pytest.raises(ValueError, match="decode_attention must be one of auto, bmm, sdpa"):
+    with pytest.raises(ValueError, match="decode_attention must be one of auto, bmm, bmm-native, sdpa"):
         choose_kernels(torch.nn.Sequential(), torch.float32, attention="flash", cache_dir=tmp_path)
     layer = ReplicatedLinear(64, 48, params_dtype=torch.float16)  # fp16: no oneDNN kernel offered
     layer.process_after_loading()
@@ -108,7 +108,7 @@ def test_unknown_or_unavailable_kernel_is_refused(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40])
 def test_decode_attention_variants_agree(dtype, window):
-    """bmm (fp32 math) and sdpa (the model dtype) give the same attention over padded groups: a reference
+    """bmm (fp32 math), bmm-native and sdpa (the model dtype) give the same attention over padded groups: a reference
     computed per sequence in fp64 over its own visible keys."""
     from kvforge.core.layers.decode_attention import DECODE_VARIANTS
 
@@ -141,7 +141,8 @@ def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, monkeyp
     monkeypatch.setattr(kernel_choice, "TIMED_CONTEXTS", (32,))
     model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0), Attention(4, 2, 16, 0.25, layer_index=1))
     first = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)
-    assert [(c.key, c.layers, set(c.us)) for c in first] == [("decode_attention:bfloat16:4x2x16", 2, {"bmm", "sdpa"})]
+    assert [(c.key, c.layers, set(c.us)) for c in first] == [
+        ("decode_attention:bfloat16:4x2x16", 2, {"bmm", "bmm-native", "sdpa"})]
     assert {layer.decode_variant for layer in model} == {first[0].choice}
     assert choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)[0].cached
     forced = choose_kernels(model, torch.bfloat16, attention="sdpa", cache_dir=tmp_path)
