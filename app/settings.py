@@ -169,8 +169,9 @@ class ServeSettings:
                                          "at load and cached (default: {default})", choices=LINEAR_KERNELS,
                                          engine="linear_kernels")
     decode_attention: str = engine_setting(engine_default("decode_attention"), "CPU decode attention: bmm (fp32 "
-                                           "batched matmuls), sdpa (fused, in the model dtype) or auto: the faster "
-                                           "here, timed at load and cached (default: {default})",
+                                           "batched matmuls), bmm-native (in the model dtype), sdpa (fused, in the "
+                                           "model dtype) or auto: the faster here, timed at load and cached; in "
+                                           "bf16 / fp16 auto keeps to fp32 math, as prefill (default: {default})",
                                            choices=DECODE_ATTENTION, engine="decode_attention")
     enforce_eager: bool = engine_setting(not engine_default("cuda_graphs"), "no CUDA graphs: run every decode step "
                                          "eagerly", bool, engine="cuda_graphs", to_engine=operator.not_)

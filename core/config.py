@@ -79,7 +79,8 @@ class EngineConfig:
     decode_attention: str = knob("auto", "decode attention on the torch path: bmm (fp32 batched matmuls), "
                                  "bmm-native (batched matmuls in the model dtype), sdpa (torch's fused attention in "
                                  "the model dtype) or auto: the faster on this machine, "
-                                 "timed at load and cached", choices=DECODE_ATTENTION)
+                                 "timed at load and cached; in bf16 / fp16 auto keeps to the fp32-math ones, as "
+                                 "prefill (see core/layers/decode_attention.py)", choices=DECODE_ATTENTION)
     cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")
     num_kv_blocks: int | None = knob(None, "the KV pool's size in blocks (instead of kv_cache_bytes)", ge=1)
     max_model_len: int | None = knob(None, "default: the model's max_position_embeddings", ge=1)

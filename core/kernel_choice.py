@@ -163,13 +163,15 @@ def linear_key(method: Any, weight: torch.Tensor) -> str:
 @dataclass
 class OpClass:
     """Layers of one kind and shape that take one kernel: its candidates (the stock one first), how to time
-    them (built only when timed) and how to switch the layers to the chosen one."""
+    them (built only when timed) and how to switch the layers to the chosen one. `automatic`: the candidates
+    auto may pick (None: all; the others are timed for the bench and run only when named)."""
 
     key: str
     layers: int
     candidates: list[str]
     timing: Callable[[], Timing]
     apply: Callable[[str], None]
+    automatic: list[str] | None = None
 
 
 def linear_classes(model: torch.nn.Module) -> list[OpClass]:
@@ -195,7 +197,7 @@ def linear_classes(model: torch.nn.Module) -> list[OpClass]:
 def attention_classes(model: torch.nn.Module, dtype: torch.dtype) -> list[OpClass]:
     """The torch path's decode attention, one class per head layout (layers built on Triton have none)."""
     from kvforge.core.layers.attention import Attention
-    from kvforge.core.layers.decode_attention import DECODE_VARIANTS
+    from kvforge.core.layers.decode_attention import DECODE_VARIANTS, automatic_variants
 
     groups: dict[tuple[int, int, int], list[Attention]] = {}
     for module in model.modules():
@@ -204,7 +206,8 @@ def attention_classes(model: torch.nn.Module, dtype: torch.dtype) -> list[OpClas
     dtype_name = str(dtype).removeprefix("torch.")
     return [OpClass(f"decode_attention:{dtype_name}:{h}x{kv}x{d}", len(layers), list(DECODE_VARIANTS),
                     lambda h=h, kv=kv, d=d: time_decode_attention(h, kv, d, dtype),
-                    lambda name, layers=layers: [layer.use_decode_variant(name) for layer in layers])
+                    lambda name, layers=layers: [layer.use_decode_variant(name) for layer in layers],
+                    automatic_variants(dtype))
             for (h, kv, d), layers in groups.items()]
 
 
@@ -214,14 +217,18 @@ def decide(classes: list[OpClass], mode: str, cache: ChoiceCache | None, retime:
     known = cache.read() if cache is not None and not retime else {}
     choices, timed = [], {}
     for op in classes:
+        automatic = op.automatic or op.candidates
         if mode != "auto":
             choice = ShapeChoice(op.key, op.layers, mode if mode in op.candidates else op.candidates[0], {}, False)
-        elif op.key in known and known[op.key].get("choice") in op.candidates:
+        elif len(automatic) == 1 and not retime:  # nothing to choose between
+            choice = ShapeChoice(op.key, op.layers, automatic[0], {}, False)
+        elif op.key in known and known[op.key].get("choice") in automatic:
             us = {name: {int(n): t for n, t in sizes.items()} for name, sizes in known[op.key]["us"].items()}
             choice = ShapeChoice(op.key, op.layers, known[op.key]["choice"], us, True)
         else:
             timing = op.timing()
-            choice = ShapeChoice(op.key, op.layers, pick(timing.us), timing.us, False)
+            choice = ShapeChoice(op.key, op.layers, pick({k: t for k, t in timing.us.items() if k in automatic}),
+                                 timing.us, False)
             if timing.steady:  # a busy machine's choice serves this process only: timed again next load
                 timed[op.key] = {"choice": choice.choice, "us": timing.us}
         op.apply(choice.choice)

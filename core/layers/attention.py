@@ -79,13 +79,18 @@ class Attention(nn.Module):
         else:
             keys, values = self._gather(cache, seq.gather_rows, 1)[:, 0, :, : seq.context_len].unbind(0)
         mask = prefill_mask(ctx, i, seq, self.sliding_window)
+        queries = q[seq.start:seq.end].transpose(0, 1)
+        if q.dtype != torch.float32:  # fp32 attention math, as decode's and the short chunk's: a conversation
+            # continued from cached KV gives what the same prompt sent fresh gives (bf16 flash rounds the
+            # weights: 34% of outputs differ); the upcast is cheap, and fp32 flash was the faster on Zen 5
+            queries, keys, values = queries.float(), keys.float(), values.float()
         # 4-D (a batch of one): torch runs its fused flash kernel on CPU only for 4-D inputs; 3-D ones take the
-        # math path, which materialises every score (measured 1.2x slower at 110 tokens, 7x at 2048)
+        # math path, which materialises every score (measured 1.2x slower at 110 tokens, 8x at 2048)
         return F.scaled_dot_product_attention(
-            q[seq.start:seq.end].transpose(0, 1)[None], keys[None], values[None],
+            queries[None], keys[None], values[None],
             attn_mask=None if mask is CAUSAL else mask, is_causal=mask is CAUSAL, scale=self.scale,
             enable_gqa=True,
-        )[0].transpose(0, 1).flatten(1)
+        )[0].transpose(0, 1).flatten(1).to(q.dtype)
 
     def _short_chunk(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q) -> torch.Tensor:
         """A few new tokens after a cached context (speculative verification of 1 + k tokens, a short last

@@ -1,6 +1,9 @@
 """Decode attention on the torch path: one new token per sequence of a group, over its gathered context
 (q [g, heads, head_dim], kv [2, g, kv_heads, padded_len, head_dim]). Three variants; which one runs is timed per
-machine at load (core/kernel_choice.py), since which is faster depends on the CPU and the dtype:
+machine at load (core/kernel_choice.py), since which is faster depends on the CPU and the dtype. In a reduced
+dtype (bf16, fp16) auto picks only among the fp32-math ones: prefill and the short chunk attend in fp32, so the K/V
+a decoded reply leaves is what prefilling the same tokens gives (a conversation continued from cached KV, a
+speculative verification, answer as the same prompt sent fresh); the others are there to be chosen by name.
 - "bmm" (the stock one): fp32 batched matmuls over (sequence, KV head): scores plus an additive padding mask,
   softmax, weighted values. fp32 because CPU bf16 batched matmuls at these odd shapes are slow where the CPU
   has no native bf16.
@@ -27,6 +30,7 @@ MaskBuilder = Callable[[torch.Tensor, int, "int | None", int, int], "torch.Tenso
 class DecodeVariant:
     mask: MaskBuilder
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]  # -> [g, heads * d]
+    fp32_math: bool  # computes in fp32 whatever the model dtype (see above: what auto may pick in bf16 / fp16)
 
 
 def visible_positions(lengths: torch.Tensor, padded: int, window: int | None) -> torch.Tensor | None:
@@ -90,5 +94,11 @@ def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale
     return out.reshape(q.shape[0], -1)
 
 
-DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_mask, bmm_run), "bmm-native": DecodeVariant(bmm_mask, native_bmm_run),
-                   "sdpa": DecodeVariant(sdpa_mask, sdpa_run)}
+DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_mask, bmm_run, fp32_math=True),
+                   "bmm-native": DecodeVariant(bmm_mask, native_bmm_run, fp32_math=False),
+                   "sdpa": DecodeVariant(sdpa_mask, sdpa_run, fp32_math=False)}
+
+
+def automatic_variants(dtype: torch.dtype) -> list[str]:
+    """The variants `decode_attention=auto` chooses among for a model in `dtype`."""
+    return [name for name, v in DECODE_VARIANTS.items() if dtype == torch.float32 or v.fp32_math]

@@ -140,13 +140,29 @@ def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, monkeyp
     monkeypatch.setattr(kernel_choice, "NOISY", float("inf"))
     monkeypatch.setattr(kernel_choice, "TIMED_CONTEXTS", (32,))
     model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0), Attention(4, 2, 16, 0.25, layer_index=1))
-    first = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)
+    first = choose_kernels(model, torch.float32, cache_dir=tmp_path)
     assert [(c.key, c.layers, set(c.us)) for c in first] == [
-        ("decode_attention:bfloat16:4x2x16", 2, {"bmm", "bmm-native", "sdpa"})]
+        ("decode_attention:float32:4x2x16", 2, {"bmm", "bmm-native", "sdpa"})]
     assert {layer.decode_variant for layer in model} == {first[0].choice}
-    assert choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)[0].cached
+    assert choose_kernels(model, torch.float32, cache_dir=tmp_path)[0].cached
     forced = choose_kernels(model, torch.bfloat16, attention="sdpa", cache_dir=tmp_path)
     assert forced[0].choice == "sdpa" and {layer.decode_variant for layer in model} == {"sdpa"}
+
+
+def test_auto_keeps_bf16_decode_attention_to_fp32_math(tmp_path, monkeypatch):
+    """In bf16 the model-dtype variants are timed (the bench shows them) but auto runs the fp32-math one, even where
+    another is faster: its K/V equals what prefill (fp32 attention) writes for the same tokens."""
+    import kvforge.core.kernel_choice as kernel_choice
+    from kvforge.core.layers.attention import Attention
+
+    monkeypatch.setattr(kernel_choice, "NOISY", float("inf"))
+    monkeypatch.setattr(kernel_choice, "TIMED_CONTEXTS", (32,))
+    model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0))
+    loaded = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)
+    assert [(c.choice, c.us) for c in loaded] == [("bmm", {})]  # nothing to time at load
+    benched = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path, retime=True)
+    assert set(benched[0].us) == {"bmm", "bmm-native", "sdpa"} and benched[0].choice == "bmm"
+    assert {layer.decode_variant for layer in model} == {"bmm"}
 
 
 @pytest.fixture(scope="module")
