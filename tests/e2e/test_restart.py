@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers.parity import same_or_near_tie
 from tests.helpers.server_process import ServeProcess
 
 USER_MESSAGES = [
@@ -125,8 +126,11 @@ def test_conversation_survives_restart(how, tmp_path, db_url, reference_llm):
 
         prompt = tokenizer.apply_chat_template(messages + [{"role": "user", "content": USER_MESSAGES[3]}])
         assert done["usage"]["prompt_tokens"] == len(prompt)
-        expected = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
-        assert done["token_ids"] == expected.token_ids
-        assert done["message"]["content"] == expected.text
+        expected = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5))[0]
+        if reference_llm.engine.config.dtype == "float32":
+            assert done["token_ids"] == expected.token_ids
+            assert done["message"]["content"] == expected.text
+        else:  # the default on a CPU with native bf16: a near-tie may round either way (tests/core/test_dtypes.py)
+            assert same_or_near_tie(done["token_ids"], expected, "after the restart") is None
     finally:
         server.stop("sigterm")

@@ -69,3 +69,20 @@ def logprobs_close(ours: list[int], our_top: list[set[int]], theirs: list[int], 
             return f"{name}: at position {pos} tokens {a} / {b} are not in each other's top-{len(our_top[pos])}"
         return None  # the first divergence is within the top-k: the rule stops comparing here
     return None
+
+
+def same_or_near_tie(ours: list[int], reference, name: str = "") -> str | None:
+    """`ours` equals `reference` (an LLM output, greedy, with logprobs) or passes the one-sided form of vLLM's rule,
+    for outputs whose own top-k we do not have (a server's): at the first divergence our token is among the
+    reference's top-k, a near-tie rounded the other way. For reduced precision; fp32 asks for equality.
+    Returns why it fails, or None."""
+    theirs = reference.token_ids
+    if ours == theirs:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    if pos == min(len(ours), len(theirs)):
+        return f"{name}: one output is a prefix of the other: {ours} vs {theirs}"
+    top = {t for t, _ in reference.logprobs[pos].top}
+    if ours[pos] not in top:
+        return f"{name}: at position {pos} token {ours[pos]} is not in the reference's top-{len(top)} {sorted(top)}"
+    return None
