@@ -133,12 +133,18 @@ def test_decode_attention_variants_agree(dtype, window):
     assert all(v.mask(full, padded, None, kv_heads, 3) is None for v in DECODE_VARIANTS.values())
 
 
-def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, monkeypatch):
+@pytest.fixture()
+def quick_attention_timing(monkeypatch):
+    """Decode attention timed at one short context, every timing taken as steady (so cached)."""
     import kvforge.core.kernel_choice as kernel_choice
-    from kvforge.core.layers.attention import Attention
 
     monkeypatch.setattr(kernel_choice, "NOISY", float("inf"))
     monkeypatch.setattr(kernel_choice, "TIMED_CONTEXTS", (32,))
+
+
+def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, quick_attention_timing):
+    from kvforge.core.layers.attention import Attention
+
     model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0), Attention(4, 2, 16, 0.25, layer_index=1))
     first = choose_kernels(model, torch.float32, cache_dir=tmp_path)
     assert [(c.key, c.layers, set(c.us)) for c in first] == [
@@ -149,14 +155,11 @@ def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, monkeyp
     assert forced[0].choice == "sdpa" and {layer.decode_variant for layer in model} == {"sdpa"}
 
 
-def test_auto_keeps_bf16_decode_attention_to_fp32_math(tmp_path, monkeypatch):
+def test_auto_keeps_bf16_decode_attention_to_fp32_math(tmp_path, quick_attention_timing):
     """In bf16 the model-dtype variants are timed (the bench shows them) but auto runs the fp32-math one, even where
-    another is faster: its K/V equals what prefill (fp32 attention) writes for the same tokens."""
-    import kvforge.core.kernel_choice as kernel_choice
+    another is faster: its K/V is what prefill (fp32 attention) writes for the same tokens, up to fp32's last bit."""
     from kvforge.core.layers.attention import Attention
 
-    monkeypatch.setattr(kernel_choice, "NOISY", float("inf"))
-    monkeypatch.setattr(kernel_choice, "TIMED_CONTEXTS", (32,))
     model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0))
     loaded = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)
     assert [(c.choice, c.us) for c in loaded] == [("bmm", {})]  # nothing to time at load

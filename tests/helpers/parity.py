@@ -39,13 +39,18 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
     return ids, logits
 
 
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """The first position where `a` and `b` differ (the shorter one's length where it is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def compare(ours: list[list[int]], theirs: list[list[int]], their_logits) -> ParityReport:
     exact, ties = 0, []
     for row, (a, b) in enumerate(zip(ours, theirs)):
         if a == b:
             exact += 1
             continue
-        pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pos = first_divergence(a, b)
         assert pos < min(len(a), len(b)), f"prompt {row}: one output is a prefix of the other: {a} vs {b}"
         top2 = their_logits[row][pos].topk(2).values
         gap = float(top2[0] - top2[1])
@@ -62,13 +67,13 @@ def logprobs_close(ours: list[int], our_top: list[set[int]], theirs: list[int], 
     at the first divergence, each side's token is among the other's top-k. Returns why it fails, or None."""
     if not ours or not theirs:
         return f"{name}: an empty output: {ours} vs {theirs}"
-    for pos, (a, b) in enumerate(zip(ours, theirs)):
-        if a == b:
-            continue
-        if a not in their_top[pos] or b not in our_top[pos]:
-            return f"{name}: at position {pos} tokens {a} / {b} are not in each other's top-{len(our_top[pos])}"
-        return None  # the first divergence is within the top-k: the rule stops comparing here
-    return None
+    pos = first_divergence(ours, theirs)
+    if pos == min(len(ours), len(theirs)):
+        return None
+    a, b = ours[pos], theirs[pos]
+    if a not in their_top[pos] or b not in our_top[pos]:
+        return f"{name}: at position {pos} tokens {a} / {b} are not in each other's top-{len(our_top[pos])}"
+    return None  # the first divergence is within the top-k: the rule stops comparing here
 
 
 def same_or_near_tie(ours: list[int], reference, name: str = "") -> str | None:
@@ -79,7 +84,7 @@ def same_or_near_tie(ours: list[int], reference, name: str = "") -> str | None:
     theirs = reference.token_ids
     if ours == theirs:
         return None
-    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    pos = first_divergence(ours, theirs)
     if pos == min(len(ours), len(theirs)):
         return f"{name}: one output is a prefix of the other: {ours} vs {theirs}"
     top = {t for t, _ in reference.logprobs[pos].top}
