@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # the long names: what the admin API and the UI offer
 LINEAR_KERNELS = ("auto", "torch", "onednn")  # see core/kernel_choice.py
-DECODE_ATTENTION = ("auto", "bmm", "bmm-native", "sdpa")  # see core/layers/decode_attention.py
+DECODE_ATTENTION = ("auto", "bmm", "bmm-native", "sdpa", "paged")  # see core/layers/decode_attention.py
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -78,7 +78,8 @@ class EngineConfig:
                                choices=LINEAR_KERNELS)
     decode_attention: str = knob("auto", "decode attention on the torch path: bmm (fp32 batched matmuls), "
                                  "bmm-native (batched matmuls in the model dtype), sdpa (torch's fused attention in "
-                                 "the model dtype) or auto: the faster on this machine, "
+                                 "the model dtype), paged (a C kernel reading the paged cache in place, fp32 math; "
+                                 "CPU, needs a C compiler) or auto: the faster on this machine, "
                                  "timed at load and cached; in bf16 / fp16 auto keeps to the fp32-math ones, as "
                                  "prefill (see core/layers/decode_attention.py)", choices=DECODE_ATTENTION)
     cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")

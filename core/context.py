@@ -26,6 +26,7 @@ class PrefillSeq:
     end: int
     context_len: int  # cached + new tokens
     gather_rows: torch.Tensor | None  # the blocks of its whole context; None when nothing was cached
+    block_table: torch.Tensor | None = None  # int32 [blocks] of its context when a short chunk (the paged kernel)
 
 
 @dataclass
@@ -35,6 +36,26 @@ class DecodeGroup:
     gather_rows: torch.Tensor  # each context's blocks, padded to `padded_len` tokens with block 0
     padded_len: int
     lengths: torch.Tensor  # [g] context lengths (<= padded_len)
+
+
+def gather_rows(plane_blocks: torch.Tensor, tables: list[list[int]]) -> torch.Tensor:
+    """`gather_rows` of sequences with these block tables (of equal length), ordered (K/V, sequence, head, block):
+    a gather yields [2, seqs, kv_heads, tokens, head_dim]. `plane_blocks`: [2, 1, kv_heads, 1], the first row of
+    each (K/V, head) plane (plane index * blocks)."""
+    blocks = torch.tensor(tables, dtype=torch.long).unsqueeze(2)  # [seqs, blocks, 1]
+    return (plane_blocks + blocks.transpose(1, 2)).view(-1)
+
+
+def block_table_tensors(tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [seqs, width] block tables (short ones padded with block 0) and int32 [seqs] context lengths, built
+    in one tensor."""
+    width = max(map(len, tables), default=0)
+    flat = list(lengths)
+    for table in tables:
+        flat.extend(table)
+        flat.extend([0] * (width - len(table)))
+    lens, blocks = torch.tensor(flat, dtype=torch.int32).split([len(lengths), len(tables) * width])
+    return blocks.view(len(tables), width), lens
 
 
 @dataclass
@@ -61,6 +82,9 @@ class StepContext:
     write_rows: torch.Tensor | None = None  # where each new token's K and V go
     prefills: list[PrefillSeq] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # the decode rows' int32 block tables [decodes, width] and context lengths [decodes] (the paged C kernel)
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     kernel: KernelBatch | None = None
     # masks shared by all layers, built on first use, keyed by (kind, index, sliding window)
     masks: dict = field(default_factory=dict)

@@ -95,21 +95,36 @@ def time_kernels(weight: torch.Tensor, bias: torch.Tensor | None, kernels: dict[
                        for name, kernel in kernels.items()})
 
 
-def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                          contexts: tuple[int, ...] = TIMED_CONTEXTS) -> Timing:
-    """Each decode-attention variant on a group of DECODE_GROUP_SIZE sequences whose contexts end within the last
-    block of `contexts` tokens (their padding mask included)."""
-    from kvforge.core.layers.decode_attention import DECODE_VARIANTS
+def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, names: list[str],
+                          contexts: tuple[int, ...] | None = None) -> Timing:
+    """Each named decode-attention variant, run by an attention layer as a step runs it: a batch of
+    DECODE_GROUP_SIZE sequences whose contexts end within the last block of `contexts` tokens, their blocks
+    scattered over a paged cache (the gathering variants' gather is timed with them)."""
+    from kvforge.core.context import DecodeGroup, StepContext, block_table_tensors, gather_rows
+    from kvforge.core.layers.attention import Attention
     from kvforge.core.runner import DECODE_GROUP_SIZE
 
-    g, calls = DECODE_GROUP_SIZE, {name: {} for name in DECODE_VARIANTS}
+    g, block, calls = DECODE_GROUP_SIZE, 16, {name: {} for name in names}
+    contexts = contexts or TIMED_CONTEXTS
+    layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    planes = torch.arange(2 * kv_heads).view(2, 1, kv_heads, 1)
     for length in contexts:
-        q = torch.randn(g, heads, head_dim, dtype=dtype)
-        kv = torch.randn(2, g, kv_heads, length, head_dim, dtype=dtype)
+        width = -(-length // block)
+        cache = torch.randn(2, kv_heads, g * width, block, head_dim, dtype=dtype)
+        tables = torch.randperm(g * width).view(g, width).tolist()
         lengths = torch.linspace(length - 15, length, g).long()
-        for name, variant in DECODE_VARIANTS.items():
-            mask = variant.mask(lengths, length, None, kv_heads, heads // kv_heads)
-            calls[name][length] = lambda v=variant, q=q, kv=kv, m=mask: v.run(q, kv, m, head_dim ** -0.5)
+        tables_t, lens_t = block_table_tensors(tables, lengths.tolist())
+        group = DecodeGroup(0, g, gather_rows(planes * g * width, tables), width * block, lengths)
+        ctx = StepContext(lengths - 1, cache[None], decode_groups=[group], decode_tables=tables_t, decode_lens=lens_t)
+        q = torch.randn(g, heads, head_dim, dtype=dtype)
+
+        def run(name: str, ctx=ctx, cache=cache, q=q) -> torch.Tensor:
+            layer.use_decode_variant(name)
+            ctx.masks.clear()  # built once per step, timed with it
+            return layer.decode_rows(ctx, cache, q)
+
+        for name in names:
+            calls[name][length] = lambda name=name, run=run: run(name)
     return time_calls(calls)
 
 
@@ -194,20 +209,26 @@ def linear_classes(model: torch.nn.Module) -> list[OpClass]:
                     apply(layers)) for key, layers in groups.items()]
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (CPU for a model without any)."""
+    return next(model.parameters(), torch.empty(0)).device
+
+
 def attention_classes(model: torch.nn.Module, dtype: torch.dtype) -> list[OpClass]:
     """The torch path's decode attention, one class per head layout (layers built on Triton have none)."""
     from kvforge.core.layers.attention import Attention
-    from kvforge.core.layers.decode_attention import DECODE_VARIANTS, automatic_variants
+    from kvforge.core.layers.decode_attention import automatic_variants, offered_variants
 
     groups: dict[tuple[int, int, int], list[Attention]] = {}
     for module in model.modules():
         if isinstance(module, Attention) and not module.triton:
             groups.setdefault((module.num_heads, module.num_kv_heads, module.head_dim), []).append(module)
-    dtype_name = str(dtype).removeprefix("torch.")
-    return [OpClass(f"decode_attention:{dtype_name}:{h}x{kv}x{d}", len(layers), list(DECODE_VARIANTS),
-                    lambda h=h, kv=kv, d=d: time_decode_attention(h, kv, d, dtype),
-                    lambda name, layers=layers: [layer.use_decode_variant(name) for layer in layers],
-                    automatic_variants(dtype))
+    device = model_device(model)
+    offered, dtype_name = offered_variants(device), str(dtype).removeprefix("torch.")
+    return [OpClass(f"decode_attention:{dtype_name}:{h}x{kv}x{d}", len(layers), offered,
+                    lambda h=h, kv=kv, d=d: time_decode_attention(h, kv, d, dtype, offered),
+                    lambda name, layers=layers: [layer.use_decode_variant(name, device) for layer in layers],
+                    automatic_variants(dtype, device))
             for (h, kv, d), layers in groups.items()]
 
 
@@ -222,7 +243,8 @@ def decide(classes: list[OpClass], mode: str, cache: ChoiceCache | None, retime:
             choice = ShapeChoice(op.key, op.layers, mode if mode in op.candidates else op.candidates[0], {}, False)
         elif len(automatic) == 1 and not retime:  # nothing to choose between
             choice = ShapeChoice(op.key, op.layers, automatic[0], {}, False)
-        elif op.key in known and known[op.key].get("choice") in automatic:
+        elif op.key in known and known[op.key].get("choice") in automatic and set(known[op.key]["us"]) == set(
+                op.candidates):  # timed among the same candidates (a kernel added since is timed too)
             us = {name: {int(n): t for n, t in sizes.items()} for name, sizes in known[op.key]["us"].items()}
             choice = ShapeChoice(op.key, op.layers, known[op.key]["choice"], us, True)
         else:
@@ -251,6 +273,12 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype, linear: str = "au
     if linear not in ("auto", "torch") and not any(linear in op.candidates for op in linears):
         raise ValueError(f"linear_kernels={linear!r} is not available here: no layer offers it (oneDNN's prepacked "
                          "linear runs dense float32 / bfloat16 layers on CPU)")
+    if attention != "auto" and any(attention not in op.candidates for op in attentions):
+        from kvforge.core.layers.decode_attention import DECODE_VARIANTS
+
+        device = model_device(model)
+        raise ValueError(f"decode_attention={attention!r} cannot run here: "
+                         f"{DECODE_VARIANTS[attention].unavailable(device)}")
     timed_here = (linear == "auto" and linears) or (attention == "auto" and attentions)
     cache = ChoiceCache(cache_dir or _default_cache_dir(), cpu_signature()) if timed_here else None
     return decide(linears, linear, cache, retime) + decide(attentions, attention, cache, retime)

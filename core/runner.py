@@ -10,10 +10,19 @@ from pathlib import Path
 import torch
 
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
-from kvforge.core.context import DecodeGroup, KernelBatch, PrefillSeq, StepContext, set_context
+from kvforge.core.context import (
+    DecodeGroup,
+    KernelBatch,
+    PrefillSeq,
+    StepContext,
+    block_table_tensors,
+    gather_rows,
+    set_context,
+)
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
+from kvforge.core.layers.attention import SHORT_CHUNK
 from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
@@ -133,9 +142,7 @@ class ModelRunner:
         return total
 
     def _gather_rows(self, tables: list[list[int]]) -> torch.Tensor:
-        """Rows ordered (K/V, sequence, head, block): a gather yields [2, seqs, kv_heads, tokens, head_dim]."""
-        blocks = torch.tensor(tables, dtype=torch.long).unsqueeze(2)  # [seqs, blocks, 1]
-        return (self._plane_blocks + blocks.transpose(1, 2)).view(-1).to(self.device)
+        return gather_rows(self._plane_blocks, tables).to(self.device)
 
     def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs:
         """Order the batch (decode tokens by context length, then prefill chunks) and lay it out flat. The
@@ -189,11 +196,15 @@ class ModelRunner:
                               torch.tensor(lengths, dtype=torch.long))
                   for first, last, tables, lengths in inputs.decode_groups]
         # a chunk with nothing cached before it attends to its own fresh K/V: no gather
-        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]))
+        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]),
+                               torch.tensor(table, dtype=torch.int32, device=self.device)
+                               if end != last - first and last - first <= SHORT_CHUNK else None)
                     for first, last, end, table in inputs.prefills]
         # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
         write_rows = (self._plane_slots + torch.tensor(inputs.slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
-        return StepContext(positions, self.kv_cache, write_rows.to(self.device), prefills, groups)
+        tables, lens = block_table_tensors(*inputs.decode_rows())
+        return StepContext(positions, self.kv_cache, write_rows.to(self.device), prefills, groups,
+                           tables.to(self.device), lens.to(self.device))
 
     def _kernel_batch(self, inputs: StepInputs) -> KernelBatch:
         """The Triton kernels' tensors: one int32 buffer built on the host, moved in one copy, then sliced."""

@@ -6,7 +6,8 @@ layer, so a gathered context comes out as [2, kv_heads, tokens, head_dim], the l
 want, and gathering copies whole blocks (see context.py). The layer first writes the step's new K/V.
 Prefill chunks attend one sequence at a time over their context (SDPA). Decode tokens attend in
 groups of similar context length (layers/decode_attention.py: fp32 batched matmuls or SDPA, whichever is
-faster on this machine), so the number of operations per layer does not grow with the number of sequences.
+faster on this machine), so the number of operations per layer does not grow with the number of sequences, or
+all at once by a C kernel reading the blocks in place (the "paged" variant).
 """
 
 from __future__ import annotations
@@ -46,11 +47,26 @@ class Attention(nn.Module):
             return self._forward_kernels(ctx.kernel, cache, q, k, v)
         new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
         cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
-        if not ctx.prefills and len(ctx.decode_groups) == 1:  # the common decode step: no copies
-            return self._decode(ctx, cache, 0, q)
+        if not ctx.prefills:  # the common decode step: no copies
+            return self.decode_rows(ctx, cache, q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         for i, seq in enumerate(ctx.prefills):
             out[seq.start:seq.end] = self._prefill(ctx, cache, i, seq, q, k, v)
+        decodes = ctx.prefills[0].start  # decode rows come first
+        if decodes:
+            out[:decodes] = self.decode_rows(ctx, cache, q[:decodes])
+        return out
+
+    def decode_rows(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The step's decode rows (the first rows of the flat batch, one new token each; q holds only them),
+        attended by the decode variant chosen for this machine (layers/decode_attention.py) -> [rows, heads * d]."""
+        if self.decode.mask is None:  # reads the paged cache in place, every row in one call
+            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+            self.decode.run(q, cache, ctx.decode_tables, ctx.decode_lens, self.scale, self.sliding_window, out)
+            return out
+        if len(ctx.decode_groups) == 1:
+            return self._decode(ctx, cache, 0, q)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         for i, group in enumerate(ctx.decode_groups):
             out[group.start:group.end] = self._decode(ctx, cache, i, q)
         return out
@@ -94,9 +110,18 @@ class Attention(nn.Module):
 
     def _short_chunk(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q) -> torch.Tensor:
         """A few new tokens after a cached context (speculative verification of 1 + k tokens, a short last
-        chunk): decode's batched fp32 math with the new tokens' queries side by side per KV head -- several
-        times faster here than SDPA's masked path, and the same arithmetic as decoding each token."""
+        chunk) attend as decode tokens do, so a verified token's logits are those decoding it gives: with the paged
+        kernel each new token is a decode row of its own; else decode's batched fp32 math with the new tokens'
+        queries side by side per KV head (several times faster here than SDPA's masked path)."""
         new, length, kv_heads, head_dim = seq.end - seq.start, seq.context_len, self.num_kv_heads, self.head_dim
+        if self.decode.mask is None:  # the paged kernel, each new token a decode row: what decoding it gives
+            key = ("paged-short", i)
+            if key not in ctx.masks:
+                lens = torch.arange(length - new + 1, length + 1, dtype=torch.int32, device=q.device)
+                ctx.masks[key] = (seq.block_table.expand(new, -1).contiguous(), lens)
+            out = q.new_empty(new, self.num_heads * head_dim)
+            self.decode.run(q[seq.start:seq.end], cache, *ctx.masks[key], self.scale, self.sliding_window, out)
+            return out
         group = self.num_heads // kv_heads
         dtype = q.dtype
         queries = (q[seq.start:seq.end].float() * self.scale).view(new, kv_heads, group, head_dim)
@@ -116,8 +141,8 @@ class Attention(nn.Module):
         return gathered.view(2, seqs, self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, ctx: StepContext, cache: torch.Tensor, i: int, q: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence of the group, attended over its gathered context by the decode variant
-        chosen for this machine (layers/decode_attention.py); the group's mask is built once per step."""
+        """One new token per sequence of the group, attended over its gathered context by a gathering decode
+        variant; the group's mask is built once per step."""
         group = ctx.decode_groups[i]
         g = group.end - group.start
         key = (self.decode_variant, i, self.sliding_window)
@@ -128,7 +153,11 @@ class Attention(nn.Module):
         kv = self._gather(cache, group.gather_rows, g)
         return self.decode.run(q[group.start:group.end], kv, ctx.masks[key], self.scale)
 
-    def use_decode_variant(self, name: str) -> None:
+    def use_decode_variant(self, name: str, device: torch.device | None = None) -> None:
+        """Attend decode rows with the named variant (ValueError naming why, where it cannot run on `device`)."""
+        reason = DECODE_VARIANTS[name].unavailable(device or torch.device("cpu"))
+        if reason is not None:
+            raise ValueError(f"decode_attention={name!r} cannot run here: {reason}")
         self.decode_variant, self.decode = name, DECODE_VARIANTS[name]
 
 

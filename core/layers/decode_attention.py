@@ -12,7 +12,10 @@ speculative verification, answer as the same prompt sent fresh); the others are 
   "bmm"'s cost at large batches where the CPU multiplies bf16 natively.
 - "sdpa": torch's fused scaled_dot_product_attention in the model dtype with a boolean mask (GQA native): one
   op per group, no fp32 copy of the context.
-Each builds its mask once per step (shared by every layer): None when every gathered key is visible."""
+- "paged" (CPU): a C kernel (core/cpu_kernels) that reads each sequence's blocks in place, all decode rows of the
+  step in one call: no gather, no padding, no mask; fp32 math like "bmm". Offered where a C compiler builds it.
+The gathered ones build their mask once per step (shared by every layer): None when every gathered key is
+visible."""
 
 from __future__ import annotations
 
@@ -28,9 +31,12 @@ MaskBuilder = Callable[[torch.Tensor, int, "int | None", int, int], "torch.Tenso
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    mask: MaskBuilder
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]  # -> [g, heads * d]
+    # gathered: (q [g, heads, d], kv, mask, scale) -> [g, heads * d]; paged (mask None): (q, cache, block tables,
+    # context lengths, scale, window, out) writes out
+    run: Callable
+    mask: MaskBuilder | None  # None: the variant reads the paged cache itself
     fp32_math: bool  # computes in fp32 whatever the model dtype (see above: what auto may pick in bf16 / fp16)
+    unavailable: Callable[[torch.device], str | None] = lambda device: None  # why it cannot run there, or None
 
 
 def visible_positions(lengths: torch.Tensor, padded: int, window: int | None) -> torch.Tensor | None:
@@ -94,11 +100,31 @@ def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale
     return out.reshape(q.shape[0], -1)
 
 
-DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_mask, bmm_run, fp32_math=True),
-                   "bmm-native": DecodeVariant(bmm_mask, native_bmm_run, fp32_math=False),
-                   "sdpa": DecodeVariant(sdpa_mask, sdpa_run, fp32_math=False)}
+def paged_run(q, cache, block_tables, context_lens, scale, window, out) -> None:
+    from kvforge.core.cpu_kernels import paged_decode_attention
+
+    paged_decode_attention(q, cache, block_tables, context_lens, scale, window, out)
 
 
-def automatic_variants(dtype: torch.dtype) -> list[str]:
-    """The variants `decode_attention=auto` chooses among for a model in `dtype`."""
-    return [name for name, v in DECODE_VARIANTS.items() if dtype == torch.float32 or v.fp32_math]
+def paged_unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return "the paged C kernel runs on CPU tensors"
+    from kvforge.core.cpu_kernels import unavailable
+
+    return unavailable()
+
+
+DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_run, bmm_mask, fp32_math=True),
+                   "bmm-native": DecodeVariant(native_bmm_run, bmm_mask, fp32_math=False),
+                   "sdpa": DecodeVariant(sdpa_run, sdpa_mask, fp32_math=False),
+                   "paged": DecodeVariant(paged_run, None, fp32_math=True, unavailable=paged_unavailable)}
+
+
+def offered_variants(device: torch.device) -> list[str]:
+    """The variants that run on `device` here (the stock one first)."""
+    return [name for name, v in DECODE_VARIANTS.items() if v.unavailable(device) is None]
+
+
+def automatic_variants(dtype: torch.dtype, device: torch.device) -> list[str]:
+    """The variants `decode_attention=auto` chooses among for a model in `dtype` on `device`."""
+    return [name for name in offered_variants(device) if dtype == torch.float32 or DECODE_VARIANTS[name].fp32_math]

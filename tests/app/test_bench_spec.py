@@ -1,6 +1,8 @@
 """`kvforge bench spec --json`, run as a real subprocess on the embedded model at tiny sizes: every row,
-positive speedups, greedy tokens equal to the baseline's in every row, acceptance rates in [0, 1] (no
-timing assertions: machines are shared)."""
+positive speedups, acceptance rates in [0, 1] in the default dtype, and greedy tokens equal to the baseline's in
+every row in fp32 (no timing assertions: machines are shared). In bf16 (the default on CPUs that compute it
+natively) a verify forward over 1 + k rows rounds its matmuls otherwise than a 1-row one, so a near-tie may part
+the outputs: the bench's `same tokens` column reports it, exact losslessness is asserted in fp32."""
 
 from __future__ import annotations
 
@@ -21,13 +23,22 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900, env=env)
 
 
-@pytest.fixture(scope="module")
-def result(embedded_path, tmp_path_factory) -> dict:
+def _bench_json(tmp_path_factory, *args: str) -> dict:
     out = tmp_path_factory.mktemp("bench-spec") / "spec.json"
-    run = _bench("--max-tokens", "16", "--prompts", "1", "--threads", "2", "--json", str(out))
+    run = _bench("--max-tokens", "16", "--prompts", "1", "--threads", "2", "--json", str(out), *args)
     assert run.returncode == 0, run.stderr
     assert "same tokens" in run.stdout  # a JSON file comes with the table
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def result(embedded_path, tmp_path_factory) -> dict:
+    return _bench_json(tmp_path_factory)  # the default dtype and configurations
+
+
+@pytest.fixture(scope="module")
+def fp32_result(embedded_path, tmp_path_factory) -> dict:
+    return _bench_json(tmp_path_factory, "--dtype", "float32", "--config", "ngram k=4", "--config", "draft layers=10")
 
 
 def test_every_configuration_and_task_has_a_row(result):
@@ -37,11 +48,11 @@ def test_every_configuration_and_task_has_a_row(result):
     assert result["tasks"] == {"grounded": 1, "chat": 1} and result["max_tokens"] == 16
 
 
-def test_figures_and_losslessness(result):
+def test_figures(result):
     for row in result["rows"]:
         assert isinstance(row["speedup"], float) and row["speedup"] > 0
         assert row["decode_tok_s"] > 0 and row["e2e_tok_s"] > 0
-        assert row["same_tokens"] is True, row["config"]
+        assert isinstance(row["same_tokens"], bool)
         assert 1 < row["generated_tokens"] <= 16 and row["prompts"] == 1
         assert [p["name"] for p in row["per_prompt"]] == ["fix-bug" if row["task"] == "grounded" else "poem"]
         if row["decoding"] == "none":
@@ -81,3 +92,10 @@ def test_config_specs():
 def test_bad_arguments_are_refused_before_loading(args, message, embedded_path):
     result = _bench(*args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_greedy_speculation_is_lossless_in_fp32(fp32_result):
+    assert {row["config"] for row in fp32_result["rows"]} == {"none", "ngram k=4", "draft layers=10"}
+    for row in fp32_result["rows"]:
+        assert row["same_tokens"] is True, (row["config"], row["task"])
+        assert all(p["same_tokens"] for p in row["per_prompt"])

@@ -124,13 +124,14 @@ def test_decode_attention_variants_agree(dtype, window):
             values = kv[1, s_, h // (heads // kv_heads), start:end].double()
             weights = torch.softmax(keys @ q[s_, h].double() * d ** -0.5, dim=0)
             expected[s_, h] = weights @ values
-    for name, variant in DECODE_VARIANTS.items():
+    gathering = {name: v for name, v in DECODE_VARIANTS.items() if v.mask is not None}  # "paged": test_cpu_kernels.py
+    for name, variant in gathering.items():
         out = variant.run(q, kv, variant.mask(lengths, padded, window, kv_heads, heads // kv_heads), d ** -0.5)
         assert out.shape == (g, heads * d) and out.dtype == dtype, name
         error = (out.double().view(g, heads, d) - expected).abs().max().item()
         assert error < (1e-5 if dtype == torch.float32 else 2e-2), (name, error)
     full = torch.full((g,), padded)
-    assert all(v.mask(full, padded, None, kv_heads, 3) is None for v in DECODE_VARIANTS.values())
+    assert all(v.mask(full, padded, None, kv_heads, 3) is None for v in gathering.values())
 
 
 @pytest.fixture()
@@ -148,7 +149,7 @@ def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, quick_a
     model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0), Attention(4, 2, 16, 0.25, layer_index=1))
     first = choose_kernels(model, torch.float32, cache_dir=tmp_path)
     assert [(c.key, c.layers, set(c.us)) for c in first] == [
-        ("decode_attention:float32:4x2x16", 2, {"bmm", "bmm-native", "sdpa"})]
+        ("decode_attention:float32:4x2x16", 2, {"bmm", "bmm-native", "sdpa", "paged"})]
     assert {layer.decode_variant for layer in model} == {first[0].choice}
     assert choose_kernels(model, torch.float32, cache_dir=tmp_path)[0].cached
     forced = choose_kernels(model, torch.bfloat16, attention="sdpa", cache_dir=tmp_path)
@@ -156,16 +157,41 @@ def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, quick_a
 
 
 def test_auto_keeps_bf16_decode_attention_to_fp32_math(tmp_path, quick_attention_timing):
-    """In bf16 the model-dtype variants are timed (the bench shows them) but auto runs the fp32-math one, even where
-    another is faster: its K/V is what prefill (fp32 attention) writes for the same tokens, up to fp32's last bit."""
+    """In bf16 the model-dtype variants are timed (the bench shows them) but auto runs an fp32-math one (bmm or the
+    paged C kernel), even where another is faster: its K/V is what prefill (fp32 attention) writes for the same
+    tokens, up to fp32's last bit."""
     from kvforge.core.layers.attention import Attention
 
     model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0))
     loaded = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path)
-    assert [(c.choice, c.us) for c in loaded] == [("bmm", {})]  # nothing to time at load
-    benched = choose_kernels(model, torch.bfloat16, cache_dir=tmp_path, retime=True)
-    assert set(benched[0].us) == {"bmm", "bmm-native", "sdpa"} and benched[0].choice == "bmm"
-    assert {layer.decode_variant for layer in model} == {"bmm"}
+    assert set(loaded[0].us) == {"bmm", "bmm-native", "sdpa", "paged"} and loaded[0].choice in {"bmm", "paged"}
+    assert loaded[0].choice == pick({name: loaded[0].us[name] for name in ("bmm", "paged")})
+    assert {layer.decode_variant for layer in model} == {loaded[0].choice}
+
+
+def test_an_unavailable_decode_attention_is_refused_by_name_and_skipped_by_auto(tmp_path):
+    """Without a C compiler the paged kernel is not offered: auto times and picks among the others, naming it is a
+    clear error (a fresh process: the kernel is built once per process)."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from kvforge.core.kernel_choice import choose_kernels
+from kvforge.core.layers.attention import Attention
+model = torch.nn.Sequential(Attention(4, 2, 16, 0.25))
+chosen = choose_kernels(model, torch.float32)
+assert "paged" not in chosen[0].us and chosen[0].choice != "paged", chosen
+try:
+    choose_kernels(model, torch.float32, attention="paged")
+except ValueError as e:
+    print(e)
+"""
+    env = {**__import__("os").environ, "CC": str(tmp_path / "no-such-compiler"), "KVFORGE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "decode_attention='paged' cannot run here: the C compiler" in done.stdout
+    assert "no-such-compiler" in done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +201,7 @@ def hf_model(embedded_path):
     return AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize(("linear", "attention"), [("torch", "bmm"), ("onednn", "sdpa")])
+@pytest.mark.parametrize(("linear", "attention"), [("torch", "bmm"), ("onednn", "sdpa"), ("torch", "paged")])
 def test_greedy_parity_holds_with_either_kernel(linear, attention, embedded_path, hf_model):
     """fp32 greedy tokens equal HF transformers' whichever kernels the choice lands on."""
     if linear == "onednn" and not onednn_packing_available(torch.empty(1)):

@@ -1,0 +1,108 @@
+"""CPU kernels written in C: compiled at first use with the system C compiler for this CPU (-march=native),
+cached in the cache dir by a hash of the source, the compiler and the CPU, loaded through ctypes.
+
+Why by hand: no maintained package offers a paged decode attention for CPU tensors that works with our torch
+(vLLM's CPU ops come only inside vLLM's own wheel). Why C through ctypes rather than a torch C++ extension:
+torch's headers take ~40 s to compile on two cores, plain C takes about one; ctypes releases the GIL during
+the call. The OpenMP runtime is the one torch already loaded (the same libgomp.so.1 soname), so the kernel's
+threads are torch's threads, not a second pool.
+
+Without a C compiler the kernels are not offered: the torch variants run (the reason is in `unavailable()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here (no compiler, a failed build)."""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise KernelUnavailable("no C compiler found (install gcc, or set CC)")
+    return compiler
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    from kvforge.core.cpu import cpu_signature
+    from kvforge.core.loader import cache_dir
+    from kvforge.core.private_files import private_dir
+
+    compiler = _compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C compiler {compiler!r} does not run: {e}") from e
+    key = hashlib.sha1("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), repr(sorted(cpu_signature().items())),
+                                  ]).encode()).hexdigest()[:16]
+    directory = private_dir(cache_dir() / "cpu_kernels")
+    path = directory / f"paged_decode-{key}.so"
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
+        os.close(fd)
+        try:
+            built = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                   timeout=300)
+            if built.returncode != 0:
+                raise KernelUnavailable(f"building {SOURCE.name} failed: {built.stderr.strip()[-2000:]}")
+            os.replace(tmp, path)  # atomic: a concurrent build by another process is the same file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    library = ctypes.CDLL(str(path))
+    fn = library.kvf_paged_decode
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32]
+    fn.restype = None
+    return library
+
+
+def unavailable() -> str | None:
+    """Why the C kernels cannot run here, or None when they can (builds them on first call)."""
+    try:
+        _library()
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, window: int | None, out: torch.Tensor) -> None:
+    """One query token per sequence over its paged K/V, read in place (core/cpu_kernels/paged_decode.c).
+    q [B, heads, head_dim] (rows may be strided); cache [2, kv_heads, blocks, block_size, head_dim] one layer,
+    contiguous; block_tables int32 [B, width]; context_lens int32 [B] (the new token included; 0: a padding
+    row, output 0); out [B, heads * head_dim], contiguous, q's dtype: written."""
+    batch, heads, head_dim = q.shape
+    _, kv_heads, blocks, block_size, _ = cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if q.dtype != cache.dtype or q.dtype not in DTYPE_CODES or out.dtype != q.dtype:
+        raise ValueError(f"paged decode attention: q {q.dtype}, cache {cache.dtype}, out {out.dtype} must be one of "
+                         f"float32 / bfloat16 / float16, all the same")
+    if not (cache.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
+            and context_lens.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32):
+        raise ValueError("paged decode attention: cache, out, block_tables, context_lens must be contiguous; the "
+                         "tables and lengths int32")
+    if batch == 0:
+        return
+    _library().kvf_paged_decode(q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(),
+                                context_lens.data_ptr(), batch, heads, kv_heads, head_dim, blocks, block_size,
+                                block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype],
+                                torch.get_num_threads())

@@ -1,0 +1,65 @@
+"""The paged decode attention C kernel (core/cpu_kernels): built here with the system compiler, checked against an
+fp64 reference computed per sequence over its own visible keys, gathered from a scattered block table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.core.cpu_kernels import paged_decode_attention, unavailable
+from tests.helpers.optional_parts import require
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    require(unavailable() is None, f"the paged C kernel cannot be built here: {unavailable()}")
+
+
+def reference(q, cache, tables, lens, scale, window) -> torch.Tensor:
+    """fp64 attention of each row over keys [max(0, L - window), L) of its blocks; zeros for L == 0."""
+    batch, heads, head_dim = q.shape
+    kv_heads, block = cache.shape[1], cache.shape[3]
+    out = torch.zeros(batch, heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        length = int(lens[b])
+        positions = torch.arange(0 if window is None else max(0, length - window), length)
+        blocks, slots = tables[b][positions // block].long(), positions % block
+        for h in range(heads):
+            kv = cache[:, h // (heads // kv_heads), blocks, slots].double()  # [2, n, d]
+            if length:
+                out[b, h] = torch.softmax(kv[0] @ q[b, h].double() * scale, dim=0) @ kv[1]
+    return out.view(batch, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block", "window"),
+                         [(9, 3, 64, 16, None),  # SmolLM2-135M
+                          (4, 1, 256, 16, 37),  # Gemma 3 270M, a sliding-window layer
+                          (6, 6, 80, 5, None)])  # no GQA, a head size and a block size with no special case
+def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, window):
+    torch.manual_seed(0)
+    batch, num_blocks = 7, 120
+    cache = torch.randn(2, kv_heads, num_blocks, block, head_dim).to(dtype)
+    lens = torch.tensor([1, 0, 17, block, 95, 3 * block + 1, 160], dtype=torch.int32)  # 0: a padding row
+    width = -(-int(lens.max()) // block)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(batch)]).int()
+    fused = torch.randn(batch, heads + 2 * kv_heads, head_dim).to(dtype)  # q as the attention gets it: strided rows
+    q = fused[:, :heads]
+    out = torch.full((batch, heads * head_dim), float("nan"), dtype=dtype)
+    paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5, window, out)
+    expected = reference(q, cache, tables, lens, head_dim ** -0.5, window)
+    error = (out.double() - expected).abs().max().item()
+    # fp32 math: fp32 rounding in fp32; one rounding to the storage type in bf16 / fp16
+    assert error < {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype], error
+    assert out[1].abs().max().item() == 0  # the padding row
+
+
+def test_refuses_mixed_dtypes_and_handles_an_empty_batch():
+    cache = torch.zeros(2, 1, 4, 16, 32)
+    tables, lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    paged_decode_attention(torch.zeros(0, 2, 32), cache, tables, lens, 0.1, None, torch.zeros(0, 64))
+    with pytest.raises(ValueError, match="must be one of float32 / bfloat16 / float16, all the same"):
+        paged_decode_attention(torch.zeros(1, 2, 32, dtype=torch.bfloat16), cache, tables[:1], lens[:1], 0.1, None,
+                               torch.zeros(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(torch.zeros(1, 2, 32), cache, tables.long(), lens, 0.1, None, torch.zeros(1, 64))
