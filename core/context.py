@@ -26,7 +26,6 @@ class PrefillSeq:
     end: int
     context_len: int  # cached + new tokens
     gather_rows: torch.Tensor | None  # the blocks of its whole context; None when nothing was cached
-    block_table: torch.Tensor | None = None  # int32 [blocks] of its context when a short chunk (the paged kernel)
 
 
 @dataclass
@@ -46,16 +45,10 @@ def gather_rows(plane_blocks: torch.Tensor, tables: list[list[int]]) -> torch.Te
     return (plane_blocks + blocks.transpose(1, 2)).view(-1)
 
 
-def block_table_tensors(tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 [seqs, width] block tables (short ones padded with block 0) and int32 [seqs] context lengths, built
-    in one tensor."""
+def block_tables_tensor(tables: list[list[int]]) -> torch.Tensor:
+    """int32 [seqs, width] block tables, the short ones padded with block 0."""
     width = max(map(len, tables), default=0)
-    flat = list(lengths)
-    for table in tables:
-        flat.extend(table)
-        flat.extend([0] * (width - len(table)))
-    lens, blocks = torch.tensor(flat, dtype=torch.int32).split([len(lengths), len(tables) * width])
-    return blocks.view(len(tables), width), lens
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32).view(-1, width)
 
 
 @dataclass
@@ -82,9 +75,12 @@ class StepContext:
     write_rows: torch.Tensor | None = None  # where each new token's K and V go
     prefills: list[PrefillSeq] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # the decode rows' int32 block tables [decodes, width] and context lengths [decodes] (the paged C kernel)
-    decode_tables: torch.Tensor | None = None
-    decode_lens: torch.Tensor | None = None
+    # the paged C kernel's view (every row of the step at once): the sequences' int32 block tables [seqs, width]
+    # (decode rows' sequences first, in row order, then the prefill chunks'), each row's sequence [tokens]
+    # (None: row r is sequence r) and its context length, position + 1 [tokens]
+    block_tables: torch.Tensor | None = None
+    row_seqs: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
     kernel: KernelBatch | None = None
     # masks shared by all layers, built on first use, keyed by (kind, index, sliding window)
     masks: dict = field(default_factory=dict)

@@ -100,7 +100,7 @@ def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch
     """Each named decode-attention variant, run by an attention layer as a step runs it: a batch of
     DECODE_GROUP_SIZE sequences whose contexts end within the last block of `contexts` tokens, their blocks
     scattered over a paged cache (the gathering variants' gather is timed with them)."""
-    from kvforge.core.context import DecodeGroup, StepContext, block_table_tensors, gather_rows
+    from kvforge.core.context import DecodeGroup, StepContext, block_tables_tensor, gather_rows
     from kvforge.core.layers.attention import Attention
     from kvforge.core.runner import DECODE_GROUP_SIZE
 
@@ -113,9 +113,9 @@ def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch
         cache = torch.randn(2, kv_heads, g * width, block, head_dim, dtype=dtype)
         tables = torch.randperm(g * width).view(g, width).tolist()
         lengths = torch.linspace(length - 15, length, g).long()
-        tables_t, lens_t = block_table_tensors(tables, lengths.tolist())
+        tables_t, lens_t = block_tables_tensor(tables), lengths.int()
         group = DecodeGroup(0, g, gather_rows(planes * g * width, tables), width * block, lengths)
-        ctx = StepContext(lengths - 1, cache[None], decode_groups=[group], decode_tables=tables_t, decode_lens=lens_t)
+        ctx = StepContext(lengths - 1, cache[None], decode_groups=[group], block_tables=tables_t, row_lens=lens_t)
         q = torch.randn(g, heads, head_dim, dtype=dtype)
 
         def run(name: str, ctx=ctx, cache=cache, q=q) -> torch.Tensor:

@@ -15,14 +15,13 @@ from kvforge.core.context import (
     KernelBatch,
     PrefillSeq,
     StepContext,
-    block_table_tensors,
+    block_tables_tensor,
     gather_rows,
     set_context,
 )
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
-from kvforge.core.layers.attention import SHORT_CHUNK
 from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
@@ -196,15 +195,16 @@ class ModelRunner:
                               torch.tensor(lengths, dtype=torch.long))
                   for first, last, tables, lengths in inputs.decode_groups]
         # a chunk with nothing cached before it attends to its own fresh K/V: no gather
-        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]),
-                               torch.tensor(table, dtype=torch.int32, device=self.device)
-                               if end != last - first and last - first <= SHORT_CHUNK else None)
+        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]))
                     for first, last, end, table in inputs.prefills]
         # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
         write_rows = (self._plane_slots + torch.tensor(inputs.slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
-        tables, lens = block_table_tensors(*inputs.decode_rows())
+        decode_tables, _ = inputs.decode_rows()
+        tables = block_tables_tensor(decode_tables + [table for _, _, _, table in inputs.prefills])
+        chunk_rows = torch.tensor([1] * len(decode_tables) + [last - first for first, last, _, _ in inputs.prefills])
+        row_seqs = torch.repeat_interleave(torch.arange(len(chunk_rows), dtype=torch.int32), chunk_rows)
         return StepContext(positions, self.kv_cache, write_rows.to(self.device), prefills, groups,
-                           tables.to(self.device), lens.to(self.device))
+                           tables.to(self.device), row_seqs.to(self.device), (positions + 1).int())
 
     def _kernel_batch(self, inputs: StepInputs) -> KernelBatch:
         """The Triton kernels' tensors: one int32 buffer built on the host, moved in one copy, then sliced."""

@@ -26,7 +26,7 @@ OP_CLASSES = {
                 "matmul_nbits", "embedding"),
     "attention math": ("bmm", "baddbmm", "_softmax", "softmax", "scaled_dot_product_attention",
                        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
-                       "masked_fill_", "masked_fill"),
+                       "masked_fill_", "masked_fill", "paged_attention"),
     "KV gather / write": ("index_select", "index_copy_", "index_copy", "index", "gather", "index_put_", "take"),
     "copies, conversions": ("copy_", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "empty_like",
                             "empty", "empty_strided", "zeros", "fill_", "zero_", "resize_", "set_"),

@@ -1,7 +1,7 @@
 """CPU kernels written in C: compiled at first use with the system C compiler for this CPU (-march=native),
 cached in the cache dir by a hash of the source, the compiler and the CPU, loaded through ctypes.
 
-Why by hand: no maintained package offers a paged decode attention for CPU tensors that works with our torch
+Why by hand: no maintained package offers a paged attention for CPU tensors that works with our torch
 (vLLM's CPU ops come only inside vLLM's own wheel). Why C through ctypes rather than a torch C++ extension:
 torch's headers take ~40 s to compile on two cores, plain C takes about one; ctypes releases the GIL during
 the call. The OpenMP runtime is the one torch already loaded (the same libgomp.so.1 soname), so the kernel's
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).with_name("paged_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -53,7 +53,7 @@ def _library() -> ctypes.CDLL:
     key = hashlib.sha1("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), repr(sorted(cpu_signature().items())),
                                   ]).encode()).hexdigest()[:16]
     directory = private_dir(cache_dir() / "cpu_kernels")
-    path = directory / f"paged_decode-{key}.so"
+    path = directory / f"paged_attention-{key}.so"
     if not path.exists():
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
         os.close(fd)
@@ -67,9 +67,10 @@ def _library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     library = ctypes.CDLL(str(path))
-    fn = library.kvf_paged_decode
+    fn = library.kvf_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32,
+                   i32, i32]
     fn.restype = None
     return library
 
@@ -83,26 +84,39 @@ def unavailable() -> str | None:
     return None
 
 
-def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, window: int | None, out: torch.Tensor) -> None:
-    """One query token per sequence over its paged K/V, read in place (core/cpu_kernels/paged_decode.c).
-    q [B, heads, head_dim] (rows may be strided); cache [2, kv_heads, blocks, block_size, head_dim] one layer,
-    contiguous; block_tables int32 [B, width]; context_lens int32 [B] (the new token included; 0: a padding
-    row, output 0); out [B, heads * head_dim], contiguous, q's dtype: written."""
-    batch, heads, head_dim = q.shape
-    _, kv_heads, blocks, block_size, _ = cache.shape
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    scale: float, window: int | None, out: torch.Tensor, row_seqs: torch.Tensor | None = None,
+                    portable: bool = False) -> None:
+    """Each query row over its sequence's paged K/V, read in place (core/cpu_kernels/paged_attention.c).
+    q [rows, heads, head_dim] (rows may be strided); cache [2, kv_heads, blocks, block_size, head_dim] one layer,
+    contiguous; block_tables int32 [seqs, width]; row_seqs int32 [rows]: each row's sequence (None: row r is
+    sequence r); context_lens int32 [rows]: L, the row is the token at position L - 1 and sees keys [0, L) (within
+    the window; 0: a padding row, output 0); out [rows, heads * head_dim], contiguous, q's dtype: written.
+    `portable`: the plain C loops even where the AVX-512 path would run (the tests check both)."""
+    rows, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     if q.dtype != cache.dtype or q.dtype not in DTYPE_CODES or out.dtype != q.dtype:
-        raise ValueError(f"paged decode attention: q {q.dtype}, cache {cache.dtype}, out {out.dtype} must be one of "
+        raise ValueError(f"paged attention: q {q.dtype}, cache {cache.dtype}, out {out.dtype} must be one of "
                          f"float32 / bfloat16 / float16, all the same")
-    if not (cache.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
-            and context_lens.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32):
-        raise ValueError("paged decode attention: cache, out, block_tables, context_lens must be contiguous; the "
-                         "tables and lengths int32")
-    if batch == 0:
+    indices = (block_tables, context_lens) if row_seqs is None else (block_tables, context_lens, row_seqs)
+    if not (cache.is_contiguous() and out.is_contiguous()
+            and all(t.is_contiguous() and t.dtype == torch.int32 for t in indices)):
+        raise ValueError("paged attention: cache, out, block_tables, context_lens, row_seqs must be contiguous; the "
+                         "tables, lengths and row sequences int32")
+    if rows == 0:
         return
-    _library().kvf_paged_decode(q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(),
-                                context_lens.data_ptr(), batch, heads, kv_heads, head_dim, blocks, block_size,
-                                block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype],
-                                torch.get_num_threads())
+    if torch.autograd.profiler._is_profiler_enabled:  # a ctypes call is no torch op: name it for the profiler
+        with torch.profiler.record_function("kvforge::paged_attention"):
+            return _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, portable)
+    _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, portable)
+
+
+def _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, portable) -> None:
+    rows, heads, head_dim = q.shape
+    _, kv_heads, blocks, block_size, _ = cache.shape
+    _library().kvf_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(),
+                                   block_tables.data_ptr(), None if row_seqs is None else row_seqs.data_ptr(),
+                                   context_lens.data_ptr(), rows, heads, kv_heads, head_dim, blocks, block_size,
+                                   block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype],
+                                   torch.get_num_threads(), portable)

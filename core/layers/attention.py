@@ -6,8 +6,9 @@ layer, so a gathered context comes out as [2, kv_heads, tokens, head_dim], the l
 want, and gathering copies whole blocks (see context.py). The layer first writes the step's new K/V.
 Prefill chunks attend one sequence at a time over their context (SDPA). Decode tokens attend in
 groups of similar context length (layers/decode_attention.py: fp32 batched matmuls or SDPA, whichever is
-faster on this machine), so the number of operations per layer does not grow with the number of sequences, or
-all at once by a C kernel reading the blocks in place (the "paged" variant).
+faster on this machine), so the number of operations per layer does not grow with the number of sequences.
+With the "paged" variant (a C kernel reading the blocks in place) every row of the step, prefill chunks' tokens
+included, attends in one call instead.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Attention(nn.Module):
             return self._forward_kernels(ctx.kernel, cache, q, k, v)
         new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
         cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
-        if not ctx.prefills:  # the common decode step: no copies
+        if not ctx.prefills or self.decode.mask is None:  # a decode step, or the paged kernel: every row in one call
             return self.decode_rows(ctx, cache, q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         for i, seq in enumerate(ctx.prefills):
@@ -58,11 +59,14 @@ class Attention(nn.Module):
         return out
 
     def decode_rows(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The step's decode rows (the first rows of the flat batch, one new token each; q holds only them),
-        attended by the decode variant chosen for this machine (layers/decode_attention.py) -> [rows, heads * d]."""
-        if self.decode.mask is None:  # reads the paged cache in place, every row in one call
-            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-            self.decode.run(q, cache, ctx.decode_tables, ctx.decode_lens, self.scale, self.sliding_window, out)
+        """The step's decode rows (the first rows of the flat batch, one new token each; q holds only them, or with
+        the paged kernel every row of the step), attended by the decode variant chosen for this machine
+        (layers/decode_attention.py) -> [rows, heads * d]."""
+        if self.decode.mask is None:  # reads the paged cache in place (prefill rows too, when q holds them)
+            rows = q.shape[0]
+            out = q.new_empty(rows, self.num_heads * self.head_dim)
+            self.decode.run(q, cache, ctx.block_tables, ctx.row_lens[:rows], self.scale, self.sliding_window, out,
+                            None if ctx.row_seqs is None else ctx.row_seqs[:rows])
             return out
         if len(ctx.decode_groups) == 1:
             return self._decode(ctx, cache, 0, q)
@@ -110,18 +114,9 @@ class Attention(nn.Module):
 
     def _short_chunk(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q) -> torch.Tensor:
         """A few new tokens after a cached context (speculative verification of 1 + k tokens, a short last
-        chunk) attend as decode tokens do, so a verified token's logits are those decoding it gives: with the paged
-        kernel each new token is a decode row of its own; else decode's batched fp32 math with the new tokens'
-        queries side by side per KV head (several times faster here than SDPA's masked path)."""
+        chunk): decode's batched fp32 math with the new tokens' queries side by side per KV head -- several
+        times faster here than SDPA's masked path, and the same arithmetic as decoding each token."""
         new, length, kv_heads, head_dim = seq.end - seq.start, seq.context_len, self.num_kv_heads, self.head_dim
-        if self.decode.mask is None:  # the paged kernel, each new token a decode row: what decoding it gives
-            key = ("paged-short", i)
-            if key not in ctx.masks:
-                lens = torch.arange(length - new + 1, length + 1, dtype=torch.int32, device=q.device)
-                ctx.masks[key] = (seq.block_table.expand(new, -1).contiguous(), lens)
-            out = q.new_empty(new, self.num_heads * head_dim)
-            self.decode.run(q[seq.start:seq.end], cache, *ctx.masks[key], self.scale, self.sliding_window, out)
-            return out
         group = self.num_heads // kv_heads
         dtype = q.dtype
         queries = (q[seq.start:seq.end].float() * self.scale).view(new, kv_heads, group, head_dim)

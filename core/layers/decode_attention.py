@@ -12,8 +12,9 @@ speculative verification, answer as the same prompt sent fresh); the others are 
   "bmm"'s cost at large batches where the CPU multiplies bf16 natively.
 - "sdpa": torch's fused scaled_dot_product_attention in the model dtype with a boolean mask (GQA native): one
   op per group, no fp32 copy of the context.
-- "paged" (CPU): a C kernel (core/cpu_kernels) that reads each sequence's blocks in place, all decode rows of the
-  step in one call: no gather, no padding, no mask; fp32 math like "bmm". Offered where a C compiler builds it.
+- "paged" (CPU): a C kernel (core/cpu_kernels) that reads each sequence's blocks in place, every row of the step
+  in one call -- the prefill chunks' tokens too, so a token prefilled and the same token decoded get the same
+  attention bit for bit: no gather, no padding, no mask; fp32 math like "bmm". Offered where a C compiler builds it.
 The gathered ones build their mask once per step (shared by every layer): None when every gathered key is
 visible."""
 
@@ -32,7 +33,7 @@ MaskBuilder = Callable[[torch.Tensor, int, "int | None", int, int], "torch.Tenso
 @dataclass(frozen=True)
 class DecodeVariant:
     # gathered: (q [g, heads, d], kv, mask, scale) -> [g, heads * d]; paged (mask None): (q, cache, block tables,
-    # context lengths, scale, window, out) writes out
+    # context lengths, scale, window, out, row sequences) writes out
     run: Callable
     mask: MaskBuilder | None  # None: the variant reads the paged cache itself
     fp32_math: bool  # computes in fp32 whatever the model dtype (see above: what auto may pick in bf16 / fp16)
@@ -100,10 +101,10 @@ def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale
     return out.reshape(q.shape[0], -1)
 
 
-def paged_run(q, cache, block_tables, context_lens, scale, window, out) -> None:
-    from kvforge.core.cpu_kernels import paged_decode_attention
+def paged_run(q, cache, block_tables, context_lens, scale, window, out, row_seqs) -> None:
+    from kvforge.core.cpu_kernels import paged_attention
 
-    paged_decode_attention(q, cache, block_tables, context_lens, scale, window, out)
+    paged_attention(q, cache, block_tables, context_lens, scale, window, out, row_seqs)
 
 
 def paged_unavailable(device: torch.device) -> str | None:

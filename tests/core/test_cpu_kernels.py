@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.core.cpu_kernels import paged_decode_attention, unavailable
+from kvforge.core.cpu_kernels import paged_attention, unavailable
 from tests.helpers.optional_parts import require
 
 
@@ -31,12 +31,13 @@ def reference(q, cache, tables, lens, scale, window) -> torch.Tensor:
     return out.view(batch, -1)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block", "window"),
                          [(9, 3, 64, 16, None),  # SmolLM2-135M
                           (4, 1, 256, 16, 37),  # Gemma 3 270M, a sliding-window layer
                           (6, 6, 80, 5, None)])  # no GQA, a head size and a block size with no special case
-def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, window):
+def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, window, portable):
     torch.manual_seed(0)
     batch, num_blocks = 7, 120
     cache = torch.randn(2, kv_heads, num_blocks, block, head_dim).to(dtype)
@@ -46,7 +47,7 @@ def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, wind
     fused = torch.randn(batch, heads + 2 * kv_heads, head_dim).to(dtype)  # q as the attention gets it: strided rows
     q = fused[:, :heads]
     out = torch.full((batch, heads * head_dim), float("nan"), dtype=dtype)
-    paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5, window, out)
+    paged_attention(q, cache, tables, lens, head_dim ** -0.5, window, out, portable=portable)
     expected = reference(q, cache, tables, lens, head_dim ** -0.5, window)
     error = (out.double() - expected).abs().max().item()
     # fp32 math: fp32 rounding in fp32; one rounding to the storage type in bf16 / fp16
@@ -54,12 +55,35 @@ def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, wind
     assert out[1].abs().max().item() == 0  # the padding row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_of_prefill_rows_equals_each_token_decoded_alone(dtype):
+    """Rows of prefill chunks (each token a row, over its own sequence's blocks by row_seqs) attend as the same
+    tokens decoded one at a time do, bit for bit, and as the reference."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, block, num_blocks = 9, 3, 64, 16, 40
+    cache = torch.randn(2, kv_heads, num_blocks, block, head_dim).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks)[:6] for _ in range(2)]).int()  # two sequences
+    chunks = [(0, 30, 37), (1, 0, 70)]  # (sequence, cached tokens, context after the chunk)
+    row_seqs = torch.tensor([s for s, cached, end in chunks for _ in range(cached, end)], dtype=torch.int32)
+    lens = torch.tensor([t + 1 for _, cached, end in chunks for t in range(cached, end)], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    together = torch.empty(len(lens), heads * head_dim, dtype=dtype)
+    paged_attention(q, cache, tables, lens, 0.125, None, together, row_seqs)
+    for r in range(len(lens)):
+        alone = torch.empty(1, heads * head_dim, dtype=dtype)
+        paged_attention(q[r:r + 1], cache, tables[row_seqs[r]:row_seqs[r] + 1].contiguous(), lens[r:r + 1], 0.125,
+                        None, alone)
+        assert torch.equal(alone[0], together[r]), r
+    expected = reference(q, cache, tables[row_seqs.long()], lens, 0.125, None)
+    assert (together.double() - expected).abs().max().item() < (2e-6 if dtype == torch.float32 else 8e-3)
+
+
 def test_refuses_mixed_dtypes_and_handles_an_empty_batch():
     cache = torch.zeros(2, 1, 4, 16, 32)
     tables, lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-    paged_decode_attention(torch.zeros(0, 2, 32), cache, tables, lens, 0.1, None, torch.zeros(0, 64))
+    paged_attention(torch.zeros(0, 2, 32), cache, tables, lens, 0.1, None, torch.zeros(0, 64))
     with pytest.raises(ValueError, match="must be one of float32 / bfloat16 / float16, all the same"):
-        paged_decode_attention(torch.zeros(1, 2, 32, dtype=torch.bfloat16), cache, tables[:1], lens[:1], 0.1, None,
+        paged_attention(torch.zeros(1, 2, 32, dtype=torch.bfloat16), cache, tables[:1], lens[:1], 0.1, None,
                                torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="int32"):
-        paged_decode_attention(torch.zeros(1, 2, 32), cache, tables.long(), lens, 0.1, None, torch.zeros(1, 64))
+        paged_attention(torch.zeros(1, 2, 32), cache, tables.long(), lens, 0.1, None, torch.zeros(1, 64))

@@ -1,0 +1,322 @@
+// Paged attention on CPU, one query row at a time over its paged KV cache, read in place: every row of a step
+// (decode tokens, and each token of a prefill chunk, whose K/V are written before) in one call.
+// Built and loaded by core/cpu_kernels/__init__.py (plain C with OpenMP, called through ctypes: no torch
+// headers, so it compiles in about a second at first use).
+//
+// Layout (one layer), as core/kernels/paged_decode.py: cache [2, KVH, NB, BS, D], K then V, head-major and
+// paged; row r belongs to sequence s = row_seqs[r] (r itself when row_seqs is NULL), whose token t lives in
+// block tables[s * width + t / BS] at slot t % BS. lens[r] = L: the row is the token at position L - 1 and
+// sees keys [max(0, L - window), L) (window 0: all; L 0: a padding row, output 0).
+// Query head i uses KV head i / G, G = H / KVH; one work item is one (row, KV head) with its G queries, so each
+// K/V row is read once for the group. A row's result depends on its q and its keys only, not on the rest of
+// the batch: a token prefilled and the same token decoded get the same attention, bit for bit.
+// Math in fp32 whatever the storage dtype: scores (q * scale in fp32, or bf16 products, exact in fp32, scaled
+// after), softmax (max, exp, sum, normalise), weighted sum of values, rounded once to the output dtype.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+// one row of `n` values stored as `dtype` -> fp32
+static inline void load_row(const void *src, int dtype, int n, float *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dtype == BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bits_to_f32((uint32_t)s[i] << 16);
+    } else {
+        const _Float16 *s = (const _Float16 *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)s[i];
+    }
+}
+
+// fp32 -> storage dtype, rounding to nearest even as torch's .to() does
+static inline void store_row(const float *src, int dtype, int n, void *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dtype == BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) {
+            uint32_t u = f32_to_bits(src[i]);
+            d[i] = (src[i] != src[i]) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+        }
+    } else {
+        _Float16 *d = (_Float16 *)dst;
+        for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    }
+}
+
+// exp(x) for x <= 0 (a score minus the row's maximum), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-7 Taylor polynomial for exp(r) (truncation < 1e-8 relative), times 2^n built from its bits.
+// Written out because glibc's vector expf needs -ffast-math, which GCC 12 links as process-wide
+// flush-to-zero into shared libraries.
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal number
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite): r exact to fp32
+    r = r - n * 1.42860682030941723e-06f;
+    float p = 1.98412698e-4f;
+    p = p * r + 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+}
+
+static size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
+
+// each of the G rows of n scores -> its softmax (max, exp, sum, normalise)
+static void softmax_rows(float *scores, int G, int n) {
+    for (int g = 0; g < G; g++) {
+        float *s = scores + (size_t)g * n, m = s[0], sum = 0.0f;
+        for (int i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < n; i++) {
+            s[i] = exp_nonpositive(s[i] - m);
+            sum += s[i];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int i = 0; i < n; i++) s[i] *= inv;
+    }
+}
+
+// One (sequence, KV head) item with its G queries; D is a compile-time constant in the specialised copies below
+// (the d loops unroll and stay in registers). Walks the context block by block (no division per token).
+static inline __attribute__((always_inline)) void attend(
+        const char *q_row, const char *k_plane, const char *v_plane, const int32_t *table, int L, int first, int G,
+        const int D, int block_size, float scale, int dtype, size_t es, float *qf, float *acc, float *row,
+        float *scores) {
+    const int n = L - first;
+    for (int g = 0; g < G; g++) {
+        load_row(q_row + (size_t)g * D * es, dtype, D, qf + g * D);
+        for (int d = 0; d < D; d++) qf[g * D + d] *= scale;
+    }
+    for (int t = first; t < L;) {  // scores[g][t - first] = q_g . k_t
+        const int offset = t % block_size, end = t - offset + block_size < L ? t - offset + block_size : L;
+        const char *k = k_plane + ((size_t)table[t / block_size] * block_size + offset) * D * es;
+        for (; t < end; t++, k += D * es) {
+            load_row(k, dtype, D, row);
+            for (int g = 0; g < G; g++) {
+                const float *qg = qf + g * D;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qg[d] * row[d];
+                scores[g * n + (t - first)] = s;
+            }
+        }
+    }
+    softmax_rows(scores, G, n);
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int t = first; t < L;) {  // acc[g] = sum_t p[g][t] v_t
+        const int offset = t % block_size, end = t - offset + block_size < L ? t - offset + block_size : L;
+        const char *v = v_plane + ((size_t)table[t / block_size] * block_size + offset) * D * es;
+        for (; t < end; t++, v += D * es) {
+            load_row(v, dtype, D, row);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[(size_t)g * n + (t - first)];
+                float *a = acc + g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) a[d] += p * row[d];
+            }
+        }
+    }
+}
+
+// ---- AVX-512 path (compiled where -march=native has AVX-512: D a multiple of 64) ----
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const char *p, int dtype) {  // 16 stored values -> fp32
+    if (dtype == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+// (sum(v0), sum(v1), sum(v2), sum(v3)): one reduction tree for four dot products
+static inline __m128 sum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+    __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+    __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+    __m512 c = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+    __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// scores[g * n + i] = scale * q_g . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
+static void qk_avx512(const char *q_row, const char *k_plane, const size_t *rows, int n, int G, int D, int dtype,
+                      size_t es, float scale, float *qf, float *kf, float *scores) {
+#if defined(__AVX512BF16__)
+    if (dtype == BF16) {  // bf16 pairs multiplied exactly into fp32 sums: no conversion of K
+        for (int i = 0; i < n; i += 4) {
+            const char *k[4];
+            for (int j = 0; j < 4; j++) k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
+            for (int g = 0; g < G; g++) {
+                const char *qg = q_row + (size_t)g * D * 2;
+                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int c = 0; c < D; c += 32) {
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qg + c * 2));
+                    for (int j = 0; j < 4; j++)
+                        acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512((const void *)(k[j] + c * 2)));
+                }
+                __m128 s = _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale));
+                float tmp[4];
+                _mm_storeu_ps(tmp, s);
+                for (int j = 0; j < 4 && i + j < n; j++) scores[(size_t)g * n + i + j] = tmp[j];
+            }
+        }
+        return;
+    }
+
+#endif
+    for (int g = 0; g < G; g++) {  // q * scale in fp32, as the torch bmm variant
+        for (int c = 0; c < D; c += 16)
+            _mm512_storeu_ps(qf + g * D + c, _mm512_mul_ps(load16(q_row + ((size_t)g * D + c) * es, dtype),
+                                                          _mm512_set1_ps(scale)));
+    }
+    for (int i = 0; i < n; i += 4) {
+        for (int j = 0; j < 4; j++) {  // four K rows -> fp32, once for all G queries
+            const char *k = k_plane + rows[i + j < n ? i + j : n - 1];
+            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16(k + c * es, dtype));
+        }
+        for (int g = 0; g < G; g++) {
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int c = 0; c < D; c += 16) {
+                __m512 qv = _mm512_loadu_ps(qf + g * D + c);
+                for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * D + c), acc[j]);
+            }
+            float tmp[4];
+            _mm_storeu_ps(tmp, sum4(acc[0], acc[1], acc[2], acc[3]));
+            for (int j = 0; j < 4 && i + j < n; j++) scores[(size_t)g * n + i + j] = tmp[j];
+        }
+    }
+}
+
+// acc[g * D + d] = sum_i p[g][i] v_i[d]: four queries' accumulators of 64 dims held in registers over all keys
+static inline __attribute__((always_inline)) void pv_avx512_impl(
+        const char *v_plane, const size_t *rows, int n, int G, int D, const int dtype, size_t es, const float *scores,
+        float *acc) {
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = G - g0 < 4 ? G - g0 : 4;
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            __m512 a[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                const char *v = v_plane + rows[i] + (size_t)d0 * es;
+                __m512 x[4];
+                for (int c = 0; c < 4; c++) x[c] = load16(v + (size_t)c * 16 * es, dtype);
+                for (int g = 0; g < 4; g++) {
+                    if (g < gn) {
+                        __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * n + i]);
+                        for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(p, x[c], a[g][c]);
+                    }
+                }
+            }
+            for (int g = 0; g < gn; g++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (size_t)(g0 + g) * D + d0 + c * 16, a[g][c]);
+        }
+    }
+}
+
+static void pv_avx512(const char *v_plane, const size_t *rows, int n, int G, int D, int dtype, size_t es,
+                      const float *scores, float *acc) {  // one copy per storage dtype: no branch in the loop
+    if (dtype == BF16) pv_avx512_impl(v_plane, rows, n, G, D, BF16, es, scores, acc);
+    else if (dtype == F16) pv_avx512_impl(v_plane, rows, n, G, D, F16, es, scores, acc);
+    else pv_avx512_impl(v_plane, rows, n, G, D, F32, es, scores, acc);
+}
+#endif
+
+#if defined(__AVX512F__)
+// the AVX-512 path of one item (D a multiple of 64): the same math as attend(), four keys per reduction tree
+static void attend_avx512(const char *q_row, const char *k_plane, const char *v_plane, const int32_t *table, int L,
+                          int first, int G, int D, int block_size, float scale, int dtype, size_t es, float *qf,
+                          float *kf, float *acc, size_t *rows, float *scores) {
+    const int n = L - first;
+    for (int t = first, i = 0; t < L;) {  // byte offset of each visible key's row within its plane
+        const int offset = t % block_size;
+        size_t row = ((size_t)table[t / block_size] * block_size + offset) * D * es;
+        for (int o = offset; o < block_size && t < L; o++, t++, i++, row += D * es) rows[i] = row;
+    }
+    qk_avx512(q_row, k_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
+    softmax_rows(scores, G, n);
+    pv_avx512(v_plane, rows, n, G, D, dtype, es, scores, acc);
+}
+#endif
+
+#define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                      \
+    static void name(const char *q_row, const char *k_plane, const char *v_plane, const int32_t *table, int L,   \
+                     int first, int G, int D, int block_size, float scale, int dtype, size_t es, float *qf,       \
+                     float *acc, float *row, float *scores) {                                                     \
+        attend(q_row, k_plane, v_plane, table, L, first, G, HEAD_DIM, block_size, scale, dtype, es, qf, acc, row, \
+               scores);                                                                                           \
+    }
+ATTEND_WITH_HEAD_DIM(attend_64, 64)
+ATTEND_WITH_HEAD_DIM(attend_128, 128)
+ATTEND_WITH_HEAD_DIM(attend_256, 256)
+ATTEND_WITH_HEAD_DIM(attend_any, D)
+
+// q: [B] rows of H * D values, row stride q_stride (elements); out: [B, H * D] contiguous.
+void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void *cache, const int32_t *tables,
+                         const int32_t *row_seqs, const int32_t *lens, int32_t batch, int32_t heads, int32_t kv_heads,
+                         int32_t head_dim, int32_t num_blocks, int32_t block_size, int32_t width, float scale,
+                         int32_t window, int32_t dtype, int32_t threads, int32_t portable) {
+    const int G = heads / kv_heads, D = head_dim;
+    const size_t es = dtype_size(dtype);
+    const size_t plane = (size_t)num_blocks * block_size * D;  // elements of one (K/V, KV head) plane
+    int max_len = 0;
+    for (int b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    void (*run)(const char *, const char *, const char *, const int32_t *, int, int, int, int, int, float, int,
+                size_t, float *, float *, float *, float *) =
+        D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
+
+#pragma omp parallel num_threads(threads)
+    {
+        float *qf = malloc(sizeof(float) * (size_t)G * D);
+        float *acc = malloc(sizeof(float) * (size_t)G * D);
+        float *row = malloc(sizeof(float) * (size_t)D);
+        float *scores = malloc(sizeof(float) * (size_t)G * (max_len > 0 ? max_len : 1));
+        float *kf = malloc(sizeof(float) * 4 * (size_t)D);
+        size_t *rows = malloc(sizeof(size_t) * (max_len > 0 ? max_len : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < batch * kv_heads; item++) {
+            const int b = item / kv_heads, h = item % kv_heads, L = lens[b];
+            if (L <= 0) {  // a padding row: zeros
+                memset(acc, 0, sizeof(float) * (size_t)G * D);
+            } else {
+                const int first = (window > 0 && L > window) ? L - window : 0;
+                const int32_t *table = tables + (size_t)(row_seqs ? row_seqs[b] : b) * width;
+                const char *q_row = (const char *)q + ((size_t)b * q_stride + (size_t)h * G * D) * es;
+                const char *k_plane = (const char *)cache + (size_t)h * plane * es;
+                const char *v_plane = (const char *)cache + (size_t)(kv_heads + h) * plane * es;
+#if defined(__AVX512F__)
+                if (D % 64 == 0 && !portable)
+                    attend_avx512(q_row, k_plane, v_plane, table, L, first, G, D, block_size, scale, dtype, es, qf, kf,
+                                  acc, rows, scores);
+                else
+#endif
+                    run(q_row, k_plane, v_plane, table, L, first, G, D, block_size, scale, dtype, es, qf, acc, row,
+                        scores);
+            }
+            store_row(acc, dtype, G * D, (char *)out + ((size_t)b * heads + (size_t)h * G) * D * es);
+        }
+        free(qf);
+        free(acc);
+        free(row);
+        free(scores);
+        free(kf);
+        free(rows);
+    }
+}
