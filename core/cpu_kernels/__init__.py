@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c; common.h is included by both
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -50,18 +51,19 @@ def _library() -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {compiler!r} does not run: {e}") from e
-    key = hashlib.sha1("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), repr(sorted(cpu_signature().items())),
-                                  ]).encode()).hexdigest()[:16]
+    texts = [path.read_text() for path in sorted(HERE.glob("*.[ch]"))]
+    key = hashlib.sha1("\0".join([*texts, version, " ".join(FLAGS), repr(sorted(cpu_signature().items()))]).encode()
+                       ).hexdigest()[:16]
     directory = private_dir(cache_dir() / "cpu_kernels")
-    path = directory / f"paged_attention-{key}.so"
+    path = directory / f"kernels-{key}.so"
     if not path.exists():
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
         os.close(fd)
         try:
-            built = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                                   timeout=300)
+            built = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                                   text=True, timeout=300)
             if built.returncode != 0:
-                raise KernelUnavailable(f"building {SOURCE.name} failed: {built.stderr.strip()[-2000:]}")
+                raise KernelUnavailable(f"building the CPU kernels failed: {built.stderr.strip()[-2000:]}")
             os.replace(tmp, path)  # atomic: a concurrent build by another process is the same file
         finally:
             if os.path.exists(tmp):
@@ -72,6 +74,12 @@ def _library() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32,
                    i32, i32]
     fn.restype = None
+    library.kvf_silu_and_mul.argtypes = [ptr, i64, ptr, i64, i32, i32, i32]
+    library.kvf_silu_and_mul.restype = None
+    library.kvf_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ctypes.c_float, i32, i32]
+    library.kvf_add_rms_norm.restype = None
+    library.kvf_rotary_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
+    library.kvf_rotary_bf16.restype = None
     return library
 
 
@@ -120,3 +128,47 @@ def _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, po
                                    context_lens.data_ptr(), rows, heads, kv_heads, head_dim, blocks, block_size,
                                    block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype],
                                    torch.get_num_threads(), portable)
+
+
+FUSED_DTYPES = (torch.bfloat16,)  # the C loops for fp16 do not vectorise with GCC 12; fp32 keeps torch's ops,
+# bit-identical to the reference's
+
+
+def fused_elementwise_for(x: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels take `x` (a bf16 CPU tensor, where the kernels build)."""
+    return x.dtype in FUSED_DTYPES and x.device.type == "cpu" and _built()
+
+
+@functools.cache
+def _built() -> bool:
+    return unavailable() is None
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate_up projection x [rows, 2 * inter] (bf16 / fp16, unit column stride)."""
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = x.new_empty(rows, inter)
+    _library().kvf_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, DTYPE_CODES[x.dtype],
+                                torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """RMSNorm of x (+ residual) [rows, hidden], contiguous bf16 / fp16: norm(x + residual), and x + residual when
+    a residual is given (then a tuple), as core/layers/norm.py's torch path computes them."""
+    out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(x)
+    _library().kvf_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                None if total is None else total.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                                x.shape[0], x.shape[1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out if residual is None else (out, total)
+
+
+def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """core/layers/rotary.apply_rotary written back into x (bf16 [tokens, heads, head_dim], heads contiguous within
+    a row, e.g. the q|k columns of a fused qkv output) and returned; cos, sin [tokens, 1, head_dim] bf16."""
+    rows, heads, head_dim = x.shape
+    cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
+    _library().kvf_rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+                               torch.get_num_threads())
+    return x

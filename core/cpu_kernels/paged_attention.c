@@ -12,68 +12,8 @@
 // the batch: a token prefilled and the same token decoded get the same attention, bit for bit.
 // Math in fp32 whatever the storage dtype: scores (q * scale in fp32, or bf16 products, exact in fp32, scaled
 // after), softmax (max, exp, sum, normalise), weighted sum of values, rounded once to the output dtype.
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-// one row of `n` values stored as `dtype` -> fp32
-static inline void load_row(const void *src, int dtype, int n, float *dst) {
-    if (dtype == F32) {
-        memcpy(dst, src, (size_t)n * 4);
-    } else if (dtype == BF16) {
-        const uint16_t *s = (const uint16_t *)src;
-#pragma omp simd
-        for (int i = 0; i < n; i++) dst[i] = bits_to_f32((uint32_t)s[i] << 16);
-    } else {
-        const _Float16 *s = (const _Float16 *)src;
-#pragma omp simd
-        for (int i = 0; i < n; i++) dst[i] = (float)s[i];
-    }
-}
-
-// fp32 -> storage dtype, rounding to nearest even as torch's .to() does
-static inline void store_row(const float *src, int dtype, int n, void *dst) {
-    if (dtype == F32) {
-        memcpy(dst, src, (size_t)n * 4);
-    } else if (dtype == BF16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int i = 0; i < n; i++) {
-            uint32_t u = f32_to_bits(src[i]);
-            d[i] = (src[i] != src[i]) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-        }
-    } else {
-        _Float16 *d = (_Float16 *)dst;
-        for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
-    }
-}
-
-// exp(x) for x <= 0 (a score minus the row's maximum), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a
-// degree-7 Taylor polynomial for exp(r) (truncation < 1e-8 relative), times 2^n built from its bits.
-// Written out because glibc's vector expf needs -ffast-math, which GCC 12 links as process-wide
-// flush-to-zero into shared libraries.
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal number
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite): r exact to fp32
-    r = r - n * 1.42860682030941723e-06f;
-    float p = 1.98412698e-4f;
-    p = p * r + 1.38888889e-3f;
-    p = p * r + 8.33333333e-3f;
-    p = p * r + 4.16666667e-2f;
-    p = p * r + 1.66666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
-}
-
-static size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
 // each of the G rows of n scores -> its softmax (max, exp, sum, normalise)
 static void softmax_rows(float *scores, int G, int n) {
@@ -284,11 +224,11 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
 
 #pragma omp parallel num_threads(threads)
     {
-        float *qf = malloc(sizeof(float) * (size_t)G * D);
-        float *acc = malloc(sizeof(float) * (size_t)G * D);
-        float *row = malloc(sizeof(float) * (size_t)D);
-        float *scores = malloc(sizeof(float) * (size_t)G * (max_len > 0 ? max_len : 1));
-        float *kf = malloc(sizeof(float) * 4 * (size_t)D);
+        float *qf = scratch_floats((size_t)G * D);
+        float *acc = scratch_floats((size_t)G * D);
+        float *row = scratch_floats((size_t)D);
+        float *scores = scratch_floats((size_t)G * (max_len > 0 ? max_len : 1));
+        float *kf = scratch_floats(4 * (size_t)D);
         size_t *rows = malloc(sizeof(size_t) * (max_len > 0 ? max_len : 1));
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < batch * kv_heads; item++) {

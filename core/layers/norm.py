@@ -1,5 +1,6 @@
 """RMSNorm, with the residual add fused in (the decoder layer's add-then-normalise pattern); one Triton
-kernel does both when the model is built with the Triton kernels."""
+kernel does both when the model is built with the Triton kernels, and on CPU in bf16 one pass of the C
+kernel (core/cpu_kernels/elementwise.c, the same roundings as the torch ops below)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.core.cpu_kernels import add_rms_norm, fused_elementwise_for
 from kvforge.core.layers.backend import use_triton
 
 
@@ -36,6 +38,9 @@ class RMSNorm(nn.Module):
                 return self.fused(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
             out, total = self.fused(x.reshape(-1, shape[-1]), self.weight, self.eps, residual.reshape(-1, shape[-1]))
             return out.view(shape), total.view(shape)
+        if (x.dim() == 2 and x.is_contiguous() and (residual is None or residual.is_contiguous())
+                and fused_elementwise_for(x)):
+            return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

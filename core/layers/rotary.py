@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.core.cpu_kernels import fused_elementwise_for, rotary_inplace
+
 
 def _inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -47,3 +49,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary; in place, one pass of the C kernel where it takes x (bf16 on CPU, heads contiguous), with the
+    same roundings (core/cpu_kernels/elementwise.c)."""
+    if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and fused_elementwise_for(x):
+        return rotary_inplace(x, cos, sin)
+    return apply_rotary(x, cos, sin)

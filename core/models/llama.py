@@ -17,7 +17,7 @@ from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.norm import RMSNorm
-from kvforge.core.layers.rotary import RotaryEmbedding, apply_rotary
+from kvforge.core.layers.rotary import RotaryEmbedding, rotate
 from kvforge.core.quant_config import QuantConfig
 
 
@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
                               sliding_window_of(config, layer_idx), layer_index=layer_idx)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.rotate = apply_rotary
+        self.rotate = rotate
         if use_triton():  # rotates in place, in one kernel
             from kvforge.core.kernels.fused import rotary_inplace
 

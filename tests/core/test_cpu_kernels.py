@@ -87,3 +87,35 @@ def test_refuses_mixed_dtypes_and_handles_an_empty_batch():
                                torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="int32"):
         paged_attention(torch.zeros(1, 2, 32), cache, tables.long(), lens, 0.1, None, torch.zeros(1, 64))
+
+
+def test_fused_elementwise_kernels_equal_torchs_ops_bit_for_bit_in_bf16():
+    """SiLU-and-mul, residual add + RMSNorm and rotary: the layers take the C kernels in bf16 on CPU, with torch's
+    roundings, so their outputs equal the torch ops they replace (the same code path in fp32)."""
+    import torch.nn.functional as F
+
+    from kvforge.core.cpu_kernels import fused_elementwise_for
+    from kvforge.core.layers.activation import SiluAndMul
+    from kvforge.core.layers.norm import RMSNorm
+    from kvforge.core.layers.rotary import apply_rotary, rotate
+
+    torch.manual_seed(2)
+    gate_up = (torch.randn(37, 2 * 160) * 4).bfloat16()
+    assert fused_elementwise_for(gate_up) and not fused_elementwise_for(gate_up.float())
+    assert torch.equal(SiluAndMul()(gate_up), F.silu(gate_up[:, :160]) * gate_up[:, 160:])
+
+    norm = RMSNorm(96, 1e-5, torch.bfloat16)
+    norm.weight.copy_(torch.rand(96) + 0.5)
+    x, residual = torch.randn(37, 96).bfloat16(), torch.randn(37, 96).bfloat16()
+    total = x + residual
+    expected = norm.weight * F.rms_norm(total.float(), (96,), None, 1e-5).bfloat16()
+    out, summed = norm(x, residual)
+    assert torch.equal(summed, total) and torch.equal(out, expected)
+    assert torch.equal(norm(x), norm.weight * F.rms_norm(x.float(), (96,), None, 1e-5).bfloat16())
+
+    fused_qkv = torch.randn(37, 15, 64).bfloat16()  # q and k heads side by side, then v: strided rows
+    cos, sin = torch.randn(37, 1, 64).bfloat16(), torch.randn(37, 1, 64).bfloat16()
+    expected = apply_rotary(fused_qkv[:, :12].clone(), cos, sin)
+    v = fused_qkv[:, 12:].clone()
+    assert torch.equal(rotate(fused_qkv[:, :12], cos, sin), expected)
+    assert torch.equal(fused_qkv[:, :12], expected) and torch.equal(fused_qkv[:, 12:], v)  # in place, v untouched

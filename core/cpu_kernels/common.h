@@ -1,0 +1,98 @@
+// Helpers shared by the C kernels of this folder (core/cpu_kernels/__init__.py builds them into one library).
+#pragma once
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+// one row of `n` values stored as `dtype` -> fp32
+static inline void load_row(const void *src, int dtype, int n, float *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dtype == BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bits_to_f32((uint32_t)s[i] << 16);
+    } else {
+        const _Float16 *s = (const _Float16 *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)s[i];
+    }
+}
+
+// fp32 -> storage dtype, rounding to nearest even as torch's .to() does
+static inline void store_row(const float *src, int dtype, int n, void *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dtype == BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) {
+            uint32_t u = f32_to_bits(src[i]);
+            d[i] = (src[i] != src[i]) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+        }
+    } else {
+        _Float16 *d = (_Float16 *)dst;
+        for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    }
+}
+
+// exp(x) for x <= 0 (a score minus the row's maximum), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-7 Taylor polynomial for exp(r) (truncation < 1e-8 relative), times 2^n built from its bits.
+// Written out because glibc's vector expf needs -ffast-math, which GCC 12 links as process-wide
+// flush-to-zero into shared libraries.
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal number
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite): r exact to fp32
+    r = r - n * 1.42860682030941723e-06f;
+    float p = 1.98412698e-4f;
+    p = p * r + 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+}
+
+
+// x rounded to bf16 / fp16 and read back (what a torch op writing that dtype keeps); loops call these in a
+// branch per dtype, so that they vectorise
+static inline float round_bf16(float x) {
+    uint32_t u = f32_to_bits(x);
+    return (x != x) ? x : bits_to_f32((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u);
+}
+static inline float round_f16(float x) { return (float)(_Float16)x; }
+
+// exp(x) for any x (exp_nonpositive's method; beyond +-87 clamped: silu's tails are 0 and x there)
+static inline float exp_any(float x) {
+    x = x > 87.0f ? 87.0f : x;
+    x = x < -87.0f ? -87.0f : x;
+    const float shifter = 12582912.0f;
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.42860682030941723e-06f;
+    float p = 1.98412698e-4f;
+    p = p * r + 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+}
+
+static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
+
+// Scratch buffers aligned to 64 bytes: the compiler's vector loops then split them into the same head, body and
+// tail on every thread, so a row's result does not depend on which thread computes it (nor on the batch around it).
+static inline float *scratch_floats(size_t count) {
+    return aligned_alloc(64, (count * sizeof(float) + 63) & ~(size_t)63);
+}
