@@ -156,6 +156,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """RMSNorm of x (+ residual) [rows, hidden], contiguous bf16 / fp16: norm(x + residual), and x + residual when
     a residual is given (then a tuple), as core/layers/norm.py's torch path computes them."""
+    if weight.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: the weight's dtype ({weight.dtype}) must be x's ({x.dtype})")
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
     _library().kvf_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),

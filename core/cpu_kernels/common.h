@@ -40,28 +40,6 @@ static inline void store_row(const float *src, int dtype, int n, void *dst) {
     }
 }
 
-// exp(x) for x <= 0 (a score minus the row's maximum), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a
-// degree-7 Taylor polynomial for exp(r) (truncation < 1e-8 relative), times 2^n built from its bits.
-// Written out because glibc's vector expf needs -ffast-math, which GCC 12 links as process-wide
-// flush-to-zero into shared libraries.
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal number
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite): r exact to fp32
-    r = r - n * 1.42860682030941723e-06f;
-    float p = 1.98412698e-4f;
-    p = p * r + 1.38888889e-3f;
-    p = p * r + 8.33333333e-3f;
-    p = p * r + 4.16666667e-2f;
-    p = p * r + 1.66666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return p * bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
-}
-
-
 // x rounded to bf16 / fp16 and read back (what a torch op writing that dtype keeps); loops call these in a
 // branch per dtype, so that they vectorise
 static inline float round_bf16(float x) {
@@ -70,13 +48,16 @@ static inline float round_bf16(float x) {
 }
 static inline float round_f16(float x) { return (float)(_Float16)x; }
 
-// exp(x) for any x (exp_nonpositive's method; beyond +-87 clamped: silu's tails are 0 and x there)
-static inline float exp_any(float x) {
+// exp(x), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial for exp(r) (truncation
+// < 1e-8 relative), times 2^n built from its bits; x clamped to +-87 (exp(-87) ~ 1.6e-38 is still a normal number:
+// softmax's and silu's tails come out 0 and x). Written out because glibc's vector expf needs -ffast-math, which
+// GCC 12 links as process-wide flush-to-zero into shared libraries.
+static inline float exp_clamped(float x) {
     x = x > 87.0f ? 87.0f : x;
     x = x < -87.0f ? -87.0f : x;
-    const float shifter = 12582912.0f;
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
     float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693145751953125f;
+    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite): r exact to fp32
     r = r - n * 1.42860682030941723e-06f;
     float p = 1.98412698e-4f;
     p = p * r + 1.38888889e-3f;

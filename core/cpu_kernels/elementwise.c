@@ -22,10 +22,10 @@ void kvf_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
             load_row(row + (size_t)inter * es, dtype, inter, up);
             if (dtype == BF16) {
 #pragma omp simd
-                for (int i = 0; i < inter; i++) gate[i] = round_bf16(gate[i] / (1.0f + exp_any(-gate[i]))) * up[i];
+                for (int i = 0; i < inter; i++) gate[i] = round_bf16(gate[i] / (1.0f + exp_clamped(-gate[i]))) * up[i];
             } else {
 #pragma omp simd
-                for (int i = 0; i < inter; i++) gate[i] = round_f16(gate[i] / (1.0f + exp_any(-gate[i]))) * up[i];
+                for (int i = 0; i < inter; i++) gate[i] = round_f16(gate[i] / (1.0f + exp_clamped(-gate[i]))) * up[i];
             }
             store_row(gate, dtype, inter, (char *)out + (size_t)t * inter * es);
         }

@@ -22,7 +22,7 @@ static void softmax_rows(float *scores, int G, int n) {
         for (int i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
 #pragma omp simd reduction(+ : sum)
         for (int i = 0; i < n; i++) {
-            s[i] = exp_nonpositive(s[i] - m);
+            s[i] = exp_clamped(s[i] - m);
             sum += s[i];
         }
         const float inv = 1.0f / sum;

@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
             out, total = self.fused(x.reshape(-1, shape[-1]), self.weight, self.eps, residual.reshape(-1, shape[-1]))
             return out.view(shape), total.view(shape)
         if (x.dim() == 2 and x.is_contiguous() and (residual is None or residual.is_contiguous())
-                and fused_elementwise_for(x)):
+                and self.weight.dtype == x.dtype and fused_elementwise_for(x)):
             return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
