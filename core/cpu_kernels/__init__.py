@@ -114,20 +114,20 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
                          "tables, lengths and row sequences int32")
     if rows == 0:
         return
-    if torch.autograd.profiler._is_profiler_enabled:  # a ctypes call is no torch op: name it for the profiler
-        with torch.profiler.record_function("kvforge::paged_attention"):
-            return _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, portable)
-    _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, portable)
-
-
-def _call(q, out, cache, block_tables, row_seqs, context_lens, scale, window, portable) -> None:
-    rows, heads, head_dim = q.shape
     _, kv_heads, blocks, block_size, _ = cache.shape
-    _library().kvf_paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(),
-                                   block_tables.data_ptr(), None if row_seqs is None else row_seqs.data_ptr(),
-                                   context_lens.data_ptr(), rows, heads, kv_heads, head_dim, blocks, block_size,
-                                   block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype],
-                                   torch.get_num_threads(), portable)
+    _run("paged_attention", q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(),
+         None if row_seqs is None else row_seqs.data_ptr(), context_lens.data_ptr(), rows, heads, kv_heads, head_dim,
+         blocks, block_size, block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+         portable)
+
+
+def _run(kernel: str, *args) -> None:
+    """Call kvf_<kernel>; under torch's profiler named as an op (a ctypes call is none: it would count as Python)."""
+    fn = getattr(_library(), f"kvf_{kernel}")
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(f"kvforge::{kernel}"):
+            return fn(*args)
+    fn(*args)
 
 
 FUSED_DTYPES = (torch.bfloat16,)  # the C loops for fp16 do not vectorise with GCC 12; fp32 keeps torch's ops,
@@ -148,8 +148,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused gate_up projection x [rows, 2 * inter] (bf16 / fp16, unit column stride)."""
     rows, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, inter)
-    _library().kvf_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, DTYPE_CODES[x.dtype],
-                                torch.get_num_threads())
+    _run("silu_and_mul", x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, DTYPE_CODES[x.dtype],
+         torch.get_num_threads())
     return out
 
 
@@ -160,9 +160,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         raise ValueError(f"add_rms_norm: the weight's dtype ({weight.dtype}) must be x's ({x.dtype})")
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
-    _library().kvf_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                                None if total is None else total.data_ptr(), out.data_ptr(), weight.data_ptr(),
-                                x.shape[0], x.shape[1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+    _run("add_rms_norm", x.data_ptr(), None if residual is None else residual.data_ptr(),
+         None if total is None else total.data_ptr(), out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
+         DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out if residual is None else (out, total)
 
 
@@ -171,6 +171,6 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     a row, e.g. the q|k columns of a fused qkv output) and returned; cos, sin [tokens, 1, head_dim] bf16."""
     rows, heads, head_dim = x.shape
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
-    _library().kvf_rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
-                               torch.get_num_threads())
+    _run("rotary_bf16", x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+         torch.get_num_threads())
     return x
