@@ -27,6 +27,14 @@ HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c; common.h is included by both
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
+    "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32,
+                        _I32, _I32, _I32],
+    "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32, _I32],
+    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
+    "rotary_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
+}
 
 
 class KernelUnavailable(RuntimeError):
@@ -69,17 +77,9 @@ def _library() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     library = ctypes.CDLL(str(path))
-    fn = library.kvf_paged_attention
-    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32,
-                   i32, i32]
-    fn.restype = None
-    library.kvf_silu_and_mul.argtypes = [ptr, i64, ptr, i64, i32, i32, i32]
-    library.kvf_silu_and_mul.restype = None
-    library.kvf_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, ctypes.c_float, i32, i32]
-    library.kvf_add_rms_norm.restype = None
-    library.kvf_rotary_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
-    library.kvf_rotary_bf16.restype = None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(library, f"kvf_{name}")
+        fn.argtypes, fn.restype = argtypes, None
     return library
 
 
