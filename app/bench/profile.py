@@ -32,7 +32,7 @@ OP_CLASSES = {
                             "empty", "empty_strided", "zeros", "fill_", "zero_", "resize_", "set_"),
     "elementwise": ("mul", "mul_", "add", "add_", "sub", "neg", "silu", "rms_norm", "_fused_rms_norm", "rsqrt",
                     "pow", "mean", "cos", "sin", "div", "div_", "silu_and_mul", "where", "addcmul_", "float",
-                    "add_rms_norm", "rotary_bf16"),
+                    "add_rms_norm", "rotary"),
     "sampling": ("argmax", "topk", "sort", "multinomial", "log_softmax", "_log_softmax", "exponential_", "max",
                  "cumsum", "amax", "logsumexp"),
 }

@@ -31,9 +31,9 @@ _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes
 SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32,
                         _I32, _I32, _I32],
-    "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32, _I32],
-    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
-    "rotary_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
+    "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32],
+    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32],
+    "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
 }
 
 
@@ -83,6 +83,7 @@ def _library() -> ctypes.CDLL:
     return library
 
 
+@functools.cache  # a failed build is not retried at every call
 def unavailable() -> str | None:
     """Why the C kernels cannot run here, or None when they can (builds them on first call)."""
     try:
@@ -130,47 +131,44 @@ def _run(kernel: str, *args) -> None:
     fn(*args)
 
 
-FUSED_DTYPES = (torch.bfloat16,)  # the C loops for fp16 do not vectorise with GCC 12; fp32 keeps torch's ops,
-# bit-identical to the reference's
-
-
 def fused_elementwise_for(x: torch.Tensor) -> bool:
-    """Whether the fused elementwise kernels take `x` (a bf16 CPU tensor, where the kernels build)."""
-    return x.dtype in FUSED_DTYPES and x.device.type == "cpu" and _built()
+    """Whether the fused elementwise kernels (core/cpu_kernels/elementwise.c: bf16 only) take `x`: a bf16 CPU
+    tensor, where the kernels build."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and unavailable() is None
 
 
-@functools.cache
-def _built() -> bool:
-    return unavailable() is None
+def _require_bf16(*tensors: torch.Tensor) -> None:
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        raise ValueError(f"the fused elementwise kernels take bfloat16 tensors, got {[t.dtype for t in tensors]}")
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused gate_up projection x [rows, 2 * inter] (bf16 / fp16, unit column stride)."""
+    """silu(gate) * up of the fused gate_up projection x [rows, 2 * inter] (bf16, unit column stride)."""
+    _require_bf16(x)
     rows, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, inter)
-    _run("silu_and_mul", x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, DTYPE_CODES[x.dtype],
-         torch.get_num_threads())
+    _run("silu_and_mul", x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """RMSNorm of x (+ residual) [rows, hidden], contiguous bf16 / fp16: norm(x + residual), and x + residual when
-    a residual is given (then a tuple), as core/layers/norm.py's torch path computes them."""
-    if weight.dtype != x.dtype:
-        raise ValueError(f"add_rms_norm: the weight's dtype ({weight.dtype}) must be x's ({x.dtype})")
+    """RMSNorm of x (+ residual) [rows, hidden], contiguous bf16 (the weight too): norm(x + residual), and
+    x + residual when a residual is given (then a tuple), as core/layers/norm.py's torch path computes them."""
+    _require_bf16(x, weight, *([] if residual is None else [residual]))
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
     _run("add_rms_norm", x.data_ptr(), None if residual is None else residual.data_ptr(),
          None if total is None else total.data_ptr(), out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
-         DTYPE_CODES[x.dtype], torch.get_num_threads())
+         torch.get_num_threads())
     return out if residual is None else (out, total)
 
 
 def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """core/layers/rotary.apply_rotary written back into x (bf16 [tokens, heads, head_dim], heads contiguous within
     a row, e.g. the q|k columns of a fused qkv output) and returned; cos, sin [tokens, 1, head_dim] bf16."""
+    _require_bf16(x, cos, sin)
     rows, heads, head_dim = x.shape
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
-    _run("rotary_bf16", x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+    _run("rotary", x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
          torch.get_num_threads())
     return x

@@ -40,13 +40,11 @@ static inline void store_row(const float *src, int dtype, int n, void *dst) {
     }
 }
 
-// x rounded to bf16 / fp16 and read back (what a torch op writing that dtype keeps); loops call these in a
-// branch per dtype, so that they vectorise
+// x rounded to bf16 and read back (what a torch op writing bf16 keeps), NaN kept; vectorisable
 static inline float round_bf16(float x) {
     uint32_t u = f32_to_bits(x);
     return (x != x) ? x : bits_to_f32((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u);
 }
-static inline float round_f16(float x) { return (float)(_Float16)x; }
 
 // exp(x), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial for exp(r) (truncation
 // < 1e-8 relative), times 2^n built from its bits; x clamped to +-87 (exp(-87) ~ 1.6e-38 is still a normal number:

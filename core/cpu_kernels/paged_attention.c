@@ -31,44 +31,44 @@ static void softmax_rows(float *scores, int G, int n) {
     }
 }
 
-// One (sequence, KV head) item with its G queries; D is a compile-time constant in the specialised copies below
-// (the d loops unroll and stay in registers). Walks the context block by block (no division per token).
+// Byte offset, within its (K or V, KV head) plane, of the row of each visible key [first, L): walks the block
+// table block by block (no division per token); both paths below read keys and values through it.
+static void visible_rows(const int32_t *table, int first, int L, int block_size, size_t row_bytes, size_t *rows) {
+    for (int t = first, i = 0; t < L;) {
+        const int offset = t % block_size;
+        size_t row = ((size_t)table[t / block_size] * block_size + offset) * row_bytes;
+        for (int o = offset; o < block_size && t < L; o++, t++, i++, row += row_bytes) rows[i] = row;
+    }
+}
+
+// One (row, KV head) item with its G queries over its n visible keys, in plain C; D is a compile-time constant in
+// the specialised copies below (the d loops unroll and stay in registers).
 static inline __attribute__((always_inline)) void attend(
-        const char *q_row, const char *k_plane, const char *v_plane, const int32_t *table, int L, int first, int G,
-        const int D, int block_size, float scale, int dtype, size_t es, float *qf, float *acc, float *row,
-        float *scores) {
-    const int n = L - first;
+        const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, const int D,
+        float scale, int dtype, size_t es, float *qf, float *acc, float *row, float *scores) {
     for (int g = 0; g < G; g++) {
         load_row(q_row + (size_t)g * D * es, dtype, D, qf + g * D);
         for (int d = 0; d < D; d++) qf[g * D + d] *= scale;
     }
-    for (int t = first; t < L;) {  // scores[g][t - first] = q_g . k_t
-        const int offset = t % block_size, end = t - offset + block_size < L ? t - offset + block_size : L;
-        const char *k = k_plane + ((size_t)table[t / block_size] * block_size + offset) * D * es;
-        for (; t < end; t++, k += D * es) {
-            load_row(k, dtype, D, row);
-            for (int g = 0; g < G; g++) {
-                const float *qg = qf + g * D;
-                float s = 0.0f;
+    for (int i = 0; i < n; i++) {  // scores[g][i] = q_g . k_i
+        load_row(k_plane + rows[i], dtype, D, row);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * row[d];
-                scores[g * n + (t - first)] = s;
-            }
+            for (int d = 0; d < D; d++) s += qg[d] * row[d];
+            scores[(size_t)g * n + i] = s;
         }
     }
     softmax_rows(scores, G, n);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
-    for (int t = first; t < L;) {  // acc[g] = sum_t p[g][t] v_t
-        const int offset = t % block_size, end = t - offset + block_size < L ? t - offset + block_size : L;
-        const char *v = v_plane + ((size_t)table[t / block_size] * block_size + offset) * D * es;
-        for (; t < end; t++, v += D * es) {
-            load_row(v, dtype, D, row);
-            for (int g = 0; g < G; g++) {
-                const float p = scores[(size_t)g * n + (t - first)];
-                float *a = acc + g * D;
+    for (int i = 0; i < n; i++) {  // acc[g] = sum_i p[g][i] v_i
+        load_row(v_plane + rows[i], dtype, D, row);
+        for (int g = 0; g < G; g++) {
+            const float p = scores[(size_t)g * n + i];
+            float *a = acc + g * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += p * row[d];
-            }
+            for (int d = 0; d < D; d++) a[d] += p * row[d];
         }
     }
 }
@@ -179,29 +179,10 @@ static void pv_avx512(const char *v_plane, const size_t *rows, int n, int G, int
 }
 #endif
 
-#if defined(__AVX512F__)
-// the AVX-512 path of one item (D a multiple of 64): the same math as attend(), four keys per reduction tree
-static void attend_avx512(const char *q_row, const char *k_plane, const char *v_plane, const int32_t *table, int L,
-                          int first, int G, int D, int block_size, float scale, int dtype, size_t es, float *qf,
-                          float *kf, float *acc, size_t *rows, float *scores) {
-    const int n = L - first;
-    for (int t = first, i = 0; t < L;) {  // byte offset of each visible key's row within its plane
-        const int offset = t % block_size;
-        size_t row = ((size_t)table[t / block_size] * block_size + offset) * D * es;
-        for (int o = offset; o < block_size && t < L; o++, t++, i++, row += D * es) rows[i] = row;
-    }
-    qk_avx512(q_row, k_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
-    softmax_rows(scores, G, n);
-    pv_avx512(v_plane, rows, n, G, D, dtype, es, scores, acc);
-}
-#endif
-
-#define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                      \
-    static void name(const char *q_row, const char *k_plane, const char *v_plane, const int32_t *table, int L,   \
-                     int first, int G, int D, int block_size, float scale, int dtype, size_t es, float *qf,       \
-                     float *acc, float *row, float *scores) {                                                     \
-        attend(q_row, k_plane, v_plane, table, L, first, G, HEAD_DIM, block_size, scale, dtype, es, qf, acc, row, \
-               scores);                                                                                           \
+#define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                     \
+    static void name(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, \
+                     int D, float scale, int dtype, size_t es, float *qf, float *acc, float *row, float *scores) {  \
+        attend(q_row, k_plane, v_plane, rows, n, G, HEAD_DIM, scale, dtype, es, qf, acc, row, scores);             \
     }
 ATTEND_WITH_HEAD_DIM(attend_64, 64)
 ATTEND_WITH_HEAD_DIM(attend_128, 128)
@@ -218,8 +199,8 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
     const size_t plane = (size_t)num_blocks * block_size * D;  // elements of one (K/V, KV head) plane
     int max_len = 0;
     for (int b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    void (*run)(const char *, const char *, const char *, const int32_t *, int, int, int, int, int, float, int,
-                size_t, float *, float *, float *, float *) =
+    void (*run)(const char *, const char *, const char *, const size_t *, int, int, int, float, int, size_t, float *,
+                float *, float *, float *) =
         D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
 
 #pragma omp parallel num_threads(threads)
@@ -236,19 +217,20 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
             if (L <= 0) {  // a padding row: zeros
                 memset(acc, 0, sizeof(float) * (size_t)G * D);
             } else {
-                const int first = (window > 0 && L > window) ? L - window : 0;
+                const int first = (window > 0 && L > window) ? L - window : 0, n = L - first;
                 const int32_t *table = tables + (size_t)(row_seqs ? row_seqs[b] : b) * width;
                 const char *q_row = (const char *)q + ((size_t)b * q_stride + (size_t)h * G * D) * es;
                 const char *k_plane = (const char *)cache + (size_t)h * plane * es;
                 const char *v_plane = (const char *)cache + (size_t)(kv_heads + h) * plane * es;
+                visible_rows(table, first, L, block_size, (size_t)D * es, rows);
 #if defined(__AVX512F__)
-                if (D % 64 == 0 && !portable)
-                    attend_avx512(q_row, k_plane, v_plane, table, L, first, G, D, block_size, scale, dtype, es, qf, kf,
-                                  acc, rows, scores);
-                else
+                if (D % 64 == 0 && !portable) {  // four keys per reduction tree (the same math as attend())
+                    qk_avx512(q_row, k_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
+                    softmax_rows(scores, G, n);
+                    pv_avx512(v_plane, rows, n, G, D, dtype, es, scores, acc);
+                } else
 #endif
-                    run(q_row, k_plane, v_plane, table, L, first, G, D, block_size, scale, dtype, es, qf, acc, row,
-                        scores);
+                    run(q_row, k_plane, v_plane, rows, n, G, D, scale, dtype, es, qf, acc, row, scores);
             }
             store_row(acc, dtype, G * D, (char *)out + ((size_t)b * heads + (size_t)h * G) * D * es);
         }
