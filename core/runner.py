@@ -20,6 +20,7 @@ from kvforge.core.context import (
     set_context,
 )
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
+from kvforge.core.host_memory import keep_freed_memory
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.layers.backend import kernel_backend
@@ -74,6 +75,8 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         self.device = check_device(torch.device(config.device))
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations stay mapped between steps (core/host_memory.py)
         self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
         self.cuda_graph_safe = False  # whether the quant method lets CUDA graphs capture decode steps
         self.kernel_choices: list[ShapeChoice] = []  # the kernel chosen per op class and shape (kernel_choice.py)

@@ -1,0 +1,40 @@
+"""glibc malloc tuned for a step loop: large activation buffers stay in the process between steps.
+
+Why: by default glibc serves allocations above a dynamic threshold (128 KiB at first, rising only as such chunks
+are freed) with fresh mmap()s and gives them back on free, so the first steps that meet new sizes (a batch of
+prefill chunks: [2048, 3072] gate/up outputs and the like) fault in and zero every page of every buffer, at every
+layer. Measured on an AMD EPYC Zen 5 VM (2 cores): the first 64-prompt prefill after load took 4.7 s with 325k
+page faults, and 2.5 s with 85 once freed memory is kept (later batches: ~2.6 s either way). vLLM gets the same
+effect from tcmalloc, which it preloads; kvforge cannot preload a library into a running Python, but glibc's
+own knobs (mallopt) take effect at any time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+MMAP_THRESHOLD = 64 << 20  # above it (the KV pool, load-time buffers) still mmap'd: returned when freed
+TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before any is given back
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Set glibc's thresholds (once per process); False where the C library is not glibc (nothing changed)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it (musl's mallopt is a no-op)
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if not done:
+        log.warning("glibc refused the malloc thresholds: large buffers are mapped afresh at every step")
+    return done
