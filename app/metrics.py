@@ -32,7 +32,7 @@ class ServerMetrics:
             "requests_admitted": "Requests admitted: preparing their prompt, waiting for a model swap or in the engine",
             "requests_waiting": "Sequences waiting", "generation_tokens_per_second": "Generated tokens/s (10 s)",
             "kv_disk_blocks": "Persisted KV blocks of this model", "kv_disk_bytes": "Bytes of persisted KV on disk",
-            "kv_disk_pending": "KV blocks queued for writing to disk",
+            "kv_disk_pending": "KV blocks queued for writing to disk, or deferred until the engine is idle",
             "kv_disk_loaded_blocks": "KV blocks loaded from disk since start",
             "kv_disk_load_failures": "Persisted KV blocks dropped as missing or corrupt since start",
             "spec_drafted_tokens": "Speculative draft tokens proposed since the model was loaded",

@@ -28,6 +28,8 @@ from kvforge.core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+IDLE_PERSIST_POLL_S = 0.05  # idle with deferred KV blocks: how often the writer's backlog is looked at again
+
 
 class RequestStream:
     """Async iterator of one request's RequestOutputs (all its samples), ending when all finish.
@@ -162,9 +164,10 @@ class AsyncEngine:
                     return
                 self._apply_commands()
                 if not self.engine.has_unfinished():
+                    more = self.engine.persist_deferred()  # KV blocks the busy steps had no time to save
                     self._stats = self.engine.stats()
                     self._flush()
-                    self._wakeup.wait()
+                    self._wakeup.wait(IDLE_PERSIST_POLL_S if more else None)
                     self._wakeup.clear()
                     continue
                 try:

@@ -114,7 +114,7 @@ class LLMEngine:
 
                     kv_index = self._opened_kv_index = SQLKVIndex.open(self.config.resolved_db_url())
                 self.persisted = PersistedKV(kv_index, self.config.resolved_data_dir() / "kv", self.fingerprint,
-                                             self.runner, self.config.kv_disk_budget_bytes)
+                                             self.runner, self.config.kv_disk_budget_bytes, self.block_pool.holds)
             self.kv = KVCacheManager(self.block_pool, self.config.block_size, self.fingerprint, self.persisted)
             self.scheduler = Scheduler(self.kv, self.max_model_len, self.config.max_num_seqs,
                                        self.config.max_num_batched_tokens, self.tokenizer.eos_token_ids,
@@ -225,6 +225,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def persist_deferred(self) -> bool:
+        """Idle time: hand the persisted tier's writer the blocks it deferred while the engine was busy (as its
+        backlog allows). True while some remain (call again later); False without the tier."""
+        return self.persisted is not None and self.persisted.save_deferred()
 
     def has_request(self, request_id: str) -> bool:
         """True while any sample of the request has not finished."""

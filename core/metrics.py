@@ -86,7 +86,7 @@ class EngineStats:
     # the persisted KV tier (zeros when it is off)
     kv_disk_blocks: int = 0  # this model's blocks on disk
     kv_disk_bytes: int = 0  # every model's blocks in the KV directory
-    kv_disk_pending: int = 0  # blocks queued for writing
+    kv_disk_pending: int = 0  # blocks queued for writing, or deferred until the engine is idle
     kv_disk_loaded_blocks_total: int = 0
     kv_disk_load_failures_total: int = 0
     # speculative decoding (zeros when it is off)

@@ -100,6 +100,10 @@ class BlockPool:
                     self._free[block] = None
                     self._num_cached_free += 1
 
+    def holds(self, block: int, digest: bytes) -> bool:
+        """Whether `block` still holds the computed block of this hash (not evicted since it was registered)."""
+        return self.hashes[block] == digest
+
     def lookup(self, digest: bytes, token_ids: Sequence[int]) -> int | None:
         """The cached block holding exactly these tokens under this hash, or None."""
         if not self.enable_caching:

@@ -4,7 +4,9 @@ A full, computed block is copied out of the KV pool on the engine thread (one me
 to a background writer, which writes it atomically (temp file, fsync, rename) and then records it
 in the KV index (core/kv/index.py) with its checksum. The writer is background work: on Linux it runs
 at the lowest CPU priority, so on a busy machine its file writes and checksums wait for idle CPU instead
-of slowing the engine thread (when it falls behind, MAX_PENDING_BYTES bounds what waits). When the
+of slowing the engine thread. When it falls behind (more than MAX_PENDING_BYTES copied and waiting), a
+block is not copied but deferred: only its hash and place are noted, and it is copied and written when the
+engine is idle (`save_deferred`), if its pool block still holds it by then (`holds`). When the
 in-memory prefix cache misses, the engine asks this tier for the blocks that follow and loads them
 into fresh pool blocks instead of recomputing them. A file that is missing, corrupt, or holds other
 tokens is dropped (logged) and the block is recomputed, so a bad file can never change an output. The
@@ -28,7 +30,8 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -41,7 +44,11 @@ from kvforge.core.private_files import DIR_MODE, open_private, private_dir
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVFORGE-KV\x01"
-MAX_PENDING_BYTES = 256 << 20  # blocks copied but not yet written; past this, new blocks are not persisted
+# Blocks copied but not yet written; past this, new blocks are deferred to idle time. Small: a block the writer
+# cannot write soon costs the step loop its copy (fresh memory, ~0.4 MB for the embedded model) for nothing. A 256
+# MiB backlog cost 64 offline streams ~20% of their tok/s (AMD EPYC Zen 5, 2 cores); 4 MiB, none measurable.
+MAX_PENDING_BYTES = 8 << 20
+MAX_DEFERRED = 1 << 16  # deferred blocks remembered (hash, tokens, place); the oldest are dropped past it
 # A block's access time is stamped `depth` steps earlier than its chain's: among blocks used together,
 # eviction takes a conversation's tail before its head, so what remains is still a reachable prefix.
 DEPTH_STEP_S = 1e-3
@@ -96,11 +103,21 @@ class _Write:
 
 
 @dataclass
+class _Deferred:
+    """A block to write once the engine is idle, if pool block `block` still holds it."""
+
+    parent: bytes
+    token_ids: tuple[int, ...]
+    block: int
+    last_access: float
+
+
+@dataclass
 class PersistStats:
     blocks: int = 0  # this model's blocks on disk
     bytes_total: int = 0  # every model's blocks in the directory
     budget_bytes: int = 0
-    pending: int = 0
+    pending: int = 0  # blocks queued for writing or deferred to idle time
     written_blocks: int = 0
     loaded_blocks: int = 0
     load_failures: int = 0
@@ -110,10 +127,14 @@ class PersistStats:
 
 class PersistedKV:
     def __init__(self, index: KVIndex, directory: Path, fingerprint: bytes, pool: KVBlockAccess,
-                 budget_bytes: int = 2 << 30) -> None:
+                 budget_bytes: int = 2 << 30, holds: Callable[[int, bytes], bool] | None = None) -> None:
+        """`holds(block, digest)`: whether pool block `block` still holds the block of that hash (the block
+        pool's `holds`); without it nothing is deferred (a refused block is dropped)."""
         self.index, self.directory, self.fingerprint = index, Path(directory), fingerprint
         self.budget_bytes = budget_bytes
         self._pool = pool
+        self._holds = holds
+        self._deferred: OrderedDict[bytes, _Deferred] = OrderedDict()  # hash -> where it is, oldest first
         self._block_shape = tuple(pool.kv_block_shape)
         self._dtype = pool.kv_dtype
         self._model_dir = private_dir(private_dir(self.directory) / fingerprint.hex())
@@ -145,16 +166,53 @@ class PersistedKV:
 
     def save(self, digest: bytes, parent: bytes, token_ids: Sequence[int], block: int, depth: int = 0,
              when: float | None = None) -> None:
-        """Queue a full, computed block for writing (a no-op if it is on disk or queued already)."""
+        """Queue a full, computed block for writing (a no-op if it is on disk or queued already); deferred to
+        idle time when the writer is behind."""
+        last_access = (when or time.time()) - depth * DEPTH_STEP_S
         with self._lock:
             if digest in self._index or digest in self._pending:
                 return
-            if (len(self._pending) + 1) * self._block_nbytes > MAX_PENDING_BYTES:
-                self._counters.dropped_writes += 1  # the disk is behind: never stall the step loop
+            if self._backlogged():  # the disk is behind: never stall the step loop
+                self._defer(digest, _Deferred(parent, tuple(token_ids), block, last_access))
                 return
             self._pending.add(digest)
-        self._queue.put(_Write(digest, parent, tuple(token_ids), self._pool.read_block(block),
-                               (when or time.time()) - depth * DEPTH_STEP_S))
+        self._queue.put(_Write(digest, parent, tuple(token_ids), self._pool.read_block(block), last_access))
+
+    def _backlogged(self) -> bool:
+        return (len(self._pending) + 1) * self._block_nbytes > MAX_PENDING_BYTES
+
+    def _defer(self, digest: bytes, entry: _Deferred) -> None:
+        if self._holds is None:
+            self._counters.dropped_writes += 1
+            return
+        self._deferred[digest] = entry
+        self._deferred.move_to_end(digest)
+        if len(self._deferred) > MAX_DEFERRED:
+            self._deferred.popitem(last=False)
+            self._counters.dropped_writes += 1
+
+    def save_deferred(self, no_backlog: bool = True) -> bool:
+        """Queue the deferred blocks whose pool blocks still hold them, oldest first, while the writer's backlog
+        allows (`no_backlog=False`: all of them). Call it from the thread that steps the engine, when it is idle.
+        True while some remain deferred."""
+        while True:
+            with self._lock:
+                if not self._deferred or (no_backlog and self._backlogged()):
+                    return bool(self._deferred)
+                digest, entry = self._deferred.popitem(last=False)
+                if digest in self._index or digest in self._pending:
+                    continue
+            if not self._holds(entry.block, digest):  # evicted from the pool before it could be written
+                with self._lock:
+                    self._counters.dropped_writes += 1
+                continue
+            data = self._pool.read_block(entry.block)
+            with self._lock:
+                if not self._holds(entry.block, digest):  # evicted while it was read: the copy may be another's
+                    self._counters.dropped_writes += 1
+                    continue
+                self._pending.add(digest)
+            self._queue.put(_Write(digest, entry.parent, entry.token_ids, data, entry.last_access))
 
     def load(self, digest: bytes, token_ids: Sequence[int], block: int, depth: int = 0,
              when: float | None = None) -> bool:
@@ -333,20 +391,25 @@ class PersistedKV:
     # --- control ------------------------------------------------------------------------------
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued block is written (or `timeout` passes); True if all were."""
-        self._queue.put(("sync", None))  # also records pending access times
+        """Write every queued and deferred block (or until `timeout` passes); True if all were. From the thread
+        that steps the engine, or while it is idle (deferred blocks are read from the pool)."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return not self._queue.unfinished_tasks
+        while True:
+            more = self.save_deferred()
+            self._queue.put(("sync", None))  # also records pending access times
+            while self._queue.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not more or self._queue.unfinished_tasks:
+                return not (more or self._queue.unfinished_tasks)
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued and deferred, then stop the writer."""
         if self._writer.is_alive():
+            self.flush(timeout=60)
             self._queue.put(None)
             self._writer.join(timeout=60)
 
     def stats(self) -> PersistStats:
         with self._lock:
             return replace(self._counters, blocks=len(self._index), bytes_total=self._total_bytes,
-                           pending=len(self._pending))
+                           pending=len(self._pending) + len(self._deferred))

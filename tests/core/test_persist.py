@@ -6,6 +6,7 @@ a broken disk or a locked database never stalls the step loop; orphans are swept
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -21,7 +22,9 @@ import sqlalchemy as sa
 import torch
 
 from kvforge.core import LLM, EngineConfig, SamplingParams
+from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.engine import model_fingerprint
+from kvforge.core.kv import persist
 from kvforge.core.kv.blocks import block_hash
 from kvforge.core.kv.index import KVEntry
 from kvforge.core.kv.persist import MAGIC, PersistedKV, checksum
@@ -505,6 +508,64 @@ def test_disk_and_database_trouble_never_stall_the_engine(db_url, make_llm, prom
     assert persisted.flush()
     assert set(rows(llm)) == set(hashes(llm, prompt("Recovered", 101), 6) + hashes(llm, p, 6))
     assert persisted.stats().pending == 0
+    assert_index_matches_disk(llm)
+
+
+# --- a writer that falls behind ------------------------------------------------------------------------
+
+def test_blocks_deferred_while_the_writer_is_behind_are_written_when_idle(db_url, make_llm, prompt, expected,
+                                                                          monkeypatch):
+    """A busy step loop copies no block the writer cannot take (its backlog full): the block is deferred, then
+    written when the engine idles if the pool still holds it; a block evicted first is dropped, never a wrong one."""
+    llm = make_llm(db_url)
+    persisted = llm.engine.persisted
+    monkeypatch.setattr(persist, "MAX_PENDING_BYTES", 0)  # the writer never has room while this holds
+    kept, evicted = prompt("Deferred", 101), prompt("Evicted", 101)  # 6 full blocks each
+    assert [llm.generate([kept], SHORT)[0].token_ids] == expected([kept], SHORT)
+    stats = persisted.stats()
+    assert (stats.written_blocks, stats.pending) == (0, 6)  # nothing copied, all remembered
+    assert llm.engine.persist_deferred()  # idle, but still no room: they stay deferred
+    monkeypatch.undo()
+    while llm.engine.persist_deferred():
+        persisted.flush(timeout=5)
+    assert persisted.flush() and set(rows(llm)) == set(hashes(llm, kept, 6))
+    assert_index_matches_disk(llm)
+
+    monkeypatch.setattr(persist, "MAX_PENDING_BYTES", 0)
+    assert [llm.generate([evicted], SHORT)[0].token_ids] == expected([evicted], SHORT)
+    llm.engine.block_pool.reset_cache()  # its blocks leave the pool before the engine idles
+    monkeypatch.undo()
+    assert not llm.engine.persist_deferred()
+    assert persisted.flush() and set(rows(llm)) == set(hashes(llm, kept, 6))
+    assert persisted.stats().dropped_writes == 6 and persisted.stats().pending == 0
+    llm.engine.close()
+
+    restarted = make_llm(db_url)
+    out = restarted.generate([kept + prompt("More", 20)], SHORT)[0]
+    assert out.num_cached_tokens == 6 * BLOCK
+    assert [out.token_ids] == expected([kept + prompt("More", 20)], SHORT)
+
+
+def test_the_serving_engine_writes_deferred_blocks_once_idle(make_llm, prompt, expected, monkeypatch):
+    """Under AsyncEngine (the server's), with room for one block at a time, what a busy step deferred is written
+    by the engine thread's idle loop, with no flush asked for."""
+    llm = make_llm(None)
+    persisted = llm.engine.persisted
+    monkeypatch.setattr(persist, "MAX_PENDING_BYTES", persisted._block_nbytes)
+    engine = AsyncEngine(llm.engine)
+    p = prompt("Served", 101)
+
+    async def generate() -> list[int]:
+        tokens = []
+        async for out in engine.add_request(p, SHORT):
+            tokens = out.token_ids
+        return tokens
+
+    try:
+        assert [asyncio.run(generate())] == expected([p], SHORT)
+        wait_for(lambda: set(rows(llm)) == set(hashes(llm, p, 6)) and persisted.stats().pending == 0)
+    finally:
+        engine.close()
     assert_index_matches_disk(llm)
 
 
