@@ -60,6 +60,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                          [top and top[0] for top in out.top_logprobs])
 
 
+ARGMAX_CHUNKS = (1024, 512, 256, 128)  # the first that divides the vocabulary splits each row
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of a [rows, vocab] tensor, the same index (first of equal maxima, first NaN). On CPU
+    through vectorised maxima per chunk of the row, then argmax in the one chunk that holds the row's first
+    maximum: torch's CPU argmax does not vectorise (64 x 49152 fp32: 2.1 ms against 0.25, AMD EPYC Zen 5)."""
+    rows, vocab = logits.shape
+    chunk = next((c for c in ARGMAX_CHUNKS if vocab % c == 0 and vocab > c), None)
+    if logits.device.type != "cpu" or chunk is None or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(rows, vocab // chunk, chunk)
+    first = chunks.amax(dim=-1).argmax(dim=-1)  # amax propagates NaN, as argmax ranks it first
+    return first * chunk + chunks[torch.arange(rows), first].argmax(dim=-1)
+
+
 @torch.inference_mode()
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> StepTokens:
     """The step's tokens: each sequence's draft tokens accepted or rejected against the target's logits
@@ -95,7 +111,7 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> StepTokens:
             if banned:
                 logits[i, banned] = float("-inf")
 
-    argmax = logits.argmax(dim=-1).tolist()
+    argmax = argmax_rows(logits).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     probs = sampling_probs(logits[random_rows], [params[i] for i in random_rows]) if random_rows else None
     prob_row = {row: j for j, row in enumerate(random_rows)}
@@ -179,7 +195,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 def _race_winner(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
     """argmax of p / q with q ~ Exp(1): a draw from p per row, with no host sync."""
     race.clamp_min_(torch.finfo(race.dtype).tiny)  # q = 0 would make a masked token's 0/0 a NaN winner
-    return (probs / race).argmax(dim=-1)
+    return argmax_rows(probs / race)
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from kvforge.core.sampler import SamplingBatch, sample
+from kvforge.core.sampler import SamplingBatch, argmax_rows, sample
 from kvforge.core.sampling import SamplingParams
 
 EOS = 7
@@ -344,3 +344,17 @@ def test_logprobs_are_raw_log_softmax_and_top_n_sorted():
         assert all(abs(v - float(e)) <= 1e-6 for v, e in zip(values, expected.values))
     # row 5: min_tokens masked the argmax, yet its logprob is the raw one of the second-best token
     assert out.token_ids[5] == int(raw[5].topk(2).indices[1])
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 1000, 1024])
+def test_argmax_rows_is_torch_argmax(vocab):
+    """The chunked CPU argmax picks torch's index: the first of equal maxima, the first NaN, any -inf row."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(9, vocab)
+    logits[1, [3, vocab // 2, vocab - 1]] = 50.0  # ties: the first wins
+    logits[2, [vocab - 5, 7]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, vocab - 1] = 60.0
+    logits[5] = logits[5].bfloat16().float()  # many exact ties among rounded values
+    for x in (logits, logits.bfloat16(), logits[:, : vocab // 2 * 2][::2]):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
