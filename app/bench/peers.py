@@ -11,7 +11,9 @@ Every engine gets the same token ids (the chat prompts of workloads.chat_message
 template applied), greedy, forced to --output-tokens tokens (EOS ignored), prefix caching off. At batch B
 an engine serves ceil(--prompts / B) * B requests in waves of B submitted at once. Per engine and batch:
 output tok/s, TTFT and TPOT (p50 / p99 over the requests) where the engine lets us measure them ("-" where
-not), and the ratios against HF fp32, vLLM bf16 and llama.cpp measured in the same run.
+not), and the ratios against HF fp32, vLLM bf16 and llama.cpp measured in the same run. With --rounds N every
+engine runs N times, the engines taking turns (A B A B ...), and each figure is the median over the rounds (the
+ratios: medians of each round's own ratios, also listed).
 
 With --http the same engines run as OpenAI-compatible servers under a load generator (peers_http.py).
 """
@@ -44,7 +46,7 @@ from kvforge.app.bench.peer_engines import (
     vllm_cpu_binding,
 )
 from kvforge.app.bench.peers_http import LLAMA_SERVER_MODULES, HttpSetup, choose_load_generator, run_http_engine
-from kvforge.app.bench.peers_report import measurement_rows, print_report
+from kvforge.app.bench.peers_report import measurement_rows, median_rows, print_report
 from kvforge.app.bench.workloads import chat_messages
 
 WORKER = Path(__file__).with_name("peer_worker.py")
@@ -120,7 +122,7 @@ def run_peers(args: argparse.Namespace) -> int:
         raise ValueError("--concurrency is for --http (the offline engines take --batches)")
     batches = (int_list(args.concurrency or "1,16,64", "concurrency") if args.http
                else int_list(args.batches or "1,16,64", "batches"))
-    for name in ("prompts", "output_tokens", "threads", "input_tokens"):
+    for name in ("prompts", "output_tokens", "threads", "input_tokens", "rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     engines = _selected(args)
@@ -159,30 +161,36 @@ def run_peers(args: argparse.Namespace) -> int:
               "output_tokens": args.output_tokens, "threads": threads, "kv_cache_gib": args.kv_cache_gb,
               "pad_id": pad}
 
-    runs = []
+    rounds: list[list[EngineRun]] = []  # each round runs every engine once, in the same order
     with tempfile.TemporaryDirectory(prefix="kvforge-bench-peers-") as tmp:
-        for engine in engines:
-            run = EngineRun(engine)
-            runs.append(run)
-            if engine.peer:
-                run.python, why = find_peer(engine.peer, args, needs.get(engine.peer, ()))
-                if why:
-                    run.status, run.why = "skipped", why
-                    say(f"{engine.name}: skipped ({why})")
-                    continue
-            else:
-                run.python = sys.executable
-            say(f"{engine.name}: running ({run.python})")
-            if setup:
-                run_http_engine(run, setup, Path(tmp))
-            else:
-                run_engine(run, {**common, "kind": engine.kind, "model": models[engine.name], "dtype": engine.dtype},
-                           Path(tmp), args.timeout, env)
-            say(f"{engine.name}: {run.status} in {run.seconds:.0f} s" + (f" ({run.why})" if run.why else ""))
+        for number in range(1, args.rounds + 1):
+            runs = []
+            rounds.append(runs)
+            for engine in engines:
+                run = EngineRun(engine)
+                runs.append(run)
+                name = engine.name + (f" (round {number})" if args.rounds > 1 else "")
+                if engine.peer:
+                    run.python, why = find_peer(engine.peer, args, needs.get(engine.peer, ()))
+                    if why:
+                        run.status, run.why = "skipped", why
+                        say(f"{name}: skipped ({why})")
+                        continue
+                else:
+                    run.python = sys.executable
+                say(f"{name}: running ({run.python})")
+                if setup:
+                    run_http_engine(run, setup, Path(tmp))
+                else:
+                    run_engine(run, {**common, "kind": engine.kind, "model": models[engine.name],
+                                     "dtype": engine.dtype}, Path(tmp), args.timeout, env)
+                say(f"{name}: {run.status} in {run.seconds:.0f} s" + (f" ({run.why})" if run.why else ""))
 
+    every_run = [run for runs in rounds for run in runs]
     options = {"batches": batches, "prompts": args.prompts, "output_tokens": args.output_tokens, "threads": threads,
-               "kv_cache_gb": args.kv_cache_gb,
-               "vllm_cpus": vllm_cpus if any(r.engine.kind == "vllm" and r.status != "skipped" for r in runs) else None}
+               "kv_cache_gb": args.kv_cache_gb, "rounds": args.rounds,
+               "vllm_cpus": vllm_cpus if any(r.engine.kind == "vllm" and r.status != "skipped" for r in every_run)
+               else None}
     prompt_info = {"count": len(prompts), "min_tokens": min(lengths), "max_tokens": max(lengths),
                    "mean_tokens": sum(lengths) / len(lengths)}
     if setup:
@@ -197,12 +205,12 @@ def run_peers(args: argparse.Namespace) -> int:
     report = {"command": "kvforge bench peers" + (" --http" if setup else ""),
               "model": f"{EMBEDDED_MODEL} (the embedded model)", "cpu": cpu, "options": options,
               "prompts": prompt_info, "requests_per_batch": {str(b): n for b, n in requests.items()},
-              "engines": [r.summary() for r in runs],
-              "rows": measurement_rows(runs, args.output_tokens, lengths)}
+              "engines": [r.summary() | {"round": number} for number, runs in enumerate(rounds, 1) for r in runs],
+              "rows": median_rows([measurement_rows(runs, args.output_tokens, lengths) for runs in rounds])}
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    return 1 if any(r.status == "failed" for r in runs) else 0
+    return 1 if any(r.status == "failed" for r in every_run) else 0
 
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
@@ -232,6 +240,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                        help="the interpreter that has llama-cpp-python (default: $KVFORGE_LLAMA_PYTHON or the "
                             "peers dir's)")
     peers.add_argument("--no-peers", action="store_true", help="HF and kvforge only: skip vLLM and llama.cpp")
+    peers.add_argument("--rounds", type=int, default=1,
+                       help="run every engine this many times, one after another in turn, and report the medians "
+                            "(on a shared machine runs minutes apart differ by 10-30%%; default: 1)")
     peers.add_argument("--timeout", type=float, default=1800,
                        help="seconds per engine (--http: its server's start and every level) (default: 1800)")
     peers.add_argument("--json", default=None, metavar="PATH", help="also write the whole report as JSON")

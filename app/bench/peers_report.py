@@ -34,6 +34,33 @@ def measurement_rows(runs: list[EngineRun], output_tokens: int, prompt_lens: lis
     return rows
 
 
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """One row per engine and batch from each round's rows: tok/s, TTFT and TPOT the medians over the rounds that
+    measured it, each ratio the median of the rounds' own same-run ratios; `rounds_tok_s` and `rounds_<ratio>` keep
+    every round's figure. One round: its rows, as they are."""
+    if len(rounds) == 1:
+        return rounds[0]
+    grouped: dict[tuple[str, int], list[dict]] = {}
+    for rows in rounds:
+        for row in rows:
+            grouped.setdefault((row["engine"], row["batch"]), []).append(row)
+    merged = []
+    for rows in grouped.values():
+        row = dict(rows[0])
+        row["output_tok_s"] = percentile([r["output_tok_s"] for r in rows], 50)
+        row["wall_s"] = percentile([r["wall_s"] for r in rows], 50)
+        row["rounds_tok_s"] = [r["output_tok_s"] for r in rows]
+        for stat in ("ttft_s", "tpot_s"):
+            known = [r[stat] for r in rows if r[stat]]
+            row[stat] = {q: percentile([s[q] for s in known], 50) for q in ("p50", "p99")} if known else None
+        for key in REFERENCES:
+            ratios = [r[key] for r in rows if r[key] is not None]
+            row[key] = percentile(ratios, 50) if ratios else None
+            row[f"rounds_{key}"] = ratios
+        merged.append(row)
+    return merged
+
+
 def print_report(report: dict) -> None:
     cpu, o, p = report["cpu"], report["options"], report["prompts"]
     http = o.get("http")
@@ -65,7 +92,8 @@ def print_report(report: dict) -> None:
               f"ceil({o['prompts']} / B) * B of them, in waves of B submitted at once")
     print("engines:")
     for e in report["engines"]:
-        line = f"  {e['engine']:<15} {e['status']:<8}"
+        name = e["engine"] + (f" #{e['round']}" if o.get("rounds", 1) > 1 else "")
+        line = f"  {name:<15} {e['status']:<8}"
         if e["status"] == "skipped":
             line += f" {e['why']}"
         else:
@@ -98,6 +126,12 @@ def print_report(report: dict) -> None:
         for r in here:
             print(f"{r['engine']:<15} {r['output_tok_s']:>8.1f} {p50_ms(r['ttft_s']):>10} {p50_ms(r['tpot_s']):>10}"
                   + "".join(f" {fmt(r[k], '.2f', '-') + ('x' if r[k] is not None else ''):>13}" for k in ratios))
+        if o.get("rounds", 1) > 1:
+            print(f"medians of {o['rounds']} rounds; each round's tok/s" + "".join(
+                f", {RATIO_TITLES[k]}" for k in ratios) + ":")
+            for r in here:
+                print(f"  {r['engine']:<15} " + " / ".join(f"{v:.1f}" for v in r["rounds_tok_s"]) + "".join(
+                    "; " + " / ".join(f"{v:.2f}x" for v in r[f"rounds_{k}"]) for k in ratios if r[f"rounds_{k}"]))
     timings = {}
     for r in rows:
         timings.setdefault(r["kind"], r["timing"])

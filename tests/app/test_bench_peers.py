@@ -227,3 +227,44 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_rounds_report_medians_and_every_rounds_own_ratio(run):
+    """--rounds: per engine and batch the median tok/s, TTFT and TPOT over the rounds, each ratio the median of
+    the rounds' own same-run ratios (not a ratio of medians), and every round's figures kept."""
+    from kvforge.app.bench.peers_report import median_rows
+
+    _, report = run
+    first = report["rows"]
+    rounds = [first] + [[dict(r, output_tok_s=r["output_tok_s"] * scale, wall_s=r["wall_s"] / scale,
+                              vs_hf=r["vs_hf"] * (scale if r["engine"] == "kvforge-fp32" else 1))
+                         for r in first] for scale in (2.0, 0.5)]
+    merged = {(r["engine"], r["batch"]): r for r in median_rows(rounds)}
+    assert set(merged) == {(r["engine"], r["batch"]) for r in first}
+    for r in first:
+        m = merged[(r["engine"], r["batch"])]
+        assert m["rounds_tok_s"] == pytest.approx([r["output_tok_s"] * s for s in (1.0, 2.0, 0.5)])
+        assert m["output_tok_s"] == pytest.approx(r["output_tok_s"])  # the middle one
+        assert m["rounds_vs_hf"] == pytest.approx([r["vs_hf"] * (s if r["engine"] == "kvforge-fp32" else 1)
+                                                   for s in (1.0, 2.0, 0.5)])
+        assert m["vs_hf"] == pytest.approx(r["vs_hf"]) and m["rounds_vs_vllm_bf16"] == []
+        assert m["ttft_s"] == pytest.approx(r["ttft_s"])
+    assert median_rows([first]) is first
+
+
+def test_rounds_run_every_engine_in_turn(embedded_path, tmp_path):
+    out = tmp_path / "rounds.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--engines", "kvforge-fp32", "--no-peers",
+         "--rounds", "2", "--prompts", "1", "--batches", "1", "--output-tokens", "2", "--threads", "1",
+         "--json", str(out)], capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert [(e["engine"], e["round"], e["status"]) for e in report["engines"]] == [
+        ("kvforge-fp32", 1, "ok"), ("kvforge-fp32", 2, "ok")]
+    (row,) = report["rows"]
+    assert len(row["rounds_tok_s"]) == 2 and min(row["rounds_tok_s"]) <= row["output_tok_s"] <= max(row["rounds_tok_s"])
+    assert "medians of 2 rounds" in result.stdout and "kvforge-fp32 #2" in result.stdout
+    refused = subprocess.run([sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--rounds", "0"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--rounds must be >= 1" in refused.stdout + refused.stderr
