@@ -41,14 +41,19 @@ static void visible_rows(const int32_t *table, int first, int L, int block_size,
     }
 }
 
-// Software prefetch of the K and V rows of the keys PREFETCH_KEYS ahead, four at a time, in the scores pass (so the
-// weighted sum finds V in cache): a sequence's blocks lie anywhere in the pool and every block is a short stream
-// the hardware prefetchers lose at its end. 64 sequences of 150 keys over a 1 GiB pool, blocks scattered (bf16, AMD
-// EPYC Zen 5, 2 threads): 33 ms per step of 30 layers without, 15 with; 16 ahead beat 8, 32 and 64.
+// Software prefetch of the K and V rows of keys [from, to) of the n visible: the first PREFETCH_KEYS together at the
+// start, then those PREFETCH_KEYS ahead, four at a time, in the scores pass (so the weighted sum finds V in cache):
+// a sequence's blocks lie anywhere in the pool and every block is a short stream the hardware prefetchers lose at
+// its end. 64 sequences of 150 keys over a 1 GiB pool, blocks scattered (bf16, AMD EPYC Zen 5, 2 threads): 33 ms
+// per step of 30 layers without, 15 with; 16 ahead beat 8, 32 and 64.
 #define PREFETCH_KEYS 16
-static inline void prefetch_rows(const char *plane, const size_t *rows, int from, int n, size_t row_bytes) {
-    for (int j = from; j < from + 4 && j < n; j++)
-        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(plane + rows[j] + b, 0, 3);
+static inline void prefetch_kv(const char *k_plane, const char *v_plane, const size_t *rows, int from, int to, int n,
+                               size_t row_bytes) {
+    for (int j = from; j < to && j < n; j++)
+        for (size_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(k_plane + rows[j] + b, 0, 3);
+            __builtin_prefetch(v_plane + rows[j] + b, 0, 3);
+        }
 }
 
 // One (row, KV head) item with its G queries over its n visible keys, in plain C; D is a compile-time constant in
@@ -60,15 +65,9 @@ static inline __attribute__((always_inline)) void attend(
         load_row(q_row + (size_t)g * D * es, dtype, D, qf + g * D);
         for (int d = 0; d < D; d++) qf[g * D + d] *= scale;
     }
-    for (int i = 0; i < PREFETCH_KEYS; i += 4) {
-        prefetch_rows(k_plane, rows, i, n, D * es);
-        prefetch_rows(v_plane, rows, i, n, D * es);
-    }
+    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, D * es);
     for (int i = 0; i < n; i++) {  // scores[g][i] = q_g . k_i
-        if ((i & 3) == 0) {
-            prefetch_rows(k_plane, rows, i + PREFETCH_KEYS, n, D * es);
-            prefetch_rows(v_plane, rows, i + PREFETCH_KEYS, n, D * es);
-        }
+        if ((i & 3) == 0) prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
         load_row(k_plane + rows[i], dtype, D, row);
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
@@ -114,19 +113,15 @@ static inline __m128 sum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
 }
 
 // scores[g * n + i] = scale * q_g . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
-static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, int D, int dtype,
-                      size_t es, float scale, float *qf, float *kf, float *scores) {
-    for (int i = 0; i < PREFETCH_KEYS; i += 4) {  // the first rows: requested together, not one miss at a time
-        prefetch_rows(k_plane, rows, i, n, D * es);
-        prefetch_rows(v_plane, rows, i, n, D * es);
-    }
+static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
+                      int D, int dtype, size_t es, float scale, float *qf, float *kf, float *scores) {
+    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, D * es);  // requested together, not one miss at a time
 #if defined(__AVX512BF16__)
     if (dtype == BF16) {  // bf16 pairs multiplied exactly into fp32 sums: no conversion of K
         for (int i = 0; i < n; i += 4) {
             const char *k[4];
             for (int j = 0; j < 4; j++) k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
-            prefetch_rows(k_plane, rows, i + PREFETCH_KEYS, n, D * es);
-            prefetch_rows(v_plane, rows, i + PREFETCH_KEYS, n, D * es);
+            prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
             for (int g = 0; g < G; g++) {
                 const char *qg = q_row + (size_t)g * D * 2;
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -151,8 +146,7 @@ static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plan
                                                           _mm512_set1_ps(scale)));
     }
     for (int i = 0; i < n; i += 4) {
-        prefetch_rows(k_plane, rows, i + PREFETCH_KEYS, n, D * es);
-        prefetch_rows(v_plane, rows, i + PREFETCH_KEYS, n, D * es);
+        prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
         for (int j = 0; j < 4; j++) {  // four K rows -> fp32, once for all G queries
             const char *k = k_plane + rows[i + j < n ? i + j : n - 1];
             for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16(k + c * es, dtype));
