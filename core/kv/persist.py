@@ -191,13 +191,12 @@ class PersistedKV:
             self._deferred.popitem(last=False)
             self._counters.dropped_writes += 1
 
-    def save_deferred(self, no_backlog: bool = True) -> bool:
+    def save_deferred(self) -> bool:
         """Queue the deferred blocks whose pool blocks still hold them, oldest first, while the writer's backlog
-        allows (`no_backlog=False`: all of them). Call it from the thread that steps the engine, when it is idle.
-        True while some remain deferred."""
+        allows. Call it from the thread that steps the engine, when it is idle. True while some remain deferred."""
         while True:
             with self._lock:
-                if not self._deferred or (no_backlog and self._backlogged()):
+                if not self._deferred or self._backlogged():
                     return bool(self._deferred)
                 digest, entry = self._deferred.popitem(last=False)
                 if digest in self._index or digest in self._pending:
@@ -395,12 +394,14 @@ class PersistedKV:
         that steps the engine, or while it is idle (deferred blocks are read from the pool)."""
         deadline = time.monotonic() + timeout
         while True:
-            more = self.save_deferred()
+            more = self.save_deferred()  # as many as the backlog takes; the rest after these are written
             self._queue.put(("sync", None))  # also records pending access times
             while self._queue.unfinished_tasks and time.monotonic() < deadline:
                 time.sleep(0.005)
-            if not more or self._queue.unfinished_tasks:
-                return not (more or self._queue.unfinished_tasks)
+            if self._queue.unfinished_tasks:
+                return False  # timed out
+            if not more:
+                return True
 
     def close(self) -> None:
         """Write what is queued and deferred, then stop the writer."""
