@@ -147,6 +147,9 @@ class ServeSettings:
     kv_cache_gb: float | None = engine_setting(engine_default("kv_cache_bytes"), KV_CACHE_HELP, float)
     block_size: int = engine_setting(engine_default("block_size"), "tokens per KV block (default: {default})", int,
                                      engine="block_size")
+    gguf_dense: bool = engine_setting(engine_default("gguf_dense"), "load a .gguf model dequantized into dense "
+                                      "weights, as transformers does, instead of from its own quantized blocks "
+                                      "(the gguf quant plugin)", bool, engine="gguf_dense")
     quant: str = engine_setting(  # a quantized checkpoint picks its own plugin when this is "none"
         engine_default("quant"), "quantization plugin (see `kvforge plugins`; default: {default}, or what a "
         "quantized checkpoint says)")

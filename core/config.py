@@ -58,6 +58,8 @@ class EngineConfig:
     dtype: str = knob("auto", "auto | float32 | bfloat16 | float16 (and the short names fp32, bf16, fp16); auto: "
                       "bfloat16 where the CPU computes it natively (AVX512_BF16 / AMX) or on a GPU, else float32; "
                       "resolved when the config is made", choices=(*DTYPES, "auto"))
+    gguf_dense: bool = knob(False, "load a GGUF source dequantized into dense weights (as transformers does) "
+                            "instead of from its own quantized blocks (the `gguf` quant method)")
     quant: str = knob("none", "a `kvforge.quant` plugin name")
     quant_options: dict[str, Any] = knob(default_factory=dict, help="the quant plugin's options")
     decoding: str = knob("none", "a `kvforge.decoding` plugin name (speculative decoding); \"none\": off")

@@ -44,13 +44,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVFORGE_CACHE_DIR") or user_cache_dir("kvforge"))
 
 
-def resolve_model(model: str | None) -> Path:
-    """Return a directory holding config.json, safetensors weights and the tokenizer."""
+def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
+    """Return a directory holding config.json, safetensors weights and the tokenizer. A GGUF source (the
+    embedded default is one) becomes a dense directory, or with `native_gguf` one that keeps its quantized
+    weights for the `gguf` quant method (core/gguf_checkpoint.py)."""
     if model in EMBEDDED_ALIASES:
-        return convert_gguf(embedded_gguf_path())
+        return _from_gguf(embedded_gguf_path(), native_gguf)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
+        return _from_gguf(path, native_gguf)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model directory {path} has no config.json")
@@ -61,6 +63,14 @@ def resolve_model(model: str | None) -> Path:
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ModelNotFoundError(f"model {model!r} not found: not a model directory, a .gguf file or a hub id")
     return _download_from_hub(model)
+
+
+def _from_gguf(gguf: Path, native: bool) -> Path:
+    if not native:
+        return convert_gguf(gguf)
+    from kvforge.core.gguf_checkpoint import native_checkpoint
+
+    return native_checkpoint(gguf, cache_dir())
 
 
 def embedded_gguf_path() -> Path:

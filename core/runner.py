@@ -20,7 +20,7 @@ from kvforge.core.context import (
     set_context,
 )
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
-from kvforge.core.host_memory import keep_freed_memory
+from kvforge.core.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.layers.backend import kernel_backend
@@ -84,6 +84,8 @@ class ModelRunner:
             model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress)
             self.kernel_choices = choose_kernels(model, config.torch_dtype, config.linear_kernels,
                                                  config.decode_attention)
+            if self.device.type == "cpu":
+                release_freed_memory()  # what loading freed, not kept for the step loop
         self.model = model.eval()
         self.kernels = kernels  # the attention / norm kernels its layers were built with
 

@@ -278,7 +278,8 @@ def _load(config: EngineConfig, rank: int) -> ModelRunner:
         torch.cuda.set_device(local_rank)
     if config.num_threads:  # this rank's process, set once before its model loads
         torch.set_num_threads(config.num_threads)
-    model_path = resolve_model(config.model)  # converted by rank 0 already when on the same machine
+    # converted by rank 0 already when on the same machine
+    model_path = resolve_model(config.model, native_gguf=not config.gguf_dense)
     with tensor_parallel(config.tp_size, rank):
         return ModelRunner(config, model_path, load_config(model_path), progress=False)
 

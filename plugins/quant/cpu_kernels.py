@@ -70,6 +70,18 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx:
     return Int4Packed(weight, scales_and_zeros, group, perm)
 
 
+def pack_int4_affine(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> Int4Packed | None:
+    """q [N, K] in [0, 16), scales / offsets [N, K / group]: W[n, k] = scales[n, g] * q[n, k] + offsets[n, g]
+    (g = k // group; GGUF's asymmetric form). None when the op cannot take the shape."""
+    n, k = q.shape
+    if n % 16 or group not in INT4PACK_GROUPS or k % group:
+        return None
+    # the op computes (q - 8) * scale + zero: zero = offset + 8 * scale
+    scales_and_zeros = torch.stack((scales.T.float(), (offsets.float() + 8 * scales.float()).T), dim=-1)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return Int4Packed(weight, scales_and_zeros.to(COMPUTE_DTYPE).contiguous(), group, None)
+
+
 def int4_linear(x: torch.Tensor, packed: Int4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias), computed in bf16, returned in x.dtype."""
     shape = x.shape

@@ -70,7 +70,7 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[list[set[int]]], float]:
 
 @pytest.fixture(scope="module")
 def fp32_reference(embedded_path):
-    return _run(LLM(progress=False))
+    return _run(LLM(str(embedded_path), progress=False))  # the dense model the checkpoints are written from
 
 
 @pytest.fixture(scope="module")

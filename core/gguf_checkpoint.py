@@ -1,0 +1,142 @@
+"""A GGUF file as a checkpoint directory that keeps its quantized weights (the `gguf` quant method loads it).
+
+Written once into the cache, like the dense conversion (loader.convert_gguf), but each linear projection
+stored in a GGUF block type stays quantized: its blocks are decoded losslessly (plugins/quant/gguf_blocks.py)
+into three safetensors tensors beside where the dense weight would be, `<name>.qcodes` (int8 [N, K]),
+`<name>.qscales` and `<name>.qoffsets` (fp32 [N, K / 16]: every type's groups written at the finest group
+size, 16, so that the projections fused into one layer -- q/k/v of a Q4_K_M file mix Q4_K, Q6_K, Q8_0 --
+share one layout). Embeddings, norms, a separate LM head and F32 / F16 / BF16 projections are stored
+dequantized in fp32, exactly as transformers' GGUF loader gives them. config.json says
+`quantization_config: {"quant_method": "gguf", ...}`, listing the projections kept dense.
+
+Tensor names and the per-architecture fix-ups (Llama's Q / K row permutation, Gemma's norm offset) come from
+transformers' GGUF loader, applied to codes, scales and offsets alike (they only move whole rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+NATIVE_CONVERTER_VERSION = "1"  # bump when the layout written here changes
+STORED_GROUP = 16  # the group size every quantized projection is written at (the finest GGUF type's)
+QUANTIZED_SUFFIXES = ("qcodes", "qscales", "qoffsets")
+
+
+def native_checkpoint(gguf: Path, cache: Path) -> Path:
+    """The quantized checkpoint directory of `gguf` under `cache` (written on first use)."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|native-{NATIVE_CONVERTER_VERSION}".encode())
+    target = cache / "models" / f"{gguf.stem}-gguf-{key.hexdigest()[:16]}"
+    if (target / "model.safetensors").exists():
+        return target
+    log.warning("reading %s into %s (once; its quantized weights stay quantized)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        _write(gguf, staging)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(staging, target)  # atomic: a half-written directory is never picked up
+        except OSError:
+            if not (target / "model.safetensors").exists():  # not a concurrent conversion that won
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write(gguf: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    from kvforge.core.models.registry import model_class_for
+    from kvforge.plugins.quant.gguf_blocks import DECODERS, FLOAT_TYPES, decode
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
+        reference = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(reference).__name__]
+    packed = getattr(model_class_for(config), "packed_modules_mapping", {})  # unsupported families fail here
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    reader = GGUFReader(str(gguf))
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    # the fix-ups of transformers' loader (they rename nothing for the families kvforge runs)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(reference, processor)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, object] = {}  # HF projection name (no ".weight") -> GroupCodes
+    for tensor in reader.tensors:
+        name = names.get(tensor.name)
+        if name is None:
+            continue
+        qtype = tensor.tensor_type
+        if name.endswith("_proj.weight") and qtype in DECODERS:
+            codes = decode(tensor.data, qtype)
+            codes.codes, codes.scales = _rows(processor, tensor.name, codes.codes), \
+                _rows(processor, tensor.name, codes.scales)
+            if codes.offsets is not None:
+                codes.offsets = _rows(processor, tensor.name, codes.offsets)
+            quantized[name.removesuffix(".weight")] = codes
+            continue
+        if qtype not in FLOAT_TYPES and qtype not in DECODERS:
+            decode(tensor.data, qtype)  # raises: the type is not supported
+        weights = processor.process(weights=dequantize(tensor.data, qtype), name=tensor.name).weights
+        tensors[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+
+    dense_modules = _mixed_fused_layers(quantized, tensors, packed)
+    for module in dense_modules:  # a fused layer whose parts are not all quantized: all of it dense
+        if module in quantized:
+            tensors[f"{module}.weight"] = quantized.pop(module).dequantize()
+    for module, codes in quantized.items():
+        repeat = codes.group // STORED_GROUP
+        tensors[f"{module}.qcodes"] = codes.codes.contiguous()
+        tensors[f"{module}.qscales"] = codes.scales.repeat_interleave(repeat, dim=1).contiguous()
+        offsets = codes.offsets if codes.offsets is not None else torch.zeros_like(codes.scales)
+        tensors[f"{module}.qoffsets"] = offsets.repeat_interleave(repeat, dim=1).contiguous()
+    config.quantization_config = {"quant_method": "gguf", "group_size": STORED_GROUP,
+                                  "modules_to_not_convert": sorted(dense_modules), "source": gguf.name}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def _rows(processor, gguf_name: str, values: torch.Tensor) -> torch.Tensor:
+    """`values` [N, ...] with the architecture's row fix-up applied (e.g. Llama's Q / K permutation)."""
+    return torch.from_numpy(np.ascontiguousarray(processor.process(weights=values.numpy(), name=gguf_name).weights))
+
+
+def _mixed_fused_layers(quantized: dict, dense: dict[str, torch.Tensor], packed: dict) -> set[str]:
+    """Projections fused into one layer (e.g. q/k/v_proj) of which some are quantized and some are not:
+    those layers are kept dense (every part listed, as QuantConfig requires)."""
+    groups: dict[str, list[str]] = {}
+    for module in [*quantized, *(n.removesuffix(".weight") for n in dense if n.endswith("_proj.weight"))]:
+        parent, _, leaf = module.rpartition(".")
+        fused = packed.get(leaf, (leaf, None))[0]
+        groups.setdefault(f"{parent}.{fused}", []).append(module)
+    mixed: set[str] = set()
+    for parts in groups.values():
+        if any(p in quantized for p in parts) and not all(p in quantized for p in parts):
+            mixed.update(parts)
+    return mixed

@@ -1,0 +1,114 @@
+"""The `gguf` plugin: a GGUF file's projections served from its own quantized blocks.
+
+Chosen automatically for a GGUF source (core/gguf_checkpoint.py writes the checkpoint it loads: per layer
+int8 codes, fp32 scales and offsets per group of 16 input features, W = scale * code + offset, exactly
+GGUF's dequantized values). After loading, each layer goes to the fastest exact path on its device:
+
+- `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4
+  matmul (cpu_kernels.py), groups of 32, scale and zero rounded to bf16 -- the kernel's own rounding;
+- `dense`: the weight dequantized once into the model dtype (exact in fp32: bit for bit what transformers'
+  GGUF loader gives; Q5 / Q6 / Q8 types, fp32 models and CUDA take it for now), then whatever the dense
+  method runs (F.linear or oneDNN's prepacked linear, chosen by timing).
+`auto` picks int4pack where the layer's codes are 4-bit and the model computes in bf16 on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvforge.plugins.quant.cpu_kernels import int4_linear, int4pack_available, pack_int4_affine
+from kvforge.plugins.quant.dense import DenseMethod
+
+KERNELS = ("auto", "int4pack", "dense")
+
+
+class GgufMethod(DenseMethod):
+    name = "gguf"
+    description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K): 4-bit types "
+                   "through torch's int4 kernel in bf16, the others dequantized once into the model dtype.")
+    settings = {
+        "group_size": {"type": "integer", "enum": [16], "default": 16,
+                       "description": "input features per stored scale / offset (the checkpoint's layout)"},
+        "kernel": {"type": "string", "enum": list(KERNELS), "default": "auto",
+                   "description": "int4pack (CPU, 4-bit types, bf16 compute), dense (dequantized once) or auto"},
+    }
+
+    @classmethod
+    def options_for_checkpoint(cls, quantization_config: dict[str, Any]) -> dict[str, Any] | None:
+        if quantization_config.get("quant_method") != "gguf":
+            return None
+        return {"group_size": int(quantization_config.get("group_size", 16))}
+
+    def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
+        group = self.options["group_size"]
+        if in_features % group:
+            raise ValueError(f"gguf: {in_features} input features are not whole groups of {group}")
+        n = sum(out_features_per_shard)
+        for name, shape, dtype, axes in (
+                ("qcodes", (n, in_features), torch.int8, {}),
+                ("qscales", (n, in_features // group), torch.float32, {"packed_dim": 1, "pack_factor": group}),
+                ("qoffsets", (n, in_features // group), torch.float32, {"packed_dim": 1, "pack_factor": group})):
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            for axis, value in axes.items():
+                setattr(param, axis, value)
+            param.weight_loader = layer.weight_loader
+            layer.register_parameter(name, param)
+        layer.params_dtype = params_dtype
+        layer.weight = None
+        layer.packed_weight = None
+        layer.int4 = None
+        layer.weight_bytes = 0
+
+    def process_after_loading(self, layer) -> None:
+        codes, scales, offsets = layer.qcodes.data, layer.qscales.data, layer.qoffsets.data
+        for name in ("qcodes", "qscales", "qoffsets"):
+            delattr(layer, name)
+        if self._use_int4pack(layer, codes, scales, offsets):
+            return
+        group = self.options["group_size"]
+        weight = scales.repeat_interleave(group, dim=1) * codes.float() + offsets.repeat_interleave(group, dim=1)
+        layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
+        layer.weight_bytes = layer.weight.numel() * layer.weight.element_size()
+
+    def _use_int4pack(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
+        wanted = self.options["kernel"]
+        if wanted == "dense":
+            return False
+        why = self._int4pack_refusal(layer, codes, scales, offsets)
+        if why is None:
+            s, o = scales[:, ::2], offsets[:, ::2]  # pairs of 16-groups are one group of 32 (checked)
+            if int(codes.min()) < 0:  # Q4_0's codes q - 8: the same W as codes q with offset -8 * scale
+                codes, o = codes.to(torch.int32) + 8, o - 8 * s
+            layer.int4 = pack_int4_affine(codes, s, o, 32)
+            if layer.int4 is not None:
+                layer.weight_bytes = layer.int4.nbytes()
+                return True
+            why = "torch's int4 packing refused this shape"
+        if wanted == "int4pack":
+            raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the int4pack kernel: {why}")
+        return False
+
+    @staticmethod
+    def _int4pack_refusal(layer, codes, scales, offsets) -> str | None:
+        """Why int4pack cannot run this layer exactly (None: it can)."""
+        if codes.device.type != "cpu" or not int4pack_available():
+            return "it needs torch's CPU int4 kernel"
+        if layer.params_dtype != torch.bfloat16:
+            return "it computes in bf16, and the model runs in " + str(layer.params_dtype).removeprefix("torch.")
+        lo, hi = int(codes.min()), int(codes.max())
+        if not (0 <= lo and hi <= 15 or -8 <= lo and hi <= 7):
+            return "its codes are wider than 4 bits"
+        if scales.shape[1] % 2 or not (torch.equal(scales[:, ::2], scales[:, 1::2])
+                                       and torch.equal(offsets[:, ::2], offsets[:, 1::2])):
+            return "its groups are smaller than 32"
+        return None
+
+    def kernels(self, layer):
+        return {} if layer.int4 is not None else super().kernels(layer)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.int4 is not None:
+            return int4_linear(x, layer.int4, bias)
+        return super().apply(layer, x, bias)

@@ -1,0 +1,171 @@
+"""The `gguf` quant method: GGUF block types decoded losslessly (against the `gguf` package's own dequantizer),
+each kernel's matmul against x @ dequantize(W), and the embedded model served from its Q4_1 blocks: in fp32 the
+same tokens as the dense conversion, in bf16 (torch's int4 kernel) close to fp32 by the top-5 rule with the
+perplexity within +3%."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from kvforge.core import LLM
+from kvforge.core.layers.linear import ReplicatedLinear
+from kvforge.core.loader import embedded_gguf_path
+from kvforge.core.perplexity import perplexity
+from kvforge.core.sampling import SamplingParams
+from kvforge.plugins.quant.cpu_kernels import int4pack_available
+from kvforge.plugins.quant.gguf import GgufMethod
+from kvforge.plugins.quant.gguf_blocks import DECODERS, decode
+from tests.helpers.parity import logprobs_close
+
+T = GGMLQuantizationType
+# byte offsets of each type's fp16 scale(s): random bytes elsewhere are valid codes, there they could be NaN
+FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
+               T.Q5_K: (0, 2), T.Q6_K: (208,)}
+FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A [rows, cols] tensor of `qtype` with random codes and sub-scales and small random fp16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for offset in FP16_FIELDS[qtype]:
+        scale = rng.normal(0, 0.01, size=(blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
+def test_decoding_reproduces_gguf_dequantize_bit_for_bit(qtype):
+    raw = random_blocks(qtype, 8, 512)
+    assert torch.equal(decode(raw, qtype).dequantize(), torch.from_numpy(dequantize(raw, qtype)))
+
+
+def test_decoding_real_files_tensors(gemma_gguf_path):
+    """The first tensor of every quantized type in the embedded Q4_1 file and Gemma 3's Q4_K_M file."""
+    seen = set()
+    for path in (embedded_gguf_path(), gemma_gguf_path):
+        for tensor in GGUFReader(str(path)).tensors:
+            if tensor.tensor_type in DECODERS and (tensor.tensor_type not in seen):
+                seen.add(tensor.tensor_type)
+                rows = np.asarray(tensor.data[:64])
+                assert torch.equal(decode(rows, tensor.tensor_type).dequantize(),
+                                   torch.from_numpy(dequantize(rows, tensor.tensor_type))), tensor.name
+    assert {T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K} <= seen
+
+
+def test_an_unsupported_type_is_named_with_the_way_out():
+    with pytest.raises(ValueError, match="IQ2_XXS is not supported natively.*--gguf-dense"):
+        decode(np.zeros((1, 66), dtype=np.uint8), T.IQ2_XXS)
+
+
+def gguf_layer(qtype: GGMLQuantizationType, dtype: torch.dtype, kernel: str, rows: int = 64, cols: int = 512):
+    """A linear layer of the gguf method loaded with `qtype` weights as the converter stores them; and W."""
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):  # gguf-py quantizes these from real values
+        raw = quantize(np.random.default_rng(1).normal(0, 0.05, size=(rows, cols)).astype(np.float32), qtype)
+    else:
+        raw = random_blocks(qtype, rows, cols, seed=1)
+    codes = decode(raw, qtype)
+    layer = ReplicatedLinear(cols, rows, quant_method=GgufMethod(kernel=kernel), params_dtype=dtype)
+    repeat = codes.group // 16
+    offsets = codes.offsets if codes.offsets is not None else torch.zeros_like(codes.scales)
+    layer.weight_loader(layer.qcodes, codes.codes)
+    layer.weight_loader(layer.qscales, codes.scales.repeat_interleave(repeat, dim=1))
+    layer.weight_loader(layer.qoffsets, offsets.repeat_interleave(repeat, dim=1))
+    layer.process_after_loading()
+    return layer, torch.from_numpy(dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
+def test_dense_kernel_is_exact_in_fp32(qtype):
+    layer, weight = gguf_layer(qtype, torch.float32, "dense")
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(3, weight.shape[1])
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.skipif(not int4pack_available(), reason="torch has no CPU int4 kernel")
+@pytest.mark.parametrize("qtype", FOUR_BIT, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_int4pack_kernel_matches_the_dequantized_weight(qtype, rows):
+    """bf16 compute with bf16 scales and zeros: within bf16 rounding of x @ W.T (fp32 reference)."""
+    layer, weight = gguf_layer(qtype, torch.bfloat16, "auto")
+    assert layer.int4 is not None  # auto picks the int4 kernel for 4-bit codes in bf16
+    x = torch.randn(rows, weight.shape[1])
+    expected = x @ weight.T
+    got = layer(x.to(torch.bfloat16)).float()
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 2e-2 * scale, ((got - expected).abs().max(), scale)
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_wider_codes_refuse_the_int4_kernel_by_name_and_auto_goes_dense(qtype):
+    with pytest.raises(ValueError, match="cannot use the int4pack kernel: its codes are wider than 4 bits"):
+        gguf_layer(qtype, torch.bfloat16, "int4pack")
+    layer, weight = gguf_layer(qtype, torch.bfloat16, "auto")
+    assert layer.int4 is None and torch.equal(layer.weight, weight.to(torch.bfloat16))
+
+
+def test_fused_projections_of_different_types_share_one_layer():
+    """Q4_K_M files mix types inside a fused q/k/v layer (e.g. Q4_K, Q4_K, Q6_K): written at groups of 16,
+    the fused layer holds each part's exact weight."""
+    from kvforge.core.layers.linear import MergedColumnParallelLinear
+
+    parts = [decode(random_blocks(t, 32, 256, seed=i), t) for i, t in enumerate((T.Q4_K, T.Q6_K))]
+    layer = MergedColumnParallelLinear(256, [32, 32], quant_method=GgufMethod(), params_dtype=torch.float32)
+    for shard, codes in enumerate(parts):
+        repeat = codes.group // 16
+        offsets = codes.offsets if codes.offsets is not None else torch.zeros_like(codes.scales)
+        layer.weight_loader(layer.qcodes, codes.codes, shard)
+        layer.weight_loader(layer.qscales, codes.scales.repeat_interleave(repeat, dim=1), shard)
+        layer.weight_loader(layer.qoffsets, offsets.repeat_interleave(repeat, dim=1), shard)
+    layer.process_after_loading()
+    assert torch.equal(layer.weight, torch.cat([p.dequantize() for p in parts]))
+
+
+PROMPTS = ["What is machine learning?", "Who painted the Mona Lisa?", "What is the capital of Japan?",
+           "Explain in two sentences why the sky is blue.", "Write a Python function that returns the square of a "
+           "number."]
+
+
+def _run(llm: LLM, top: int = 5):
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=top))
+    text = files("kvforge.app").joinpath("eval_text.txt").read_text()
+    return ([o.token_ids for o in outs], [[{t for t, _ in lp.top} for lp in o.logprobs] for o in outs],
+            perplexity(llm.engine, llm.tokenizer.encode(text)))
+
+
+def test_the_embedded_model_from_its_q4_1_blocks(embedded_llm):
+    """The default: the embedded GGUF loads through the gguf method. fp32: the dense conversion's tokens exactly
+    (the weights are bit for bit transformers' dequantization); the default dtype (bf16 where native): the int4
+    kernel, close to fp32 by the top-5 rule on every prompt, perplexity within +3%, under a third of the dense
+    fp32 weights' memory."""
+    native32 = LLM(progress=False, dtype="float32", kv_cache_bytes=64 << 20)
+    assert native32.engine.config.quant == "gguf"
+    prompts = [native32.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    assert [o.token_ids for o in native32.generate(prompts, greedy)] == \
+        [o.token_ids for o in embedded_llm.generate(prompts, greedy)]
+    del native32
+
+    reference = _run(embedded_llm)
+    native = LLM(progress=False, kv_cache_bytes=64 << 20)
+    ids, tops, ppl = _run(native)
+    dense_bytes = embedded_llm.engine.runtime().weight_bytes
+    native_bytes = native.engine.runtime().weight_bytes
+    print(f"\ngguf native ({native.engine.config.dtype}): perplexity {ppl:.3f} vs dense fp32 {reference[2]:.3f}; "
+          f"weights {native_bytes / 2**20:.1f} MiB vs {dense_bytes / 2**20:.1f} MiB")
+    diverged = [why for i in range(len(PROMPTS))
+                if (why := logprobs_close(ids[i], tops[i], reference[0][i], reference[1][i], f"prompt {i}"))]
+    assert not diverged, diverged
+    assert ppl / reference[2] <= 1.03
+    if native.engine.config.dtype == "bfloat16" and int4pack_available():
+        assert native_bytes <= dense_bytes / 3
