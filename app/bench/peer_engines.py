@@ -27,6 +27,7 @@ ENGINES = (
     Engine("kvforge-fp32", "kvforge", "float32"),
     Engine("kvforge-bf16", "kvforge", "bfloat16"),
     Engine("kvforge-4bit", "kvforge", "bfloat16"),
+    Engine("kvforge-gguf", "kvforge", "bfloat16"),  # the embedded GGUF itself, from its Q4_1 blocks (gguf plugin)
     Engine("vllm-bf16", "vllm", "bfloat16", peer="vllm"),
     Engine("vllm-fp32", "vllm", "float32", peer="vllm"),
     Engine("llama.cpp-q4_1", "llama.cpp", "q4_1", peer="llama"),

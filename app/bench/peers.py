@@ -1,11 +1,12 @@
 """`kvforge bench peers`: kvforge side by side with other CPU engines on the embedded model, in one run.
 
 Engines, each in a process of its own, one after another (peer_worker.py): HF transformers in fp32 (the
-reference every ratio is taken against), kvforge in fp32 and bf16 (and a 4-bit checkpoint with
---kvforge-4bit DIR), and, when their virtualenvs are found, vLLM CPU in bf16 and fp32 (on kvforge's
-safetensors conversion of the embedded GGUF) and llama.cpp (llama-cpp-python on the embedded Q4_1 GGUF
-itself). A peer that is not installed is reported as skipped, with why; an engine that fails is reported
-with the tail of its stderr, and the others still run.
+reference every ratio is taken against), kvforge in fp32 and bf16 (dense), kvforge-gguf (the embedded Q4_1
+GGUF itself, served from its blocks: the gguf plugin), a 4-bit checkpoint with --kvforge-4bit DIR, and, when
+their virtualenvs are found, vLLM CPU in bf16 and fp32 (on kvforge's safetensors conversion of the embedded
+GGUF) and llama.cpp (llama-cpp-python on the embedded Q4_1 GGUF itself). A peer that is not installed is
+reported as skipped, with why; an engine that fails is reported with the tail of its stderr, and the others
+still run.
 
 Every engine gets the same token ids (the chat prompts of workloads.chat_messages with kvforge's chat
 template applied), greedy, forced to --output-tokens tokens (EOS ignored), prefix caching off. At batch B
@@ -145,6 +146,7 @@ def run_peers(args: argparse.Namespace) -> int:
                TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1",
                VLLM_CPU_OMP_THREADS_BIND=vllm_cpus, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     models = {e.name: {"vllm": str(model_dir), "llama.cpp": str(gguf)}.get(e.kind, str(model_dir)) for e in ENGINES}
+    models["kvforge-gguf"] = str(gguf)  # the file llama.cpp runs, served from its own quantized blocks
     if quantized:
         models["kvforge-4bit"] = quantized
 

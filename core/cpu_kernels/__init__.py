@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c; common.h is included by both
+SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.c; all include common.h
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -34,6 +34,7 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32],
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32],
     "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
+    "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
 }
 
 
@@ -172,3 +173,25 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     _run("rotary", x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
          torch.get_num_threads())
     return x
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [rows, cols] (cols a multiple of 32) in dequant_int4's layout: per group of 32 columns, byte j
+    holds column j in its low nibble and column j + 16 in its high one."""
+    rows, cols = q.shape
+    g = q.to(torch.uint8).view(rows, cols // 32, 2, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+
+
+def dequant_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight [rows, cols] of nibble codes (`pack_nibbles`) with torch's int4 scales and zeros (bf16
+    [cols / 32, rows, 2]): bf16((q - 8) * scale + zero), computed in fp32 (core/cpu_kernels/dequant.c)."""
+    rows, cols = codes.shape[0], codes.shape[1] * 2
+    if scales_zeros.dtype != torch.bfloat16 or scales_zeros.shape != (cols // 32, rows, 2) or \
+            not (codes.is_contiguous() and scales_zeros.is_contiguous()):
+        raise ValueError("dequant_int4: codes [rows, cols / 2] uint8 and scales_zeros bf16 [cols / 32, rows, 2], "
+                         "contiguous")
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    _run("dequant_int4", codes.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), rows, cols,
+         torch.get_num_threads())
+    return out

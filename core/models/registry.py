@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvforge.core.models.gemma import GemmaForCausalLM
 from kvforge.core.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -11,6 +12,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -5,7 +5,11 @@ int8 codes, fp32 scales and offsets per group of 16 input features, W = scale * 
 GGUF's dequantized values). After loading, each layer goes to the fastest exact path on its device:
 
 - `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4
-  matmul (cpu_kernels.py), groups of 32, scale and zero rounded to bf16 -- the kernel's own rounding;
+  matmul (cpu_kernels.py), groups of 32, scale and zero rounded to bf16 -- the kernel's own rounding. That
+  kernel is the fastest for a few rows but recomputes the weight for every few rows, so from the row count
+  where it loses (timed once per shape on this machine, `wide_rows`) a call expands the weight to bf16 with a
+  C kernel (core/cpu_kernels/dequant.c, from a second copy of the codes: +0.5 byte per weight) and runs
+  oneDNN's bf16 GEMM; where that never wins, or the C kernels cannot build, the copy is not kept;
 - `dense`: the weight dequantized once into the model dtype (exact in fp32: bit for bit what transformers'
   GGUF loader gives; Q5 / Q6 / Q8 types, fp32 models and CUDA take it for now), then whatever the dense
   method runs (F.linear or oneDNN's prepacked linear, chosen by timing).
@@ -14,14 +18,55 @@ GGUF's dequantized values). After loading, each layer goes to the fastest exact 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from kvforge.plugins.quant.cpu_kernels import int4_linear, int4pack_available, pack_int4_affine
+from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
 
 KERNELS = ("auto", "int4pack", "dense")
+WIDE_ROWS = (16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the int4 kernel
+
+
+def expanded_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) in bf16, W expanded from its 4-bit codes first (core/cpu_kernels.dequant_int4)."""
+    from kvforge.core.cpu_kernels import dequant_int4
+
+    weight = dequant_int4(nibbles, scales_zeros)
+    return F.linear(x.to(COMPUTE_DTYPE), weight, None if bias is None else bias.to(COMPUTE_DTYPE)).to(x.dtype)
+
+
+@functools.cache
+def wide_rows(out_features: int, in_features: int, threads: int) -> int | None:
+    """The fewest timed rows from which expanding a 4-bit weight of this shape to bf16 and running the bf16
+    GEMM beats torch's int4 matmul at every larger timed count (random weights: the speed does not depend on
+    their values); None: it never does, or the C kernels cannot run here. Timed once per shape and process."""
+    from kvforge.core.cpu_kernels import pack_nibbles, unavailable
+    from kvforge.core.kernel_choice import time_calls
+
+    if unavailable() is not None:
+        return None
+    q = torch.randint(0, 16, (out_features, in_features))
+    scales = torch.rand(out_features, in_features // 32) / 64
+    packed = pack_int4_affine(q, scales, -8 * scales, 32)
+    if packed is None:
+        return None
+    nibbles = pack_nibbles(q)
+    inputs = {rows: torch.randn(rows, in_features, dtype=COMPUTE_DTYPE) for rows in WIDE_ROWS}
+    us = time_calls({
+        "int4pack": {r: (lambda x=x: int4_linear(x, packed)) for r, x in inputs.items()},
+        "expand": {r: (lambda x=x: expanded_linear(x, nibbles, packed.scales_and_zeros)) for r, x in inputs.items()},
+    }, min_total=0.002).us
+    threshold = None
+    for rows in reversed(WIDE_ROWS):
+        if us["expand"][rows] >= us["int4pack"][rows]:
+            break
+        threshold = rows
+    return threshold
 
 
 class GgufMethod(DenseMethod):
@@ -59,6 +104,8 @@ class GgufMethod(DenseMethod):
         layer.weight = None
         layer.packed_weight = None
         layer.int4 = None
+        layer.nibbles = None  # the codes for the expand-then-GEMM path (`wide_rows`), when it is faster somewhere
+        layer.wide_rows = None
         layer.weight_bytes = 0
 
     def process_after_loading(self, layer) -> None:
@@ -83,7 +130,12 @@ class GgufMethod(DenseMethod):
                 codes, o = codes.to(torch.int32) + 8, o - 8 * s
             layer.int4 = pack_int4_affine(codes, s, o, 32)
             if layer.int4 is not None:
-                layer.weight_bytes = layer.int4.nbytes()
+                layer.wide_rows = wide_rows(codes.shape[0], codes.shape[1], torch.get_num_threads())
+                if layer.wide_rows is not None:
+                    from kvforge.core.cpu_kernels import pack_nibbles
+
+                    layer.nibbles = pack_nibbles(codes)
+                layer.weight_bytes = layer.int4.nbytes() + (0 if layer.nibbles is None else layer.nibbles.numel())
                 return True
             why = "torch's int4 packing refused this shape"
         if wanted == "int4pack":
@@ -110,5 +162,7 @@ class GgufMethod(DenseMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.int4 is not None:
+            if layer.nibbles is not None and x.numel() >= layer.wide_rows * x.shape[-1]:
+                return expanded_linear(x, layer.nibbles, layer.int4.scales_and_zeros, bias)
             return int4_linear(x, layer.int4, bias)
         return super().apply(layer, x, bias)

@@ -169,3 +169,28 @@ def test_the_embedded_model_from_its_q4_1_blocks(embedded_llm):
     assert ppl / reference[2] <= 1.03
     if native.engine.config.dtype == "bfloat16" and int4pack_available():
         assert native_bytes <= dense_bytes / 3
+
+
+@pytest.mark.skipif(not int4pack_available(), reason="torch has no CPU int4 kernel")
+def test_the_wide_path_expands_the_int4_weight_exactly():
+    """From `wide_rows` rows a 4-bit layer expands its weight to bf16 (core/cpu_kernels/dequant.c) and runs the
+    bf16 GEMM: the expanded weight is bf16((q - 8) * scale + zero) of the int4 kernel's own scales and zeros,
+    and the layer's output stays within the int4 kernel's tolerance."""
+    from kvforge.core.cpu_kernels import dequant_int4, pack_nibbles, unavailable
+    from kvforge.plugins.quant.gguf import expanded_linear
+
+    if unavailable() is not None:
+        pytest.skip(f"the C kernels do not build here: {unavailable()}")
+    layer, weight = gguf_layer(T.Q4_K, torch.bfloat16, "auto", rows=96, cols=512)
+    sz = layer.int4.scales_and_zeros.float()  # [K / 32, N, 2]
+    codes = decode(random_blocks(T.Q4_K, 96, 512, seed=1), T.Q4_K).codes
+    expected = ((codes.float() - 8) * sz[:, :, 0].T.repeat_interleave(32, 1)
+                + sz[:, :, 1].T.repeat_interleave(32, 1)).to(torch.bfloat16)
+    assert torch.equal(dequant_int4(pack_nibbles(codes), layer.int4.scales_and_zeros), expected)
+    x = torch.randn(40, 512)
+    wide = expanded_linear(x, pack_nibbles(codes), layer.int4.scales_and_zeros)
+    assert torch.equal(wide, torch.nn.functional.linear(x.to(torch.bfloat16), expected).float())
+    reference = x @ weight.T
+    assert (wide - reference).abs().max() <= 2e-2 * reference.abs().max()
+    layer.nibbles, layer.wide_rows = pack_nibbles(codes), 16  # the layer takes the path from 16 rows
+    assert torch.equal(layer(x), wide)
