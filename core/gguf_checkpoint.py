@@ -27,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NATIVE_CONVERTER_VERSION = "1"  # bump when the layout written here changes
+NATIVE_CONVERTER_VERSION = "2"  # bump when the layout written here changes
 STORED_GROUP = 16  # the group size every quantized projection is written at (the finest GGUF type's)
 QUANTIZED_SUFFIXES = ("qcodes", "qscales", "qoffsets")
 
@@ -68,6 +68,7 @@ def _write(gguf: Path, out: Path) -> None:
         load_gguf_checkpoint,
     )
 
+    from kvforge.core.chat_templates import save_tokenizer
     from kvforge.core.models.registry import model_class_for
     from kvforge.plugins.quant.gguf_blocks import DECODERS, FLOAT_TYPES, decode
 
@@ -119,7 +120,7 @@ def _write(gguf: Path, out: Path) -> None:
                                   "modules_to_not_convert": sorted(dense_modules), "source": gguf.name}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
     config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    save_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), config.model_type, out)
 
 
 def _rows(processor, gguf_name: str, values: torch.Tensor) -> torch.Tensor:

