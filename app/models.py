@@ -159,11 +159,10 @@ class ModelHost:
         return replace(spec, model=model, decoding_options=options)
 
     def available(self) -> list[str]:
-        names = [EMBEDDED_MODEL]
-        if self.models_dir and self.models_dir.is_dir():
-            names += sorted(p.name for p in self.models_dir.iterdir()
-                            if (p.is_dir() and (p / "config.json").exists()) or p.suffix == ".gguf")
-        return names
+        """What a load may name: the list `kvforge models` describes (app/model_catalog.py)."""
+        from kvforge.app.model_catalog import model_names
+
+        return model_names(self.models_dir)
 
     async def load(self, spec: ModelSpec) -> None:
         spec = self.check(spec)

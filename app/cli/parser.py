@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvforge.app.quantize import add_parser as add_quantize
 
     add_quantize(sub)
+    from kvforge.app.model_catalog import add_parser as add_models
+
+    add_models(sub)
 
     plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
     plugins.set_defaults(func=cmd_plugins)

@@ -31,6 +31,15 @@ KERNELS = ("auto", "int4pack", "dense")
 WIDE_ROWS = (16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the int4 kernel
 
 
+def int4_bytes_per_weight() -> float:
+    """What a 4-bit layer holds per weight after loading (for estimates): torch's int4 layout (a nibble, a bf16 scale
+    and zero per 32 weights) and, where the C kernels build, the codes again for the wide path (typically kept:
+    it wins at prefill-sized batches)."""
+    from kvforge.core.cpu_kernels import unavailable
+
+    return 0.5 + 4 / 32 + (0.5 if unavailable() is None else 0.0)
+
+
 def expanded_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) in bf16, W expanded from its 4-bit codes first (core/cpu_kernels.dequant_int4)."""
