@@ -15,11 +15,7 @@ transformers' GGUF loader, applied to codes, scales and offsets alike (they only
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -29,34 +25,10 @@ log = logging.getLogger(__name__)
 
 NATIVE_CONVERTER_VERSION = "2"  # bump when the layout written here changes
 STORED_GROUP = 16  # the group size every quantized projection is written at (the finest GGUF type's)
-QUANTIZED_SUFFIXES = ("qcodes", "qscales", "qoffsets")
 
 
-def native_checkpoint(gguf: Path, cache: Path) -> Path:
-    """The quantized checkpoint directory of `gguf` under `cache` (written on first use)."""
-    gguf = gguf.resolve()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|native-{NATIVE_CONVERTER_VERSION}".encode())
-    target = cache / "models" / f"{gguf.stem}-gguf-{key.hexdigest()[:16]}"
-    if (target / "model.safetensors").exists():
-        return target
-    log.warning("reading %s into %s (once; its quantized weights stay quantized)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        _write(gguf, staging)
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(staging, target)  # atomic: a half-written directory is never picked up
-        except OSError:
-            if not (target / "model.safetensors").exists():  # not a concurrent conversion that won
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _write(gguf: Path, out: Path) -> None:
+def write_native(gguf: Path, out: Path) -> None:
+    """Write the checkpoint of `gguf` into the directory `out` (loader.cached_checkpoint calls it once)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
@@ -72,6 +44,7 @@ def _write(gguf: Path, out: Path) -> None:
     from kvforge.core.models.registry import model_class_for
     from kvforge.plugins.quant.gguf_blocks import DECODERS, FLOAT_TYPES, decode
 
+    log.warning("reading %s into %s (once; its quantized weights stay quantized)", gguf.name, out.parent)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
         reference = AutoModelForCausalLM.from_config(config)

@@ -69,9 +69,9 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
 def _from_gguf(gguf: Path, native: bool) -> Path:
     if not native:
         return convert_gguf(gguf)
-    from kvforge.core.gguf_checkpoint import native_checkpoint
+    from kvforge.core.gguf_checkpoint import NATIVE_CONVERTER_VERSION, write_native
 
-    return native_checkpoint(gguf, cache_dir())
+    return cached_checkpoint(gguf, "gguf", NATIVE_CONVERTER_VERSION, lambda out: write_native(gguf, out))
 
 
 def embedded_gguf_path() -> Path:
@@ -111,19 +111,41 @@ def _hub_reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Convert a GGUF file to a safetensors model directory in the cache (once)."""
+def cached_checkpoint(gguf: Path, kind: str, version: str, write: Callable[[Path], None]) -> Path:
+    """The checkpoint directory `write(directory)` makes of `gguf`, in the cache: written once per file (path, size,
+    mtime), kind and version, into a staging directory renamed into place (a half-written one is never used)."""
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{kind}-{version}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{gguf.stem}-{kind}-{key}"
     if (target / "model.safetensors").exists():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        write(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(staging, target)  # atomic
+        except OSError:
+            if not (target / "model.safetensors").exists():  # not a concurrent conversion that won
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """A GGUF file dequantized into a safetensors model directory in the cache (once), as transformers loads it."""
+    return cached_checkpoint(gguf, "dense", CONVERTER_VERSION, lambda out: _write_dense(gguf, out))
+
+
+def _write_dense(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    log.warning("converting %s to safetensors in %s (once)", gguf.name, target)
+    log.warning("converting %s to safetensors in %s (once)", gguf.name, out.parent)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
         reference = AutoModelForCausalLM.from_config(config)
@@ -133,23 +155,10 @@ def convert_gguf(gguf: Path) -> Path:
     tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
+    config.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
-        config.save_pretrained(staging)
-        save_tokenizer(tokenizer, config.model_type, staging)  # a family chat template where the file has none
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(staging, target)  # atomic: a half-written cache is never picked up
-        except OSError:
-            if not (target / "model.safetensors").exists():  # not a concurrent conversion that won
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    save_tokenizer(tokenizer, config.model_type, out)  # a family chat template where the file has none
 
 
 def load_config(path: Path):

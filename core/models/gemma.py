@@ -22,6 +22,7 @@ from kvforge.core.layers.attention import Attention
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.rotary import RotaryEmbedding, rotate
+from kvforge.core.models.causal_lm import CausalLM
 from kvforge.core.models.llama import head_dim_of, sliding_window_of
 from kvforge.core.quant_config import QuantConfig
 
@@ -148,12 +149,7 @@ class GemmaModel(nn.Module):
         return self.norm(hidden)
 
 
-class GemmaForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
+class GemmaForCausalLM(CausalLM):
     def __init__(self, config, quant: QuantConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -163,17 +159,8 @@ class GemmaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, num_layers)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

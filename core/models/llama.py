@@ -18,6 +18,7 @@ from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.norm import RMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, rotate
+from kvforge.core.models.causal_lm import CausalLM
 from kvforge.core.quant_config import QuantConfig
 
 
@@ -132,13 +133,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    # checkpoint projection name -> (fused parameter name, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config, quant: QuantConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -146,16 +141,3 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, quant, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, num_layers)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def tied_weights(self) -> dict[str, str]:
-        """Parameters loaded from another checkpoint tensor when the checkpoint omits them."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

@@ -1,0 +1,34 @@
+"""What every model class shares: the checkpoint projections fused into one layer each, and the interface the
+runner, the loader and the drafters use (forward to hidden states, logits, the attention layers, tied weights)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# checkpoint projection name -> (fused parameter name, shard id): q/k/v into one matmul, gate/up into another
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class CausalLM(nn.Module):
+    """A decoder stack `self.model` (its `layers` each with `self_attn.attn`) and `self.lm_head`."""
+
+    packed_modules_mapping = FUSED_PROJECTIONS
+    tie_word_embeddings: bool = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """`num_layers`: run only the first layers (a draft made of the model itself), then the final norm."""
+        return self.model(input_ids, positions, num_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters loaded from another checkpoint tensor when the checkpoint omits them."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
