@@ -59,7 +59,8 @@ class EngineConfig:
                       "bfloat16 where the CPU computes it natively (AVX512_BF16 / AMX) or on a GPU, else float32; "
                       "resolved when the config is made", choices=(*DTYPES, "auto"))
     gguf_dense: bool = knob(False, "load a GGUF source dequantized into dense weights (as transformers does) "
-                            "instead of from its own quantized blocks (the `gguf` quant method)")
+                            "instead of from its own quantized blocks (the `gguf` quant method); another quant "
+                            "plugin asked for a GGUF source also starts from the dense weights")
     quant: str = knob("none", "a `kvforge.quant` plugin name")
     quant_options: dict[str, Any] = knob(default_factory=dict, help="the quant plugin's options")
     decoding: str = knob("none", "a `kvforge.decoding` plugin name (speculative decoding); \"none\": off")
@@ -109,6 +110,12 @@ class EngineConfig:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         self.dtype = resolve_dtype(self.dtype, self.device)  # one concrete dtype from here on (fingerprints, reports)
+
+    @property
+    def native_gguf(self) -> bool:
+        """Whether a GGUF source loads from its own blocks (the gguf plugin): unless gguf_dense is set or another
+        quant plugin is asked for (that one then quantizes the dense conversion)."""
+        return not self.gguf_dense and self.quant in ("none", "gguf")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -73,7 +73,7 @@ class LLMEngine:
         """`kv_index`: the persisted tier's index, owned by the caller (the server shares its database with
         every engine it builds); without one, the engine opens config.db_url itself and closes it in close()."""
         self.config = config or EngineConfig(**overrides)
-        self.model_path = resolve_model(self.config.model, native_gguf=not self.config.gguf_dense)
+        self.model_path = resolve_model(self.config.model, native_gguf=self.config.native_gguf)
         self.hf_config = load_config(self.model_path)
         # a quantized checkpoint decides its method and layout options
         quant, quant_options = resolve_quant(self.config.quant, self.config.quant_options, self.hf_config,

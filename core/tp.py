@@ -279,7 +279,7 @@ def _load(config: EngineConfig, rank: int) -> ModelRunner:
     if config.num_threads:  # this rank's process, set once before its model loads
         torch.set_num_threads(config.num_threads)
     # converted by rank 0 already when on the same machine
-    model_path = resolve_model(config.model, native_gguf=not config.gguf_dense)
+    model_path = resolve_model(config.model, native_gguf=config.native_gguf)
     with tensor_parallel(config.tp_size, rank):
         return ModelRunner(config, model_path, load_config(model_path), progress=False)
 

@@ -15,7 +15,7 @@ from kvforge.app.chat_service import DEFAULT_TITLE, ChatService, Turn
 from kvforge.app.conversations import Conversation, NotFound
 from kvforge.app.models import ModelSpec
 from kvforge.core.config import EngineConfig
-from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, resolve_model
+from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, embedded_gguf_path, resolve_model
 
 if TYPE_CHECKING:
     from kvforge.ui.dashboard import DashboardSampler, Sample
@@ -105,6 +105,15 @@ class UIService:
     def kv_pool_bytes(self) -> int | None:
         """The running engine's KV pool size (None: no model loaded)."""
         return self._host.engine.stats().kv_cache_bytes if self._host.engine is not None else None
+
+    def gguf_file(self, model: str) -> Path | None:
+        """The GGUF file a listed model is (the embedded default is one), else None."""
+        if model in EMBEDDED_ALIASES:
+            return embedded_gguf_path()
+        models_dir = self._host.models_dir
+        if models_dir is not None and model.endswith(".gguf") and (models_dir / model).is_file():
+            return models_dir / model
+        return None
 
     def local_model_dir(self, model: str) -> Path | None:
         """The converted checkpoint of a listed model, readable before it is loaded (None: a GGUF file not

@@ -21,7 +21,14 @@ from kvforge.app.models import ModelSpec
 from kvforge.core.config import DTYPE_NAMES
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
-from kvforge.core.plugins import DECODING_GROUP, QUANT_GROUP, checkpoint_quantization, discover, resolve_quant
+from kvforge.core.plugins import (
+    DECODING_GROUP,
+    DENSE_MODULES_OPTION,
+    QUANT_GROUP,
+    checkpoint_quantization,
+    discover,
+    resolve_quant,
+)
 from kvforge.core.quant_config import QuantConfig
 from kvforge.ui.service import UIService
 
@@ -37,11 +44,26 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
     """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
     the chosen context length, before anything is loaded."""
     try:
+        gguf = service.gguf_file(model)
+        if gguf is not None and (quant or "none") in ("none", "gguf"):  # served from its own blocks
+            from kvforge.app.model_catalog import describe
+
+            weights, entry = describe(model, gguf, 0, dtype), describe(model, gguf, int(context_tokens), dtype)
+            if entry.error:
+                raise ValueError(entry.error)
+            return (f"Estimate for {int(context_tokens)} tokens of context: weights "
+                    f"{human_bytes(weights.memory_bytes)} ({entry.parameters / 1e6:.1f}M parameters, the GGUF's own "
+                    f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - weights.memory_bytes)} = "
+                    f"**{human_bytes(entry.memory_bytes)}**")
         path = service.local_model_dir(model)
         if path is None:
             return f"No estimate for {model!r} before it is converted (GGUF)."
         hf_config = load_config(path)
-        quant, quant_options = resolve_quant(quant or "none", json.loads(options or "{}"), hf_config, path)
+        # the options the plugin declares: while the panel follows a swap, the box may still hold the last plugin's
+        # (a wrong option is reported when applying)
+        declared = plugin_settings(quant or "none")
+        given = {k: v for k, v in json.loads(options or "{}").items() if k in declared or k == DENSE_MODULES_OPTION}
+        quant, quant_options = resolve_quant(quant or "none", given, hf_config, path)
         method = discover(QUANT_GROUP).get(quant)
         bits = method.bits_per_weight(quant_options)
         # what loading builds: the method per layer, the LM head and modules_to_not_convert dense

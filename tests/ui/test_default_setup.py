@@ -125,14 +125,15 @@ def chat(page, server, message: str) -> str:
 
 def test_default_setup_swaps_quant_from_the_settings_and_chats_without_an_error(page, server):
     card = model_card(server)
-    assert card["quant"] == "none" and card["dtype"] == EngineConfig().dtype, card  # auto: bf16 where native
+    # the embedded GGUF from its own blocks (the gguf plugin); auto: bf16 where native
+    assert card["quant"] == "gguf" and card["dtype"] == EngineConfig().dtype, card
     kv_bytes = card["memory"]["kv_cache_bytes"]
     if card["device"] == "cpu":  # automatic on CPU: 1 GiB (whole blocks)
         assert 0.99 * CPU_KV_CACHE_BYTES < kv_bytes <= CPU_KV_CACHE_BYTES, kv_bytes
     assert_no_error(page, "the page as loaded")
 
     open_settings(page)
-    wait_settings(page, "none")
+    wait_settings(page, "gguf")
     page.locator("#settings-estimate").filter(has_text="Estimate for").wait_for()
     assert page.locator("#settings-model input").input_value() == card["id"]
     assert_no_error(page, "Model settings opened")
@@ -143,7 +144,7 @@ def test_default_setup_swaps_quant_from_the_settings_and_chats_without_an_error(
     swap_quant(page, server, "bnb-int8", ".includes('compute_dtype')")
     chat(page, server, "What is the capital of France?")
 
-    swap_quant(page, server, "none", " === '{}'")
+    swap_quant(page, server, "gguf", ".includes('kernel')")  # back to the GGUF's own blocks
     chat(page, server, "What is the capital of France?")
 
     if card["device"] == "cpu":  # same dtype, still automatic (on a GPU it depends on what the weights leave)
@@ -157,7 +158,7 @@ def test_a_typed_kv_budget_is_applied_and_shown_and_clearing_it_goes_back_to_aut
     """The KV budget box: a value typed is applied and shown (the dashboard drops "automatic"); emptied again and
     applied, the pool is sized automatically again (ModelSpec.kv_cache_gb None: the server has no --kv-cache-gb)."""
     open_settings(page)
-    wait_settings(page, "none")
+    wait_settings(page, "gguf")
     kv = page.locator("#settings-kv-gb input")
     kv.fill("0.125")
     kv.press("Enter")
@@ -165,7 +166,7 @@ def test_a_typed_kv_budget_is_applied_and_shown_and_clearing_it_goes_back_to_aut
     assert status.startswith("Loaded"), status
     assert model_card(server)["memory"]["kv_cache_bytes"] <= (1 << 30) // 8
     wait_for(page, "document.querySelector('#settings-kv-gb input').value === '0.125'", "a typed KV budget")
-    page.locator("#dashboard").filter(has_text="quant none").filter(has_not_text="(automatic)").wait_for()
+    page.locator("#dashboard").filter(has_text="quant gguf").filter(has_not_text="(automatic)").wait_for()
 
     kv.fill("")
     kv.press("Enter")
@@ -175,5 +176,5 @@ def test_a_typed_kv_budget_is_applied_and_shown_and_clearing_it_goes_back_to_aut
     card = model_card(server)
     if card["device"] == "cpu":
         assert 0.99 * CPU_KV_CACHE_BYTES < card["memory"]["kv_cache_bytes"] <= CPU_KV_CACHE_BYTES, card
-    wait_settings(page, "none")
+    wait_settings(page, "gguf")
     assert_no_error(page, "after the KV budget round trip")

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvforge.app.cache import human_bytes
-from kvforge.core.estimate import estimate_memory
-from kvforge.core.loader import load_config
+from kvforge.app.model_catalog import describe
+from kvforge.core.loader import EMBEDDED_MODEL, embedded_gguf_path
 from tests.helpers.chromium import launch_browser
 from tests.helpers.plugin_packages import build_and_install, toy_int8_site
 from tests.helpers.server_process import ServeProcess
@@ -62,22 +62,23 @@ def page(server):
         yield page
 
 
-def test_memory_estimate_is_shown_before_applying(page, server, embedded_path):
+def test_memory_estimate_is_shown_before_applying(page, server):
+    """The running model, the embedded GGUF, is estimated as `kvforge models` does (its own blocks)."""
     dtype = model_card(server)["dtype"]  # the settings start from the running model's (the default: auto, resolved)
-    expected = estimate_memory(load_config(embedded_path), dtype, 8192)
+    weights, total = (describe(EMBEDDED_MODEL, embedded_gguf_path(), n, dtype).memory_bytes for n in (0, 8192))
     estimate = page.locator("#settings-estimate")
-    estimate.filter(has_text=human_bytes(expected["total_bytes"])).wait_for()
+    estimate.filter(has_text=human_bytes(total)).wait_for()
     text = estimate.inner_text()
-    assert human_bytes(expected["weights_bytes"]) in text and human_bytes(expected["kv_bytes"]) in text
+    assert human_bytes(weights) in text and human_bytes(total - weights) in text and "Q4_1" in text
 
     page.fill("#settings-context input", "1024")
     page.locator("#settings-context input").press("Enter")
-    smaller = estimate_memory(load_config(embedded_path), dtype, 1024)
-    estimate.filter(has_text=human_bytes(smaller["kv_bytes"])).wait_for()  # KV scales with the context
+    smaller = describe(EMBEDDED_MODEL, embedded_gguf_path(), 1024, dtype).memory_bytes
+    estimate.filter(has_text=human_bytes(smaller - weights)).wait_for()  # KV scales with the context
 
 
 def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server):
-    assert served_quant(server) == "none"
+    assert served_quant(server) == "gguf"  # the embedded GGUF from its own blocks
     kv_bytes = model_card(server)["memory"]["kv_cache_bytes"]
     assert kv_bytes <= 0.25 * (1 << 30)
     page.wait_for_function("document.querySelector('#settings-kv-gb input').value === '0.25'")  # --kv-cache-gb
