@@ -19,8 +19,6 @@ from pathlib import Path
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.loader import EMBEDDED_MODEL, ModelNotFoundError, embedded_gguf_path
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # what the gguf plugin runs on torch's int4 kernel in bf16
-
 
 @dataclass
 class ModelEntry:
@@ -89,31 +87,29 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
 
 def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> None:
     from gguf import GGUFReader, LlamaFileType
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    from kvforge.plugins.quant.gguf import int4_bytes_per_weight
+    from kvforge.plugins.quant.gguf_blocks import FOUR_BIT
 
     entry.format = "gguf"
     entry.size_bytes = path.stat().st_size
     reader = GGUFReader(str(path))
 
     def field(key: str):
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        value = f.parts[f.data[0]]
-        return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value.tolist()[0]
+        return next(iter(read_field(reader, key)), None)
 
     arch = field("general.architecture")
     entry.architecture = arch
     file_type = field("general.file_type")
     entry.quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
-    from kvforge.plugins.quant.gguf import int4_bytes_per_weight
-
     element, int4_bytes = DTYPES[dtype].itemsize, int4_bytes_per_weight()
     weights, parameters, names = 0.0, 0, set()
     for tensor in reader.tensors:
         count = int(tensor.n_elements)
         parameters += count
         names.add(tensor.name)
-        int4 = tensor.tensor_type.name in INT4_TYPES and len(tensor.shape) == 2 and \
+        int4 = tensor.tensor_type in FOUR_BIT and len(tensor.shape) == 2 and \
             not tensor.name.startswith(("token_embd", "output.")) and DTYPES[dtype] == DTYPES["bfloat16"]
         weights += count * (int4_bytes if int4 else element)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)

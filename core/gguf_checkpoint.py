@@ -38,6 +38,7 @@ def write_native(gguf: Path, out: Path) -> None:
         TensorProcessor,
         get_gguf_hf_weights_map,
         load_gguf_checkpoint,
+        read_field,
     )
 
     from kvforge.core.chat_templates import save_tokenizer
@@ -52,8 +53,7 @@ def write_native(gguf: Path, out: Path) -> None:
     packed = getattr(model_class_for(config), "packed_modules_mapping", {})  # unsupported families fail here
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
     reader = GGUFReader(str(gguf))
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    arch = read_field(reader, "general.architecture")[0]
     # the fix-ups of transformers' loader (they rename nothing for the families kvforge runs)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
     names = get_gguf_hf_weights_map(reference, processor)
@@ -84,11 +84,8 @@ def write_native(gguf: Path, out: Path) -> None:
         if module in quantized:
             tensors[f"{module}.weight"] = quantized.pop(module).dequantize()
     for module, codes in quantized.items():
-        repeat = codes.group // STORED_GROUP
-        tensors[f"{module}.qcodes"] = codes.codes.contiguous()
-        tensors[f"{module}.qscales"] = codes.scales.repeat_interleave(repeat, dim=1).contiguous()
-        offsets = codes.offsets if codes.offsets is not None else torch.zeros_like(codes.scales)
-        tensors[f"{module}.qoffsets"] = offsets.repeat_interleave(repeat, dim=1).contiguous()
+        for suffix, value in zip(("qcodes", "qscales", "qoffsets"), codes.stored(STORED_GROUP)):
+            tensors[f"{module}.{suffix}"] = value
     config.quantization_config = {"quant_method": "gguf", "group_size": STORED_GROUP,
                                   "modules_to_not_convert": sorted(dense_modules), "source": gguf.name}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
+from kvforge.plugins.quant.gguf_blocks import affine_weight
 
 KERNELS = ("auto", "int4pack", "dense")
 WIDE_ROWS = (16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the int4 kernel
@@ -123,8 +124,7 @@ class GgufMethod(DenseMethod):
             delattr(layer, name)
         if self._use_int4pack(layer, codes, scales, offsets):
             return
-        group = self.options["group_size"]
-        weight = scales.repeat_interleave(group, dim=1) * codes.float() + offsets.repeat_interleave(group, dim=1)
+        weight = affine_weight(codes, scales, offsets, self.options["group_size"])
         layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
         layer.weight_bytes = layer.weight.numel() * layer.weight.element_size()
 

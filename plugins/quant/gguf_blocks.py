@@ -21,6 +21,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 QK_K = 256  # features per K-quant super-block
 
 
+def affine_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group: int) -> torch.Tensor:
+    """W [N, K] in fp32 from codes [N, K] and scales / offsets [N, K / group]: scale * code (+ offset), as GGUF
+    computes it."""
+    w = scales.repeat_interleave(group, dim=1) * codes.float()
+    return w if offsets is None else w + offsets.repeat_interleave(group, dim=1)
+
+
 @dataclass
 class GroupCodes:
     """A [N, K] weight as codes [N, K] (int8), scales / offsets [N, K / group] (fp32; offsets None: zero)."""
@@ -29,17 +36,18 @@ class GroupCodes:
     scales: torch.Tensor
     offsets: torch.Tensor | None
     group: int
-    code_min: int  # the range the type's codes can take (4-bit types: 0..15 or -8..7)
-    code_max: int
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] in fp32, computed as GGUF computes it."""
-        n, k = self.codes.shape
-        scales = self.scales.repeat_interleave(self.group, dim=1)
-        w = scales * self.codes.float()
-        if self.offsets is not None:
-            w = w + self.offsets.repeat_interleave(self.group, dim=1)
-        return w.view(n, k)
+        return affine_weight(self.codes, self.scales, self.offsets, self.group)
+
+    def stored(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes, scales and offsets at a `group` dividing the type's own (each scale repeated; zero offsets for a
+        symmetric type): the layout the gguf checkpoint stores and its method loads."""
+        repeat = self.group // group
+        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
+        return (self.codes.contiguous(), self.scales.repeat_interleave(repeat, dim=1).contiguous(),
+                offsets.repeat_interleave(repeat, dim=1).contiguous())
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -68,28 +76,28 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q4_0(b: np.ndarray):
     d = _f16(b[:, :2])
-    return _nibbles(b[:, 2:], 32).astype(np.int8) - 8, d, None, 32, (-8, 7)
+    return _nibbles(b[:, 2:], 32).astype(np.int8) - 8, d, None, 32
 
 
 def _q4_1(b: np.ndarray):
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    return _nibbles(b[:, 4:], 32).astype(np.int8), d, m, 32, (0, 15)
+    return _nibbles(b[:, 4:], 32).astype(np.int8), d, m, 32
 
 
 def _q5_0(b: np.ndarray):
     d = _f16(b[:, :2])
     q = _nibbles(b[:, 6:], 32) | (_high_bits(b[:, 2:6], 32) << 4)
-    return q.astype(np.int8) - 16, d, None, 32, (-16, 15)
+    return q.astype(np.int8) - 16, d, None, 32
 
 
 def _q5_1(b: np.ndarray):
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
     q = _nibbles(b[:, 8:], 32) | (_high_bits(b[:, 4:8], 32) << 4)
-    return q.astype(np.int8), d, m, 32, (0, 31)
+    return q.astype(np.int8), d, m, 32
 
 
 def _q8_0(b: np.ndarray):
-    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None, 32, (-128, 127)
+    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None, 32
 
 
 def _q4_k(b: np.ndarray):
@@ -98,7 +106,7 @@ def _q4_k(b: np.ndarray):
     sc, mn = _k_scale_min(b[:, 4:16])
     qs = b[:, 16:].reshape(n, 4, 32)  # 4 x 32 bytes: sub-blocks 2j (low nibbles) and 2j+1 (high)
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, QK_K)
-    return q.astype(np.int8), d * sc, -(dmin * mn), 32, (0, 15)
+    return q.astype(np.int8), d * sc, -(dmin * mn), 32
 
 
 def _q5_k(b: np.ndarray):
@@ -110,7 +118,7 @@ def _q5_k(b: np.ndarray):
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
     q = (low | (high << 4)).reshape(n, QK_K)
-    return q.astype(np.int8), d * sc, -(dmin * mn), 32, (0, 31)
+    return q.astype(np.int8), d * sc, -(dmin * mn), 32
 
 
 def _q6_k(b: np.ndarray):
@@ -122,7 +130,7 @@ def _q6_k(b: np.ndarray):
     low = np.stack([ql & 0x0F, ql >> 4], axis=2).reshape(n, 2, 4, 32)  # [low 64 | high 64] per half
     high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)  # [n, 2, 4, 32]
     q = (low | (high << 4)).reshape(n, QK_K).astype(np.int8) - 32
-    return q, d * scales, None, 16, (-32, 31)
+    return q, d * scales, None, 16
 
 
 DECODERS = {
@@ -131,6 +139,7 @@ DECODERS = {
     GGMLQuantizationType.Q8_0: _q8_0, GGMLQuantizationType.Q4_K: _q4_k,
     GGMLQuantizationType.Q5_K: _q5_k, GGMLQuantizationType.Q6_K: _q6_k,
 }
+FOUR_BIT = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)  # codes in 4 bits
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 SUPPORTED = tuple(t.name for t in (*DECODERS, *FLOAT_TYPES))
 
@@ -144,10 +153,10 @@ def decode(data: np.ndarray, qtype: GGMLQuantizationType) -> GroupCodes:
     block, type_size = GGML_QUANT_SIZES[qtype]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
-    codes, scales, offsets, group, (lo, hi) = decoder(blocks)
+    codes, scales, offsets, group = decoder(blocks)
     per_row = blocks.shape[0] // rows * block
     codes = torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, per_row))
     scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, per_row // group))
     if offsets is not None:
         offsets = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32).reshape(rows, per_row // group))
-    return GroupCodes(codes, scales, offsets, group, lo, hi)
+    return GroupCodes(codes, scales, offsets, group)

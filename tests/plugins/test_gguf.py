@@ -20,14 +20,13 @@ from kvforge.core.perplexity import perplexity
 from kvforge.core.sampling import SamplingParams
 from kvforge.plugins.quant.cpu_kernels import int4pack_available
 from kvforge.plugins.quant.gguf import GgufMethod
-from kvforge.plugins.quant.gguf_blocks import DECODERS, decode
+from kvforge.plugins.quant.gguf_blocks import DECODERS, FOUR_BIT, decode
 from tests.helpers.parity import logprobs_close
 
 T = GGMLQuantizationType
 # byte offsets of each type's fp16 scale(s): random bytes elsewhere are valid codes, there they could be NaN
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
                T.Q5_K: (0, 2), T.Q6_K: (208,)}
-FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -72,13 +71,9 @@ def gguf_layer(qtype: GGMLQuantizationType, dtype: torch.dtype, kernel: str, row
         raw = quantize(np.random.default_rng(1).normal(0, 0.05, size=(rows, cols)).astype(np.float32), qtype)
     else:
         raw = random_blocks(qtype, rows, cols, seed=1)
-    codes = decode(raw, qtype)
     layer = ReplicatedLinear(cols, rows, quant_method=GgufMethod(kernel=kernel), params_dtype=dtype)
-    repeat = codes.group // 16
-    offsets = codes.offsets if codes.offsets is not None else torch.zeros_like(codes.scales)
-    layer.weight_loader(layer.qcodes, codes.codes)
-    layer.weight_loader(layer.qscales, codes.scales.repeat_interleave(repeat, dim=1))
-    layer.weight_loader(layer.qoffsets, offsets.repeat_interleave(repeat, dim=1))
+    for param, value in zip((layer.qcodes, layer.qscales, layer.qoffsets), decode(raw, qtype).stored(16)):
+        layer.weight_loader(param, value)
     layer.process_after_loading()
     return layer, torch.from_numpy(dequantize(raw, qtype))
 
@@ -121,11 +116,8 @@ def test_fused_projections_of_different_types_share_one_layer():
     parts = [decode(random_blocks(t, 32, 256, seed=i), t) for i, t in enumerate((T.Q4_K, T.Q6_K))]
     layer = MergedColumnParallelLinear(256, [32, 32], quant_method=GgufMethod(), params_dtype=torch.float32)
     for shard, codes in enumerate(parts):
-        repeat = codes.group // 16
-        offsets = codes.offsets if codes.offsets is not None else torch.zeros_like(codes.scales)
-        layer.weight_loader(layer.qcodes, codes.codes, shard)
-        layer.weight_loader(layer.qscales, codes.scales.repeat_interleave(repeat, dim=1), shard)
-        layer.weight_loader(layer.qoffsets, offsets.repeat_interleave(repeat, dim=1), shard)
+        for param, value in zip((layer.qcodes, layer.qscales, layer.qoffsets), codes.stored(16)):
+            layer.weight_loader(param, value, shard)
     layer.process_after_loading()
     assert torch.equal(layer.weight, torch.cat([p.dequantize() for p in parts]))
 
