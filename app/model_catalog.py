@@ -29,7 +29,8 @@ class ModelEntry:
     quantization: str | None = None  # a GGUF's file type (Q4_K_M), a checkpoint's method, or "none"
     size_bytes: int | None = None
     parameters: int | None = None
-    memory_bytes: int | None = None  # weights as kvforge holds them + the KV cache of `context` tokens
+    weights_bytes: int | None = None  # the weights as kvforge holds them
+    memory_bytes: int | None = None  # those + the KV cache of `context` tokens
     error: str | None = None
 
 
@@ -82,7 +83,8 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
         f"{quant} {options['bits']}-bit" if "bits" in options else quant)
     quant_config = QuantConfig.for_checkpoint(discover(QUANT_GROUP).get(quant), options, quantization)
     estimate = estimate_memory(config, dtype, context, quant_config)
-    entry.parameters, entry.memory_bytes = estimate["parameters"], estimate["total_bytes"]
+    entry.parameters, entry.weights_bytes = estimate["parameters"], estimate["weights_bytes"]
+    entry.memory_bytes = estimate["total_bytes"]
 
 
 def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> None:
@@ -119,7 +121,7 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
     head_dim = field(f"{arch}.attention.key_length") or (
         field(f"{arch}.embedding_length") // field(f"{arch}.attention.head_count"))
     kv = context * kv_bytes_per_token(layers, kv_heads, head_dim, DTYPES[dtype])
-    entry.parameters, entry.memory_bytes = parameters, int(weights + kv)
+    entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
 
 
 def _size(n: int | None) -> str:

@@ -30,6 +30,12 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
     return "bfloat16" if native_bf16() else "float32"
 
+def loads_gguf_natively(quant: str, gguf_dense: bool) -> bool:
+    """Whether a GGUF source loads from its own blocks (the gguf plugin): unless gguf_dense is set or another
+    quant plugin is asked for (that one then quantizes the dense conversion)."""
+    return not gguf_dense and quant in ("none", "gguf")
+
+
 KERNELS = ("auto", "triton", "torch")
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU pool's default budget
 
@@ -113,9 +119,7 @@ class EngineConfig:
 
     @property
     def native_gguf(self) -> bool:
-        """Whether a GGUF source loads from its own blocks (the gguf plugin): unless gguf_dense is set or another
-        quant plugin is asked for (that one then quantizes the dense conversion)."""
-        return not self.gguf_dense and self.quant in ("none", "gguf")
+        return loads_gguf_natively(self.quant, self.gguf_dense)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.app.cache import human_bytes
 from kvforge.app.models import ModelSpec
-from kvforge.core.config import DTYPE_NAMES
+from kvforge.core.config import DTYPE_NAMES, loads_gguf_natively
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
 from kvforge.core.plugins import (
@@ -44,16 +44,16 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
     """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
     the chosen context length, before anything is loaded."""
     try:
-        gguf = service.gguf_file(model)
-        if gguf is not None and (quant or "none") in ("none", "gguf"):  # served from its own blocks
+        gguf, running = service.gguf_file(model), service.running_config()
+        if gguf is not None and loads_gguf_natively(quant or "none", running is not None and running.gguf_dense):
             from kvforge.app.model_catalog import describe
 
-            weights, entry = describe(model, gguf, 0, dtype), describe(model, gguf, int(context_tokens), dtype)
+            entry = describe(model, gguf, int(context_tokens), dtype)
             if entry.error:
                 raise ValueError(entry.error)
             return (f"Estimate for {int(context_tokens)} tokens of context: weights "
-                    f"{human_bytes(weights.memory_bytes)} ({entry.parameters / 1e6:.1f}M parameters, the GGUF's own "
-                    f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - weights.memory_bytes)} = "
+                    f"{human_bytes(entry.weights_bytes)} ({entry.parameters / 1e6:.1f}M parameters, the GGUF's own "
+                    f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - entry.weights_bytes)} = "
                     f"**{human_bytes(entry.memory_bytes)}**")
         path = service.local_model_dir(model)
         if path is None:

@@ -41,6 +41,7 @@ def test_the_gguf_estimate_is_what_loading_measures():
     from kvforge.core.cpu_kernels import unavailable
 
     entry = catalog(None, 0, "bfloat16")[0]
+    assert entry.weights_bytes == entry.memory_bytes  # no context: the weights alone
     llm = LLM(progress=False, dtype="bfloat16", kv_cache_bytes=32 << 20)
     measured = llm.engine.runtime().weight_bytes
     int4 = [m for m in llm.engine.runner.model.modules() if getattr(m, "int4", None) is not None]

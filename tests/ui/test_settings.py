@@ -65,7 +65,8 @@ def page(server):
 def test_memory_estimate_is_shown_before_applying(page, server):
     """The running model, the embedded GGUF, is estimated as `kvforge models` does (its own blocks)."""
     dtype = model_card(server)["dtype"]  # the settings start from the running model's (the default: auto, resolved)
-    weights, total = (describe(EMBEDDED_MODEL, embedded_gguf_path(), n, dtype).memory_bytes for n in (0, 8192))
+    entry = describe(EMBEDDED_MODEL, embedded_gguf_path(), 8192, dtype)
+    weights, total = entry.weights_bytes, entry.memory_bytes
     estimate = page.locator("#settings-estimate")
     estimate.filter(has_text=human_bytes(total)).wait_for()
     text = estimate.inner_text()
