@@ -96,7 +96,7 @@ def time_kernels(weight: torch.Tensor, bias: torch.Tensor | None, kernels: dict[
 
 
 def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, names: list[str],
-                          contexts: tuple[int, ...] | None = None) -> Timing:
+                          contexts: tuple[int, ...] | None = None, softcap: float | None = None) -> Timing:
     """Each named decode-attention variant, run by an attention layer as a step runs it: a batch of
     DECODE_GROUP_SIZE sequences whose contexts end within the last block of `contexts` tokens, their blocks
     scattered over a paged cache (the gathering variants' gather is timed with them)."""
@@ -106,7 +106,7 @@ def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch
 
     g, block, calls = DECODE_GROUP_SIZE, 16, {name: {} for name in names}
     contexts = contexts or TIMED_CONTEXTS
-    layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, softcap=softcap)
     planes = torch.arange(2 * kv_heads).view(2, 1, kv_heads, 1)
     for length in contexts:
         width = -(-length // block)
@@ -215,21 +215,27 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def attention_classes(model: torch.nn.Module, dtype: torch.dtype) -> list[OpClass]:
-    """The torch path's decode attention, one class per head layout (layers built on Triton have none)."""
+    """The torch path's decode attention, one class per head layout and soft-capping (layers built on Triton have
+    none)."""
     from kvforge.core.layers.attention import Attention
     from kvforge.core.layers.decode_attention import automatic_variants, offered_variants
 
-    groups: dict[tuple[int, int, int], list[Attention]] = {}
+    groups: dict[tuple[int, int, int, float | None], list[Attention]] = {}
     for module in model.modules():
         if isinstance(module, Attention) and not module.triton:
-            groups.setdefault((module.num_heads, module.num_kv_heads, module.head_dim), []).append(module)
-    device = model_device(model)
-    offered, dtype_name = offered_variants(device), str(dtype).removeprefix("torch.")
-    return [OpClass(f"decode_attention:{dtype_name}:{h}x{kv}x{d}", len(layers), offered,
-                    lambda h=h, kv=kv, d=d: time_decode_attention(h, kv, d, dtype, offered),
-                    lambda name, layers=layers: [layer.use_decode_variant(name, device) for layer in layers],
-                    automatic_variants(dtype, device))
-            for (h, kv, d), layers in groups.items()]
+            key = (module.num_heads, module.num_kv_heads, module.head_dim, module.softcap)
+            groups.setdefault(key, []).append(module)
+    device, dtype_name = model_device(model), str(dtype).removeprefix("torch.")
+    classes = []
+    for (h, kv, d, cap), layers in groups.items():
+        offered = offered_variants(device, cap is not None)
+        classes.append(OpClass(
+            f"decode_attention:{dtype_name}:{h}x{kv}x{d}" + ("" if cap is None else ":softcap"), len(layers), offered,
+            lambda h=h, kv=kv, d=d, cap=cap, offered=offered: time_decode_attention(h, kv, d, dtype, offered,
+                                                                                    softcap=cap),
+            lambda name, layers=layers: [layer.use_decode_variant(name, device) for layer in layers],
+            automatic_variants(dtype, device, cap is not None)))
+    return classes
 
 
 def decide(classes: list[OpClass], mode: str, cache: ChoiceCache | None, retime: bool) -> list[ShapeChoice]:
@@ -276,9 +282,9 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype, linear: str = "au
     if attention != "auto" and any(attention not in op.candidates for op in attentions):
         from kvforge.core.layers.decode_attention import DECODE_VARIANTS
 
-        device = model_device(model)
-        raise ValueError(f"decode_attention={attention!r} cannot run here: "
-                         f"{DECODE_VARIANTS[attention].unavailable(device)}")
+        reason = DECODE_VARIANTS[attention].unavailable(model_device(model)) or \
+            "it has no attention-logit soft-capping, which this model's layers need"
+        raise ValueError(f"decode_attention={attention!r} cannot run here: {reason}")
     timed_here = (linear == "auto" and linears) or (attention == "auto" and attentions)
     cache = ChoiceCache(cache_dir or _default_cache_dir(), cpu_signature()) if timed_here else None
     return decide(linears, linear, cache, retime) + decide(attentions, attention, cache, retime)

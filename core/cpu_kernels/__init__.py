@@ -30,7 +30,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32,
-                        _I32, _I32, _I32],
+                        _F32, _I32, _I32, _I32],
     "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32],
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32],
     "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
@@ -96,13 +96,14 @@ def unavailable() -> str | None:
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     scale: float, window: int | None, out: torch.Tensor, row_seqs: torch.Tensor | None = None,
-                    portable: bool = False) -> None:
+                    portable: bool = False, softcap: float | None = None) -> None:
     """Each query row over its sequence's paged K/V, read in place (core/cpu_kernels/paged_attention.c).
     q [rows, heads, head_dim] (rows may be strided); cache [2, kv_heads, blocks, block_size, head_dim] one layer,
     contiguous; block_tables int32 [seqs, width]; row_seqs int32 [rows]: each row's sequence (None: row r is
     sequence r); context_lens int32 [rows]: L, the row is the token at position L - 1 and sees keys [0, L) (within
     the window; 0: a padding row, output 0); out [rows, heads * head_dim], contiguous, q's dtype: written.
-    `portable`: the plain C loops even where the AVX-512 path would run (the tests check both)."""
+    `portable`: the plain C loops even where the AVX-512 path would run (the tests check both); `softcap`: scores
+    -> softcap * tanh(scores / softcap) before the softmax (None: none)."""
     rows, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
@@ -119,8 +120,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _, kv_heads, blocks, block_size, _ = cache.shape
     _run("paged_attention", q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(),
          None if row_seqs is None else row_seqs.data_ptr(), context_lens.data_ptr(), rows, heads, kv_heads, head_dim,
-         blocks, block_size, block_tables.shape[1], scale, window or 0, DTYPE_CODES[q.dtype], torch.get_num_threads(),
-         portable)
+         blocks, block_size, block_tables.shape[1], scale, window or 0, softcap or 0.0, DTYPE_CODES[q.dtype],
+         torch.get_num_threads(), portable)
 
 
 def _run(kernel: str, *args) -> None:

@@ -1,5 +1,6 @@
 // Helpers shared by the C kernels of this folder (core/cpu_kernels/__init__.py builds them into one library).
 #pragma once
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -11,8 +11,15 @@
 // K/V row is read once for the group. A row's result depends on its q and its keys only, not on the rest of
 // the batch: a token prefilled and the same token decoded get the same attention, bit for bit.
 // Math in fp32 whatever the storage dtype: scores (q * scale in fp32, or bf16 products, exact in fp32, scaled
-// after), softmax (max, exp, sum, normalise), weighted sum of values, rounded once to the output dtype.
+// after), soft-capping where asked (cap * tanh(s / cap), Gemma 2), softmax (max, exp, sum, normalise), weighted sum
+// of values, rounded once to the output dtype.
 #include "common.h"
+
+// cap * tanh(s / cap) for each of the count scores (cap 0: none), the reference's order of operations
+static void soft_cap(float *scores, size_t count, float cap) {
+    if (cap <= 0.0f) return;
+    for (size_t i = 0; i < count; i++) scores[i] = tanhf(scores[i] / cap) * cap;
+}
 
 
 // each of the G rows of n scores -> its softmax (max, exp, sum, normalise)
@@ -60,7 +67,7 @@ static inline void prefetch_kv(const char *k_plane, const char *v_plane, const s
 // the specialised copies below (the d loops unroll and stay in registers).
 static inline __attribute__((always_inline)) void attend(
         const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, const int D,
-        float scale, int dtype, size_t es, float *qf, float *acc, float *row, float *scores) {
+        float scale, float softcap, int dtype, size_t es, float *qf, float *acc, float *row, float *scores) {
     for (int g = 0; g < G; g++) {
         load_row(q_row + (size_t)g * D * es, dtype, D, qf + g * D);
         for (int d = 0; d < D; d++) qf[g * D + d] *= scale;
@@ -77,6 +84,7 @@ static inline __attribute__((always_inline)) void attend(
             scores[(size_t)g * n + i] = s;
         }
     }
+    soft_cap(scores, (size_t)G * n, softcap);
     softmax_rows(scores, G, n);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < n; i++) {  // acc[g] = sum_i p[g][i] v_i
@@ -201,8 +209,9 @@ static void pv_avx512(const char *v_plane, const size_t *rows, int n, int G, int
 
 #define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                     \
     static void name(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, \
-                     int D, float scale, int dtype, size_t es, float *qf, float *acc, float *row, float *scores) {  \
-        attend(q_row, k_plane, v_plane, rows, n, G, HEAD_DIM, scale, dtype, es, qf, acc, row, scores);             \
+                     int D, float scale, float softcap, int dtype, size_t es, float *qf, float *acc, float *row,   \
+                     float *scores) {                                                                             \
+        attend(q_row, k_plane, v_plane, rows, n, G, HEAD_DIM, scale, softcap, dtype, es, qf, acc, row, scores);    \
     }
 ATTEND_WITH_HEAD_DIM(attend_64, 64)
 ATTEND_WITH_HEAD_DIM(attend_128, 128)
@@ -213,14 +222,14 @@ ATTEND_WITH_HEAD_DIM(attend_any, D)
 void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void *cache, const int32_t *tables,
                          const int32_t *row_seqs, const int32_t *lens, int32_t batch, int32_t heads, int32_t kv_heads,
                          int32_t head_dim, int32_t num_blocks, int32_t block_size, int32_t width, float scale,
-                         int32_t window, int32_t dtype, int32_t threads, int32_t portable) {
+                         int32_t window, float softcap, int32_t dtype, int32_t threads, int32_t portable) {
     const int G = heads / kv_heads, D = head_dim;
     const size_t es = dtype_size(dtype);
     const size_t plane = (size_t)num_blocks * block_size * D;  // elements of one (K/V, KV head) plane
     int max_len = 0;
     for (int b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
-    void (*run)(const char *, const char *, const char *, const size_t *, int, int, int, float, int, size_t, float *,
-                float *, float *, float *) =
+    void (*run)(const char *, const char *, const char *, const size_t *, int, int, int, float, float, int, size_t,
+                float *, float *, float *, float *) =
         D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
 
 #pragma omp parallel num_threads(threads)
@@ -246,11 +255,12 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
 #if defined(__AVX512F__)
                 if (D % 64 == 0 && !portable) {  // four keys per reduction tree (the same math as attend())
                     qk_avx512(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
+                    soft_cap(scores, (size_t)G * n, softcap);
                     softmax_rows(scores, G, n);
                     pv_avx512(v_plane, rows, n, G, D, dtype, es, scores, acc);
                 } else
 #endif
-                    run(q_row, k_plane, v_plane, rows, n, G, D, scale, dtype, es, qf, acc, row, scores);
+                    run(q_row, k_plane, v_plane, rows, n, G, D, scale, softcap, dtype, es, qf, acc, row, scores);
             }
             store_row(acc, dtype, G * D, (char *)out + ((size_t)b * heads + (size_t)h * G) * D * es);
         }

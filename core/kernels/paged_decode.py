@@ -47,13 +47,14 @@ CPU_MAX_SPLITS = 2  # the interpreter runs programs one after another: splitting
 
 def _split_fn(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    qk_scale, window, num_splits,
+    qk_scale, window, softcap, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_kvh, stride_kvn, stride_kvs, stride_kvd,
     stride_btb, stride_btw, stride_cl,
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -106,6 +107,8 @@ def _split_fn(
         else:  # tensor cores, fp32 accumulation: half the registers of fp32 tiles
             scores = tl.dot(q, tl.trans(k))
         scores = scores * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if SOFTCAP:  # softcap * tanh(scores / softcap), both in log2 units; tanh from exp (no tl.tanh everywhere)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(scores, 1, tl.standard._elementwise_max))
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf, m_new finite)
@@ -188,14 +191,16 @@ def default_num_splits(batch: int, kv_heads: int, max_blocks: int, block_size: i
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context -> [B, H, D] in q.dtype.
 
     q [B, H, D]; kv_cache [2, KVH, NB, BS, D] (one layer, K then V; any strides, e.g. a view into a pool);
     block_tables int32 [B, W]; context_lens int32 [B] (L, including the new token; 0 = padding row, whose
     output is 0). Query position L - 1 sees keys [max(0, L - sliding_window), L). `num_splits` splits each
     context (flash-decoding; default from `default_num_splits`). Writes into `out` when given and returns
-    it. Never syncs with the device (CUDA-graph safe): block ids and lengths are trusted, not checked.
+    it. `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). Never syncs with the
+    device (CUDA-graph safe): block ids and lengths are trusted, not checked.
     """
     name = "paged_decode_attention"
     heads, kv_heads, head_dim, block_size = check_paged_attention(name, q, kv_cache, sliding_window)
@@ -237,14 +242,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
     _split_kernel[(batch, kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], block_tables, context_lens, part_out, part_lse, out,
-        float(scale) * LOG2E, min(sliding_window or NO_WINDOW, NO_WINDOW), num_splits,
+        float(scale) * LOG2E, min(sliding_window or NO_WINDOW, NO_WINDOW), (softcap or 0.0) * LOG2E, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0), block_tables.stride(1), context_lens.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DIRECT=direct,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
-        DOT_FP32=fp32_dots(q.dtype),
+        DOT_FP32=fp32_dots(q.dtype), SOFTCAP=softcap is not None,
     )
     if not direct:
         _combine_kernel[(batch, heads)](

@@ -42,13 +42,13 @@ _LOG2E = 1.4426950408889634
 
 def _paged_prefill_fn(
     q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    qk_scale, window,
+    qk_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kv, stride_kh, stride_kb, stride_ks, stride_kd,
     stride_btp, stride_btw,
     stride_ot, stride_oh, stride_od,
     D, GROUP: tl.constexpr, BS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -112,7 +112,10 @@ def _paged_prefill_fn(
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), both in log2 units; tanh from exp (no tl.tanh everywhere)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = tl.where(visible, s, float("-inf"))
 
         # A row may see no key of this tile (a window starts later, or the row is padding): keep its max
         # finite for the exponentials so it gets p = 0 and alpha = 1 (or 0 later) instead of NaN.
@@ -157,14 +160,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
                             scale: float, sliding_window: int | None = None,
                             out: torch.Tensor | None = None, *, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of prefill chunks over the paged KV cache.
 
     q [T, H, D]; kv_cache [2, KVH, NB, BS, D] (same dtype as q, the chunks' K/V already stored);
     block_tables int32 [P, W]; query_start_loc int32 [P + 1] (starting at 0); context_lens int32 [P]
     (cached + new tokens); max_query_len: the longest chunk (sizes the grid only). Returns `out` [T, H, D]
     (allocated in q.dtype when None). Any strides are accepted. block_m / block_n override the tile sizes
-    (powers of two >= 16). Index values are not checked (that would sync with the device).
+    (powers of two >= 16). `softcap`: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2).
+    Index values are not checked (that would sync with the device).
     """
     name = "paged_prefill_attention"
     heads, kv_heads, head_dim, block_size = check_paged_attention(name, q, kv_cache, sliding_window)
@@ -202,10 +206,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     grid = (triton.cdiv(rows, block_m), seqs, kv_heads)
     _kernel[grid](
         q, kv_cache, block_tables, query_start_loc, context_lens, out,
-        scale * _LOG2E, sliding_window or 0,
+        scale * _LOG2E, sliding_window or 0, (softcap or 0.0) * _LOG2E,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, GROUP=group, BS=block_size, USE_WINDOW=sliding_window is not None,
-        DOT_FP32=fp32_dots(q.dtype),
+        DOT_FP32=fp32_dots(q.dtype), SOFTCAP=softcap is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=2,
     )

@@ -8,7 +8,9 @@ Prefill chunks attend one sequence at a time over their context (SDPA). Decode t
 groups of similar context length (layers/decode_attention.py: fp32 batched matmuls or SDPA, whichever is
 faster on this machine), so the number of operations per layer does not grow with the number of sequences.
 With the "paged" variant (a C kernel reading the blocks in place) every row of the step, prefill chunks' tokens
-included, attends in one call instead.
+included, attends in one call instead. `softcap` (Gemma 2's attention-logit soft-capping) is applied by every
+path: the decode variants that offer it, the Triton kernels, and on the torch path prefill chunks attend through
+the same fp32 math as short chunks (torch's SDPA has no hook for it).
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ from torch import nn
 
 from kvforge.core.context import KernelBatch, PrefillSeq, StepContext, get_context
 from kvforge.core.layers.backend import use_triton
-from kvforge.core.layers.decode_attention import DECODE_VARIANTS
+from kvforge.core.layers.decode_attention import DECODE_VARIANTS, soft_cap
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, layer_index: int = 0) -> None:
+                 sliding_window: int | None = None, layer_index: int = 0, softcap: float | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index  # which layer of the step's KV pool (StepContext.kv_cache) is ours
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) before the mask; None: none
         self.use_decode_variant("bmm")  # the stock one until the runner times the others (core/kernel_choice.py)
         self.triton = use_triton()
         if self.triton:  # bound once here, not per call; imported only with the Triton kernels (triton is optional)
@@ -66,7 +69,7 @@ class Attention(nn.Module):
             rows = q.shape[0]
             out = q.new_empty(rows, self.num_heads * self.head_dim)
             self.decode.run(q, cache, ctx.block_tables, ctx.row_lens[:rows], self.scale, self.sliding_window, out,
-                            None if ctx.row_seqs is None else ctx.row_seqs[:rows])
+                            None if ctx.row_seqs is None else ctx.row_seqs[:rows], softcap=self.softcap)
             return out
         if len(ctx.decode_groups) == 1:
             return self._decode(ctx, cache, 0, q)
@@ -83,17 +86,17 @@ class Attention(nn.Module):
         d = batch.num_decodes
         if d:
             self.decode_kernel(q[:d], cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                                   self.sliding_window, out=out[:d])
+                               self.sliding_window, out=out[:d], softcap=self.softcap)
         if d < q.shape[0]:
             self.prefill_kernel(q[d:], cache, batch.prefill_block_tables, batch.query_start_loc,
-                                    batch.prefill_context_lens, batch.max_query_len, self.scale,
-                                    self.sliding_window, out=out[d:])
+                                batch.prefill_context_lens, batch.max_query_len, self.scale,
+                                self.sliding_window, out=out[d:], softcap=self.softcap)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
         new = seq.end - seq.start
-        if seq.gather_rows is not None and new <= SHORT_CHUNK:
-            return self._short_chunk(ctx, cache, i, seq, q)
+        if self.softcap is not None or (seq.gather_rows is not None and new <= SHORT_CHUNK):
+            return self._math_chunk(ctx, cache, i, seq, q, k, v)
         if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
             keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
         else:
@@ -112,23 +115,37 @@ class Attention(nn.Module):
             enable_gqa=True,
         )[0].transpose(0, 1).flatten(1).to(q.dtype)
 
-    def _short_chunk(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q) -> torch.Tensor:
-        """A few new tokens after a cached context (speculative verification of 1 + k tokens, a short last
-        chunk): decode's batched fp32 math with the new tokens' queries side by side per KV head -- several
-        times faster here than SDPA's masked path, and the same arithmetic as decoding each token."""
+    def _math_chunk(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
+        """A chunk attended with decode's batched fp32 math, the new tokens' queries side by side per KV head: a few
+        new tokens after a cached context (speculative verification of 1 + k tokens, a short last chunk: several
+        times faster here than SDPA's masked path, and the same arithmetic as decoding each token), and every chunk
+        of a soft-capped layer, MATH_TOKENS queries at a time (bounding the scores' memory)."""
         new, length, kv_heads, head_dim = seq.end - seq.start, seq.context_len, self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
         dtype = q.dtype
-        queries = (q[seq.start:seq.end].float() * self.scale).view(new, kv_heads, group, head_dim)
-        queries = queries.transpose(0, 1).reshape(kv_heads, new * group, head_dim)
-        kv = self._gather(cache, seq.gather_rows, 1)[:, 0, :, :length]
+        if seq.gather_rows is None:  # nothing cached before this chunk: its fresh K/V are the whole context
+            kv = torch.stack((k[seq.start:seq.end], v[seq.start:seq.end])).transpose(1, 2)
+        else:
+            kv = self._gather(cache, seq.gather_rows, 1)[:, 0, :, :length]
         if dtype != torch.float32:
             kv = kv.float()
         keys, values = kv.unbind(0)  # [kv_heads, length, head_dim]
-        scores = torch.baddbmm(short_chunk_mask(ctx, i, seq, self.sliding_window, group), queries,
-                               keys.transpose(1, 2))
-        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, new * group, head_dim]
-        return out.view(kv_heads, new, group * head_dim).transpose(0, 1).reshape(new, -1).to(dtype)
+        mask = short_chunk_mask(ctx, i, seq, self.sliding_window, group)  # [1, new * group, length]
+        out = q.new_empty(new, self.num_heads * head_dim)
+        for first in range(0, new, MATH_TOKENS):
+            last = min(first + MATH_TOKENS, new)
+            queries = (q[seq.start + first:seq.start + last].float() * self.scale).view(last - first, kv_heads,
+                                                                                          group, head_dim)
+            queries = queries.transpose(0, 1).reshape(kv_heads, (last - first) * group, head_dim)
+            rows = mask[:, first * group:last * group]
+            if self.softcap is None:
+                scores = torch.baddbmm(rows, queries, keys.transpose(1, 2))
+            else:  # capped before the mask: tanh would turn its -inf into -cap
+                scores = soft_cap(torch.bmm(queries, keys.transpose(1, 2)), self.softcap).add_(rows)
+            attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, tokens * group, head_dim]
+            out[first:last] = attended.view(kv_heads, last - first, group * head_dim).transpose(0, 1).reshape(
+                last - first, -1)
+        return out
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, seqs: int) -> torch.Tensor:
         """K and V of the given blocks: [2, seqs, kv_heads, blocks * block_size, head_dim]."""
@@ -146,17 +163,20 @@ class Attention(nn.Module):
                                     self.num_heads // self.num_kv_heads)
             ctx.masks[key] = None if mask is None else mask.to(ctx.kv_cache.device)
         kv = self._gather(cache, group.gather_rows, g)
-        return self.decode.run(q[group.start:group.end], kv, ctx.masks[key], self.scale)
+        return self.decode.run(q[group.start:group.end], kv, ctx.masks[key], self.scale, self.softcap)
 
     def use_decode_variant(self, name: str, device: torch.device | None = None) -> None:
         """Attend decode rows with the named variant (ValueError naming why, where it cannot run on `device`)."""
         reason = DECODE_VARIANTS[name].unavailable(device or torch.device("cpu"))
+        if reason is None and self.softcap is not None and not DECODE_VARIANTS[name].soft_caps:
+            reason = "it has no attention-logit soft-capping, which this model needs"
         if reason is not None:
             raise ValueError(f"decode_attention={name!r} cannot run here: {reason}")
         self.decode_variant, self.decode = name, DECODE_VARIANTS[name]
 
 
 SHORT_CHUNK = 16  # chunks of at most this many tokens after a cached context attend like decode tokens
+MATH_TOKENS = 256  # a soft-capped chunk's queries per batched matmul: scores of at most heads * 256 * context
 
 CAUSAL = object()  # mask marker: a fresh prompt chunk with no cached context; causal is all it needs
 
@@ -184,7 +204,7 @@ def visible_keys(new: int, length: int, window: int | None, repeat: int = 1) -> 
 
 
 def short_chunk_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None, group: int) -> torch.Tensor:
-    """Additive causal mask [1, new * group, context] for `_short_chunk` (query rows token-major)."""
+    """Additive causal mask [1, new * group, context] for `_math_chunk` (query rows token-major)."""
     key = ("short", i, window)
     if key not in ctx.masks:
         visible = visible_keys(seq.end - seq.start, seq.context_len, window, repeat=group)

@@ -16,7 +16,8 @@ speculative verification, answer as the same prompt sent fresh); the others are 
   in one call -- the prefill chunks' tokens too, so a token prefilled and the same token decoded get the same
   attention bit for bit: no gather, no padding, no mask; fp32 math like "bmm". Offered where a C compiler builds it.
 The gathered ones build their mask once per step (shared by every layer): None when every gathered key is
-visible."""
+visible. Attention-logit soft-capping (Gemma 2: scores -> cap * tanh(scores / cap), before the mask) runs in every
+variant but "sdpa" (torch's fused kernel has no hook for it), which is then not offered."""
 
 from __future__ import annotations
 
@@ -32,12 +33,18 @@ MaskBuilder = Callable[[torch.Tensor, int, "int | None", int, int], "torch.Tenso
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    # gathered: (q [g, heads, d], kv, mask, scale) -> [g, heads * d]; paged (mask None): (q, cache, block tables,
-    # context lengths, scale, window, out, row sequences) writes out
+    # gathered: (q [g, heads, d], kv, mask, scale, softcap) -> [g, heads * d]; paged (mask None): (q, cache, block
+    # tables, context lengths, scale, window, out, row sequences, softcap) writes out
     run: Callable
     mask: MaskBuilder | None  # None: the variant reads the paged cache itself
     fp32_math: bool  # computes in fp32 whatever the model dtype (see above: what auto may pick in bf16 / fp16)
     unavailable: Callable[[torch.device], str | None] = lambda device: None  # why it cannot run there, or None
+    soft_caps: bool = True  # can apply attention-logit soft-capping
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap), in place, in the reference's order (transformers' Gemma 2 eager attention)."""
+    return scores.div_(cap).tanh_().mul_(cap)
 
 
 def visible_positions(lengths: torch.Tensor, padded: int, window: int | None) -> torch.Tensor | None:
@@ -62,27 +69,35 @@ def bmm_mask(lengths, padded, window, kv_heads, per_head) -> torch.Tensor | None
     return additive.view(g, 1, 1, padded).expand(g, kv_heads, per_head, padded).reshape(g * kv_heads, per_head, padded)
 
 
-def bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None = None) -> torch.Tensor:
     g, _, head_dim = q.shape
     kv_heads = kv.shape[2]
     queries = (q.float() * scale).reshape(g * kv_heads, -1, head_dim)
     if kv.dtype != torch.float32:
         kv = kv.float()
     keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
-    if mask is None:
+    if mask is None or softcap is not None:  # capped before the mask: tanh would turn its -inf into -cap
         scores = torch.bmm(queries, keys.transpose(1, 2))
+        if softcap is not None:
+            soft_cap(scores, softcap)
+        if mask is not None:
+            scores += mask
     else:
         scores = torch.baddbmm(mask, queries, keys.transpose(1, 2))
     out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [g * kv_heads, queries per kv head, head_dim]
     return out.view(g, -1).to(q.dtype)
 
 
-def native_bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def native_bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   softcap: float | None = None) -> torch.Tensor:
     g, _, head_dim = q.shape
     kv_heads = kv.shape[2]
     queries = q.reshape(g * kv_heads, -1, head_dim)
     keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
     scores = torch.bmm(queries, keys.transpose(1, 2)) * scale
+    if softcap is not None:
+        soft_cap(scores, softcap)
     if mask is not None:  # the fp32 mask lifts the scores to fp32 (their bf16 values kept exactly)
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -95,16 +110,17 @@ def sdpa_mask(lengths, padded, window, kv_heads, per_head) -> torch.Tensor | Non
     return None if valid is None else valid.view(valid.shape[0], 1, 1, padded)
 
 
-def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float,
+             softcap: float | None = None) -> torch.Tensor:
     keys, values = kv.unbind(0)  # [g, kv_heads, padded, head_dim]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.reshape(q.shape[0], -1)
 
 
-def paged_run(q, cache, block_tables, context_lens, scale, window, out, row_seqs) -> None:
+def paged_run(q, cache, block_tables, context_lens, scale, window, out, row_seqs, softcap=None) -> None:
     from kvforge.core.cpu_kernels import paged_attention
 
-    paged_attention(q, cache, block_tables, context_lens, scale, window, out, row_seqs)
+    paged_attention(q, cache, block_tables, context_lens, scale, window, out, row_seqs, softcap=softcap)
 
 
 def paged_unavailable(device: torch.device) -> str | None:
@@ -117,15 +133,17 @@ def paged_unavailable(device: torch.device) -> str | None:
 
 DECODE_VARIANTS = {"bmm": DecodeVariant(bmm_run, bmm_mask, fp32_math=True),
                    "bmm-native": DecodeVariant(native_bmm_run, bmm_mask, fp32_math=False),
-                   "sdpa": DecodeVariant(sdpa_run, sdpa_mask, fp32_math=False),
+                   "sdpa": DecodeVariant(sdpa_run, sdpa_mask, fp32_math=False, soft_caps=False),
                    "paged": DecodeVariant(paged_run, None, fp32_math=True, unavailable=paged_unavailable)}
 
 
-def offered_variants(device: torch.device) -> list[str]:
-    """The variants that run on `device` here (the stock one first)."""
-    return [name for name, v in DECODE_VARIANTS.items() if v.unavailable(device) is None]
+def offered_variants(device: torch.device, softcap: bool = False) -> list[str]:
+    """The variants that run on `device` here (the stock one first), for layers with soft-capping or not."""
+    return [name for name, v in DECODE_VARIANTS.items()
+            if v.unavailable(device) is None and (v.soft_caps or not softcap)]
 
 
-def automatic_variants(dtype: torch.dtype, device: torch.device) -> list[str]:
+def automatic_variants(dtype: torch.dtype, device: torch.device, softcap: bool = False) -> list[str]:
     """The variants `decode_attention=auto` chooses among for a model in `dtype` on `device`."""
-    return [name for name in offered_variants(device) if dtype == torch.float32 or DECODE_VARIANTS[name].fp32_math]
+    return [name for name in offered_variants(device, softcap)
+            if dtype == torch.float32 or DECODE_VARIANTS[name].fp32_math]

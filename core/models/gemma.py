@@ -1,15 +1,16 @@
-"""Gemma 3 (text) on the paged KV cache, in the Llama family's structure (core/models/llama.py): fused q/k/v and
-gate/up projections, the same attention layer and loader seams.
+"""Gemma 2 and Gemma 3 (text) on the paged KV cache, in the Llama family's structure (core/models/llama.py): fused
+q/k/v and gate/up projections, the same attention layer and loader seams.
 
-What Gemma 3 does differently, each as transformers' Gemma3ForCausalLM computes it (the parity tests' reference):
+What Gemma does differently, each as transformers' Gemma2ForCausalLM / Gemma3ForCausalLM computes it (the parity
+tests' reference):
 - RMSNorm scales by (1 + weight) and multiplies in fp32 before casting back (`GemmaRMSNorm`);
 - four norms per layer: before and after attention, before and after the MLP (post-norms, then the residual add);
-- per-head q / k RMSNorm before the rotary embedding; attention scaled by query_pre_attn_scalar ** -0.5;
-- sliding-window layers and global ones (`layer_types`), each with its own rope base (`rope_parameters` per
-  layer type: 10k local, 1M global);
+- attention scaled by query_pre_attn_scalar ** -0.5; Gemma 3: per-head q / k RMSNorm before the rotary embedding;
+- sliding-window layers and global ones (`layer_types`); Gemma 3 gives each its own rope base (`rope_parameters`
+  per layer type: 10k local, 1M global);
 - GeGLU MLP (gelu, tanh approximation); embeddings scaled by sqrt(hidden_size) rounded to the model dtype;
-- logit soft-capping where the config sets it (final_logit_softcapping; None for Gemma 3).
-Gemma 2's attention-logit soft-capping would need it in every attention kernel: refused by name for now.
+- Gemma 2: attention scores soft-capped (attn_logit_softcapping: cap * tanh(s / cap), in every attention path,
+  core/layers/attention.py) and the final logits too (final_logit_softcapping; None for Gemma 3).
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ class GemmaRMSNorm(nn.Module):
 class GemmaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, quant: QuantConfig, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attention logit soft-capping (Gemma 2) is not supported yet")
         self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
@@ -62,17 +61,22 @@ class GemmaAttention(nn.Module):
                                         params_dtype=dtype,
                                         input_shard=(heads.q_first * self.head_dim, heads.q_count * self.head_dim),
                                         quant_config=quant, prefix=f"{prefix}.o_proj")
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.model_type != "gemma2"
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.query_pre_attn_scalar ** -0.5,
-                              sliding_window_of(config, layer_idx), layer_index=layer_idx)
+                              sliding_window_of(config, layer_idx), layer_index=layer_idx,
+                              softcap=getattr(config, "attn_logit_softcapping", None))
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = qkv.shape[0]
-        q = self.q_norm(qkv[:, : self.q_size].reshape(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(tokens, -1, self.head_dim))
+        q = qkv[:, : self.q_size].reshape(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].reshape(tokens, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(rotate(q, *rope), rotate(k, *rope), v))
 
@@ -114,7 +118,8 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class _LayerTypeConfig:
-    """The config as one layer type sees it: its own rope parameters (Gemma 3 keys them by layer type)."""
+    """The config as one layer type sees it: its own rope parameters (Gemma 3 keys them by layer type; Gemma 2
+    shares one set)."""
 
     def __init__(self, config, layer_type: str) -> None:
         self._config, self._layer_type = config, layer_type

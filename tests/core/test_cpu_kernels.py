@@ -15,8 +15,9 @@ def built():
     require(unavailable() is None, f"the paged C kernel cannot be built here: {unavailable()}")
 
 
-def reference(q, cache, tables, lens, scale, window) -> torch.Tensor:
-    """fp64 attention of each row over keys [max(0, L - window), L) of its blocks; zeros for L == 0."""
+def reference(q, cache, tables, lens, scale, window, softcap=None) -> torch.Tensor:
+    """fp64 attention of each row over keys [max(0, L - window), L) of its blocks (scores soft-capped first where
+    `softcap` is given); zeros for L == 0."""
     batch, heads, head_dim = q.shape
     kv_heads, block = cache.shape[1], cache.shape[3]
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float64)
@@ -27,17 +28,21 @@ def reference(q, cache, tables, lens, scale, window) -> torch.Tensor:
         for h in range(heads):
             kv = cache[:, h // (heads // kv_heads), blocks, slots].double()  # [2, n, d]
             if length:
-                out[b, h] = torch.softmax(kv[0] @ q[b, h].double() * scale, dim=0) @ kv[1]
+                scores = kv[0] @ q[b, h].double() * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[b, h] = torch.softmax(scores, dim=0) @ kv[1]
     return out.view(batch, -1)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block", "window"),
-                         [(9, 3, 64, 16, None),  # SmolLM2-135M
-                          (4, 1, 256, 16, 37),  # Gemma 3 270M, a sliding-window layer
-                          (6, 6, 80, 5, None)])  # no GQA, a head size and a block size with no special case
-def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, window, portable):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block", "window", "softcap"),
+                         [(9, 3, 64, 16, None, None),  # SmolLM2-135M
+                          (4, 1, 256, 16, 37, None),  # Gemma 3 270M, a sliding-window layer
+                          (8, 4, 256, 16, 37, 1.5),  # Gemma 2 2B's shape, soft-capped (a cap that bends every score)
+                          (6, 6, 80, 5, None, None)])  # no GQA, a head size and a block size with no special case
+def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, window, softcap, portable):
     torch.manual_seed(0)
     batch, num_blocks = 7, 120
     cache = torch.randn(2, kv_heads, num_blocks, block, head_dim).to(dtype)
@@ -47,8 +52,8 @@ def test_matches_an_fp64_reference(dtype, heads, kv_heads, head_dim, block, wind
     fused = torch.randn(batch, heads + 2 * kv_heads, head_dim).to(dtype)  # q as the attention gets it: strided rows
     q = fused[:, :heads]
     out = torch.full((batch, heads * head_dim), float("nan"), dtype=dtype)
-    paged_attention(q, cache, tables, lens, head_dim ** -0.5, window, out, portable=portable)
-    expected = reference(q, cache, tables, lens, head_dim ** -0.5, window)
+    paged_attention(q, cache, tables, lens, head_dim ** -0.5, window, out, portable=portable, softcap=softcap)
+    expected = reference(q, cache, tables, lens, head_dim ** -0.5, window, softcap)
     error = (out.double() - expected).abs().max().item()
     # fp32 math: fp32 rounding in fp32; one rounding to the storage type in bf16 / fp16
     assert error < {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype], error

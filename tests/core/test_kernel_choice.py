@@ -107,9 +107,10 @@ def test_unknown_or_unavailable_kernel_is_refused(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40])
-def test_decode_attention_variants_agree(dtype, window):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_decode_attention_variants_agree(dtype, window, softcap):
     """bmm (fp32 math), bmm-native and sdpa (the model dtype) give the same attention over padded groups: a reference
-    computed per sequence in fp64 over its own visible keys."""
+    computed per sequence in fp64 over its own visible keys; soft-capped (Gemma 2) by those that offer it."""
     from kvforge.core.layers.decode_attention import DECODE_VARIANTS
 
     g, heads, kv_heads, d, padded = 5, 6, 2, 32, 64
@@ -122,11 +123,16 @@ def test_decode_attention_variants_agree(dtype, window):
         for h in range(heads):
             keys = kv[0, s_, h // (heads // kv_heads), start:end].double()
             values = kv[1, s_, h // (heads // kv_heads), start:end].double()
-            weights = torch.softmax(keys @ q[s_, h].double() * d ** -0.5, dim=0)
-            expected[s_, h] = weights @ values
-    gathering = {name: v for name, v in DECODE_VARIANTS.items() if v.mask is not None}  # "paged": test_cpu_kernels.py
+            scores = keys @ q[s_, h].double() * d ** -0.5
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            expected[s_, h] = torch.softmax(scores, dim=0) @ values
+    gathering = {name: v for name, v in DECODE_VARIANTS.items()  # "paged": test_cpu_kernels.py
+                 if v.mask is not None and (v.soft_caps or softcap is None)}
+    assert len(gathering) == (3 if softcap is None else 2)
     for name, variant in gathering.items():
-        out = variant.run(q, kv, variant.mask(lengths, padded, window, kv_heads, heads // kv_heads), d ** -0.5)
+        out = variant.run(q, kv, variant.mask(lengths, padded, window, kv_heads, heads // kv_heads), d ** -0.5,
+                          softcap)
         assert out.shape == (g, heads * d) and out.dtype == dtype, name
         error = (out.double().view(g, heads, d) - expected).abs().max().item()
         assert error < (1e-5 if dtype == torch.float32 else 2e-2), (name, error)
@@ -154,6 +160,23 @@ def test_decode_attention_is_timed_and_cached_with_the_linears(tmp_path, quick_a
     assert choose_kernels(model, torch.float32, cache_dir=tmp_path)[0].cached
     forced = choose_kernels(model, torch.bfloat16, attention="sdpa", cache_dir=tmp_path)
     assert forced[0].choice == "sdpa" and {layer.decode_variant for layer in model} == {"sdpa"}
+
+
+def test_soft_capped_layers_are_timed_apart_without_sdpa(tmp_path, quick_attention_timing):
+    """Layers with soft-capping (Gemma 2) form their own class, among the variants that cap: naming sdpa, which
+    cannot, is a clear error (for the model and for one layer)."""
+    from kvforge.core.layers.attention import Attention
+
+    model = torch.nn.Sequential(Attention(4, 2, 16, 0.25, layer_index=0),
+                                Attention(4, 2, 16, 0.25, layer_index=1, softcap=50.0))
+    classes = choose_kernels(model, torch.float32, cache_dir=tmp_path)
+    assert [(c.key, set(c.us)) for c in classes] == [
+        ("decode_attention:float32:4x2x16", {"bmm", "bmm-native", "sdpa", "paged"}),
+        ("decode_attention:float32:4x2x16:softcap", {"bmm", "bmm-native", "paged"})]
+    with pytest.raises(ValueError, match="decode_attention='sdpa' cannot run here: .*soft-capping"):
+        choose_kernels(model, torch.float32, attention="sdpa", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="soft-capping"):
+        model[1].use_decode_variant("sdpa")
 
 
 def test_auto_keeps_bf16_decode_attention_to_fp32_math(tmp_path, quick_attention_timing):

@@ -53,8 +53,9 @@ def _case(lengths, kv_heads: int, group: int, head_dim: int, block_size: int, dt
             "context_lens": torch.tensor(lengths, dtype=torch.int32, device=DEVICE)}
 
 
-def _reference(q, kv_cache, block_tables, context_lens, scale, sliding_window=None) -> torch.Tensor:
-    """fp64 [B, H, D]: gather each sequence's keys through its block table, softmax over the visible ones."""
+def _reference(q, kv_cache, block_tables, context_lens, scale, sliding_window=None, softcap=None) -> torch.Tensor:
+    """fp64 [B, H, D]: gather each sequence's keys through its block table, softmax over the visible ones
+    (scores soft-capped first where `softcap` is given)."""
     q, cache, tables = q.cpu().double(), kv_cache.cpu().double(), block_tables.cpu().long()
     batch, heads, head_dim = q.shape
     kv_heads, block_size = cache.shape[1], cache.shape[3]
@@ -67,7 +68,10 @@ def _reference(q, kv_cache, block_tables, context_lens, scale, sliding_window=No
         blocks, slots = tables[b, pos // block_size], pos % block_size
         keys = cache[0][:, blocks, slots].repeat_interleave(heads // kv_heads, 0)  # [H, n, D]
         values = cache[1][:, blocks, slots].repeat_interleave(heads // kv_heads, 0)
-        probs = torch.softmax(torch.einsum("hd,hnd->hn", q[b], keys) * scale, dim=-1)
+        scores = torch.einsum("hd,hnd->hn", q[b], keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hn,hnd->hd", probs, values)
     return out
 
@@ -76,7 +80,7 @@ def _check(args: dict, scale: float, rtol: float = 1e-5, atol: float = 1e-5, **k
     y = paged_decode_attention(**args, scale=scale, **kwargs)
     q = args["q"]
     assert y.shape == q.shape and y.dtype == q.dtype and y.device == q.device
-    ref = _reference(**args, scale=scale, sliding_window=kwargs.get("sliding_window"))
+    ref = _reference(**args, scale=scale, sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
     torch.testing.assert_close(y.cpu().double(), ref, rtol=rtol, atol=atol)
     return y
 
@@ -93,6 +97,15 @@ def _check(args: dict, scale: float, rtol: float = 1e-5, atol: float = 1e-5, **k
 def test_matches_reference_fp32(kv_heads, group, head_dim, block_size, lengths, num_splits):
     args = _case(lengths, kv_heads, group, head_dim, block_size)
     _check(args, 2.0 / math.sqrt(head_dim), num_splits=num_splits)  # 2x the usual scale: peakier softmax
+
+
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_soft_capping(num_splits):
+    """Gemma 2's attention-logit soft-capping, with a cap small enough to bend every score, in a window too."""
+    args = _case((1, 9, 16, 17, 30, 45), 2, 3, 32, 8)
+    capped = _check(args, 2.0, softcap=1.5, num_splits=num_splits)
+    _check(args, 2.0, softcap=1.5, sliding_window=13, num_splits=num_splits)
+    assert not torch.allclose(capped, paged_decode_attention(**args, scale=2.0, num_splits=num_splits), atol=1e-3)
 
 
 def test_num_splits_agree():

@@ -64,8 +64,9 @@ def _case(chunks, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.f
     }
 
 
-def _reference(case, sliding_window=None) -> torch.Tensor:
-    """fp64 attention, one sequence at a time: causal from each query's position, within the window."""
+def _reference(case, sliding_window=None, softcap=None) -> torch.Tensor:
+    """fp64 attention, one sequence at a time: causal from each query's position, within the window (scores
+    soft-capped first where `softcap` is given)."""
     q = case["q"].cpu().double()
     heads = q.shape[1]
     out = torch.zeros_like(q)
@@ -82,6 +83,8 @@ def _reference(case, sliding_window=None) -> torch.Tensor:
         if sliding_window is not None:
             visible &= kpos > qpos - sliding_window
         scores = q[start:end].transpose(0, 1) @ k.transpose(1, 2) * case["scale"]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = (torch.softmax(scores, -1) @ v).transpose(0, 1)
     return out
@@ -96,11 +99,11 @@ def _args(case):
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
-def _check(case, sliding_window=None, **kwargs) -> torch.Tensor:
-    out = paged_prefill_attention(**_args(case), sliding_window=sliding_window, **kwargs)
+def _check(case, sliding_window=None, softcap=None, **kwargs) -> torch.Tensor:
+    out = paged_prefill_attention(**_args(case), sliding_window=sliding_window, softcap=softcap, **kwargs)
     q = case["q"]
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    ref = _reference(case, sliding_window)
+    ref = _reference(case, sliding_window, softcap)
     atol, rtol = TOL[q.dtype]
     torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
     return out
@@ -129,6 +132,14 @@ def test_chunks_after_cached_prefix(heads, kv_heads, head_dim, block_size):
     case = _case([(7, 23), (1, 70), (block_size + 1, 2 * block_size + 3), (5, 5)], heads, kv_heads, head_dim,
                  block_size, seed=1)
     _check(case)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capping(window):
+    """Gemma 2's attention-logit soft-capping (a cap of 0.5 bends every score), fresh and after a cached prefix."""
+    case = _case([(7, 23), (1, 70), (19, 19)], 6, 2, 64, 5, seed=3)
+    capped = _check(case, sliding_window=window, softcap=0.5)
+    assert not torch.allclose(capped, paged_prefill_attention(**_args(case), sliding_window=window), atol=1e-3)
 
 
 def test_single_token_after_long_prefix():

@@ -12,7 +12,7 @@ from tests.helpers.tiny_models import random_prompts, save_tiny_model
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def tiny(request, tmp_path_factory, embedded_path):
     """(model dir, HF model, prompts) for one architecture, with the embedded model's tokenizer."""
     path = tmp_path_factory.mktemp(request.param)
@@ -37,3 +37,16 @@ def test_tiny_greedy_matches_hf(tiny, hf_reference, block_size, chunk):
     print(name, block_size, chunk, report)
     assert report.exact >= len(prompts) - 1, report
     assert llm.engine.block_pool.num_used == 0
+
+
+@pytest.mark.parametrize("attention", ["bmm", "paged"])
+def test_soft_capped_attention_matches_hf_on_each_torch_path(tmp_path, embedded_path, attention):
+    """Gemma 2's soft-capping through each decode variant that offers it: "bmm" (prefill chunks through the fp32
+    math path) and "paged" (every row through the C kernel), chunked so later chunks attend to cached keys."""
+    model = save_tiny_model("gemma2", tmp_path, embedded_path, seed=1234)
+    prompts = random_prompts((1, 17, 40, 63), seed=7)
+    llm = LLM(str(tmp_path), progress=False, num_kv_blocks=128, max_num_batched_tokens=23, dtype="float32",
+              decode_attention=attention)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    report = compare([o.token_ids for o in outs], *hf_greedy(model, prompts, NEW_TOKENS, pad_id=0, eos_ids={2}))
+    assert report.exact >= len(prompts) - 1, report

@@ -22,6 +22,7 @@ import torch
 
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.tp import WorkerLost
+from tests.helpers.tiny_models import COMMON, random_prompts, save_tiny_model
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
@@ -94,41 +95,24 @@ def test_forked_samples_get_their_partial_block_copied_on_every_rank(embedded_pa
     assert samples[2] == samples[1]
 
 
-def _tiny(tmp_path_factory, embedded_path, name: str, config) -> tuple:
-    from transformers import AutoModelForCausalLM
+def _tiny(tmp_path_factory, embedded_path, name: str) -> tuple:
+    """A tiny random model of tests/helpers/tiny_models.py (or one with a single KV head: fewer than the ranks,
+    so each rank holds it and half of the query heads) and its prompts."""
+    from transformers import LlamaConfig
 
-    config.vocab_size = 49152
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded_path / file, path / file)
-    gen = torch.Generator().manual_seed(7)
-    return path, [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 63)]
+    config = LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False) \
+        if name == "llama-1-kv-head" else None
+    save_tiny_model(name, path, embedded_path, seed=1234, config=config)
+    return path, random_prompts((1, 5, 17, 40, 63), seed=7)
 
 
-def _tiny_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6)
-    return {
-        "llama3": lambda: LlamaConfig(**common, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=False),
-        "mistral": lambda: MistralConfig(**common, sliding_window=16, tie_word_embeddings=False),
-        "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=True),
-        "qwen3": lambda: Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
-        # fewer KV heads than ranks: each rank holds the one KV head and half of the query heads
-        "llama-1-kv-head": lambda: LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False),
-    }
+TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "llama-1-kv-head"]
 
 
-@pytest.mark.parametrize("arch", list(_tiny_configs()))
+@pytest.mark.parametrize("arch", TP_ARCHS)
 def test_tp2_equals_tp1_on_tiny_models(tmp_path_factory, embedded_path, arch):
-    path, prompts = _tiny(tmp_path_factory, embedded_path, arch, _tiny_configs()[arch]())
+    path, prompts = _tiny(tmp_path_factory, embedded_path, arch)
     (tp1,), _ = _tokens(path, prompts)
     (tp2, cached), stats = _tokens(path, prompts, rounds=2, tp_size=2, max_num_batched_tokens=32)  # chunked
     assert tp2 == tp1 and cached == tp1
@@ -154,8 +138,7 @@ def test_estimate_of_the_largest_rank_share_matches_rank_0(embedded_path):
 def test_whole_blocks_are_gathered_from_and_handed_to_the_ranks(tmp_path_factory, embedded_path, arch):
     """The persisted tier's view of the pool: a block of every KV head, split unevenly (2 + 1 heads) or
     replicated (1 head on both ranks); what is written is read back exactly."""
-    path = embedded_path if arch == "embedded" else _tiny(tmp_path_factory, embedded_path, arch,
-                                                          _tiny_configs()[arch]())[0]
+    path = embedded_path if arch == "embedded" else _tiny(tmp_path_factory, embedded_path, arch)[0]
     llm = LLM(str(path), progress=False, num_kv_blocks=8, tp_size=2)
     try:
         runner = llm.engine.runner

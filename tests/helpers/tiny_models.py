@@ -1,5 +1,6 @@
 """Tiny random-weight models of each architecture (Llama 3 rope scaling, Mistral sliding window, Qwen2 qkv
-bias, Qwen3 q/k norms), built from configs and saved with the embedded model's tokenizer."""
+bias, Qwen3 q/k norms, Gemma 2 soft-capping (caps small enough to bend every score) and Gemma 3's alternating
+windows), built from configs and saved with the embedded model's tokenizer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def tiny_configs() -> dict:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    # untied: with the tied head and sqrt(hidden)-scaled embeddings a random Gemma repeats its last input token
+    gemma = dict(COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                 hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False)
 
     return {
         "llama3": LlamaConfig(**COMMON, rope_parameters={
@@ -22,19 +27,27 @@ def tiny_configs() -> dict:
         "mistral": MistralConfig(**COMMON, sliding_window=16, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
+        "gemma2": Gemma2Config(**gemma, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+        "gemma3": Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
     }
 
+# the reference's attention: transformers' SDPA path drops Gemma 2's soft-capping (eager applies it)
+ATTENTION = {"gemma2": "eager"}
 
-def save_tiny_model(name: str, path: Path, embedded_path: Path, seed: int):
-    """Build the `name` model with random weights (seeded), save it with the embedded tokenizer to `path`;
-    returns the HF model (fp32, eval) as the reference."""
+
+def save_tiny_model(name: str, path: Path, embedded_path: Path, seed: int, config=None):
+    """Build the `name` model (or `config`'s) with random weights (seeded), save it with the embedded tokenizer to
+    `path`; returns the HF model (fp32, eval) as the reference."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_configs()[name]
+    config = config or tiny_configs()[name]
     config.vocab_size = 49152
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [config.__class__.__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=ATTENTION.get(name, "sdpa")).eval()
     model.save_pretrained(path)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(embedded_path / file, path / file)
