@@ -88,7 +88,7 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
 
 
 def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> None:
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import read_field
 
     from kvforge.plugins.quant.gguf import int4_bytes_per_weight
@@ -103,8 +103,7 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
 
     arch = field("general.architecture")
     entry.architecture = arch
-    file_type = field("general.file_type")
-    entry.quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+    entry.quantization = gguf_quantization(reader)
     element, int4_bytes = DTYPES[dtype].itemsize, int4_bytes_per_weight()
     weights, parameters, names = 0.0, 0, set()
     for tensor in reader.tensors:
@@ -122,6 +121,16 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
         field(f"{arch}.embedding_length") // field(f"{arch}.attention.head_count"))
     kv = context * kv_bytes_per_token(layers, kv_heads, head_dim, DTYPES[dtype])
     entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
+
+
+def gguf_quantization(reader) -> str | None:
+    """A GGUF's file type as llama.cpp names it (Q4_1, Q4_K_M), from an open GGUFReader; None where the file does
+    not say."""
+    from gguf import LlamaFileType
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    file_type = next(iter(read_field(reader, "general.file_type")), None)
+    return LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
 
 
 def _size(n: int | None) -> str:

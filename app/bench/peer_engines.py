@@ -18,7 +18,7 @@ STDERR_TAIL_LINES = 25
 class Engine:
     name: str
     kind: str  # the worker's runner: hf | kvforge | vllm | llama.cpp
-    dtype: str
+    dtype: str  # llama.cpp: the GGUF's own quantization, filled in per run from the file (q4_1, q4_k_m)
     peer: str | None = None  # vllm | llama: runs in that peer's interpreter
 
 
@@ -27,10 +27,10 @@ ENGINES = (
     Engine("kvforge-fp32", "kvforge", "float32"),
     Engine("kvforge-bf16", "kvforge", "bfloat16"),
     Engine("kvforge-4bit", "kvforge", "bfloat16"),
-    Engine("kvforge-gguf", "kvforge", "bfloat16"),  # the embedded GGUF itself, from its Q4_1 blocks (gguf plugin)
+    Engine("kvforge-gguf", "kvforge", "bfloat16"),  # the GGUF itself, from its quantized blocks (gguf plugin)
     Engine("vllm-bf16", "vllm", "bfloat16", peer="vllm"),
     Engine("vllm-fp32", "vllm", "float32", peer="vllm"),
-    Engine("llama.cpp-q4_1", "llama.cpp", "q4_1", peer="llama"),
+    Engine("llama.cpp", "llama.cpp", "gguf", peer="llama"),  # named without a quantization: --gguf changes it
 )
 # --http: the server each kind of engine runs as (HF transformers has none)
 SERVERS = {"kvforge": "kvforge serve", "vllm": "vllm serve", "llama.cpp": "python -m llama_cpp.server"}

@@ -1,12 +1,13 @@
-"""`kvforge bench peers`: kvforge side by side with other CPU engines on the embedded model, in one run.
+"""`kvforge bench peers`: kvforge side by side with other CPU engines on one GGUF, in one run: the embedded
+model's Q4_1 GGUF, or --gguf FILE (e.g. Gemma 3 270M Q4_K_M).
 
 Engines, each in a process of its own, one after another (peer_worker.py): HF transformers in fp32 (the
-reference every ratio is taken against), kvforge in fp32 and bf16 (dense), kvforge-gguf (the embedded Q4_1
-GGUF itself, served from its blocks: the gguf plugin), a 4-bit checkpoint with --kvforge-4bit DIR, and, when
-their virtualenvs are found, vLLM CPU in bf16 and fp32 (on kvforge's safetensors conversion of the embedded
-GGUF) and llama.cpp (llama-cpp-python on the embedded Q4_1 GGUF itself). A peer that is not installed is
-reported as skipped, with why; an engine that fails is reported with the tail of its stderr, and the others
-still run.
+reference every ratio is taken against), kvforge in fp32 and bf16 (dense), kvforge-gguf (the GGUF itself, served
+from its quantized blocks: the gguf plugin), a 4-bit checkpoint with --kvforge-4bit DIR, and, when their
+virtualenvs are found, vLLM CPU in bf16 and fp32 and llama.cpp (llama-cpp-python on the GGUF itself). The dense
+engines (HF, kvforge fp32 / bf16, vLLM) all read kvforge's safetensors conversion of the GGUF (the loader's,
+cached), so every engine runs the same weights. A peer that is not installed is reported as skipped, with why;
+an engine that fails is reported with the tail of its stderr, and the others still run.
 
 Every engine gets the same token ids (the chat prompts of workloads.chat_messages with kvforge's chat
 template applied), greedy, forced to --output-tokens tokens (EOS ignored), prefix caching off. At batch B
@@ -16,7 +17,8 @@ not), and the ratios against HF fp32, vLLM bf16 and llama.cpp measured in the sa
 engine runs N times, the engines taking turns (A B A B ...), and each figure is the median over the rounds (the
 ratios: medians of each round's own ratios, also listed).
 
-With --http the same engines run as OpenAI-compatible servers under a load generator (peers_http.py).
+With --http the same engines run as OpenAI-compatible servers under a load generator (peers_http.py), on the
+same files.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvforge.app.bench.arguments import int_list
@@ -90,6 +93,18 @@ def run_engine(run: EngineRun, job: dict, workdir: Path, timeout: float, env: di
     return run
 
 
+def bench_gguf(args: argparse.Namespace) -> Path:
+    """The GGUF every engine runs: --gguf FILE, else the embedded model's (absolute: the workers run elsewhere)."""
+    from kvforge.core.loader import embedded_gguf_path
+
+    if not args.gguf:
+        return embedded_gguf_path()
+    path = Path(args.gguf).expanduser().resolve()
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ValueError(f"--gguf {args.gguf}: not a .gguf file")
+    return path
+
+
 def _selected(args: argparse.Namespace) -> list[Engine]:
     names = [e.name for e in ENGINES]
     kinds = {e.name: e.kind for e in ENGINES}
@@ -113,8 +128,11 @@ def _selected(args: argparse.Namespace) -> list[Engine]:
 # --- the command ------------------------------------------------------------------------------------------------
 
 def run_peers(args: argparse.Namespace) -> int:
+    from gguf import GGUFReader
+
+    from kvforge.app.model_catalog import gguf_quantization
     from kvforge.core.cpu import cpu_model_and_flags, isa
-    from kvforge.core.loader import EMBEDDED_MODEL, embedded_gguf_path, resolve_model
+    from kvforge.core.loader import EMBEDDED_MODEL, resolve_model
     from kvforge.core.tokenizer import Tokenizer
 
     if args.http and args.batches is not None:
@@ -126,9 +144,11 @@ def run_peers(args: argparse.Namespace) -> int:
     for name in ("prompts", "output_tokens", "threads", "input_tokens", "rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    engines = _selected(args)
+    selected, gguf = _selected(args), bench_gguf(args)
+    file_type = (gguf_quantization(GGUFReader(str(gguf))) or "gguf").lower()  # llama.cpp runs the file as it is
+    engines = [replace(e, dtype=file_type) if e.kind == "llama.cpp" else e for e in selected]
     quantized = str(resolve_model(args.kvforge_4bit)) if args.kvforge_4bit else None
-    model_dir, gguf = resolve_model(None), embedded_gguf_path()  # vLLM reads kvforge's conversion of the GGUF
+    model_dir = resolve_model(str(gguf))  # the dense engines read kvforge's conversion of the GGUF
     threads = args.threads or len(usable_cpus())
     requests = requests_per_batch(args.prompts, batches)
     tokenizer = Tokenizer(model_dir)
@@ -204,9 +224,10 @@ def run_peers(args: argparse.Namespace) -> int:
             prompt_info = {"source": "random", "input_tokens": args.input_tokens, "seed": args.seed}
         else:
             prompt_info["source"] = "chat"
-    report = {"command": "kvforge bench peers" + (" --http" if setup else ""),
-              "model": f"{EMBEDDED_MODEL} (the embedded model)", "cpu": cpu, "options": options,
-              "prompts": prompt_info, "requests_per_batch": {str(b): n for b, n in requests.items()},
+    model = str(gguf) if args.gguf else f"{EMBEDDED_MODEL} (the embedded model)"
+    report = {"command": "kvforge bench peers" + (" --http" if setup else ""), "model": model, "cpu": cpu,
+              "options": options, "prompts": prompt_info,
+              "requests_per_batch": {str(b): n for b, n in requests.items()},
               "engines": [r.summary() | {"round": number} for number, runs in enumerate(rounds, 1) for r in runs],
               "rows": median_rows([measurement_rows(runs, args.output_tokens, lengths) for runs in rounds])}
     print_report(report)
@@ -231,6 +252,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     peers.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: the usable CPUs)")
     peers.add_argument("--kv-cache-gb", type=float, default=2.0,
                        help="KV cache of kvforge and vLLM (VLLM_CPU_KVCACHE_SPACE) in GiB (default: 2)")
+    peers.add_argument("--gguf", default=None, metavar="FILE",
+                       help="the GGUF to compare on (default: the embedded model's): llama.cpp and kvforge-gguf run "
+                            "the file, the dense engines kvforge's safetensors conversion of it")
     peers.add_argument("--kvforge-4bit", default=None, metavar="DIR",
                        help="also kvforge on this 4-bit GPTQ / AWQ checkpoint in bf16 (e.g. from `kvforge quantize`)")
     peers.add_argument("--peers-dir", default=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvforge.app.bench.peer_engines import EngineRun
 from kvforge.app.bench.report import fmt, ms, percentile
 
-REFERENCES = {"vs_hf": "hf-fp32", "vs_vllm_bf16": "vllm-bf16", "vs_llama_cpp": "llama.cpp-q4_1"}
+REFERENCES = {"vs_hf": "hf-fp32", "vs_vllm_bf16": "vllm-bf16", "vs_llama_cpp": "llama.cpp"}
 RATIO_TITLES = {"vs_hf": "vs HF", "vs_vllm_bf16": "vs vLLM bf16", "vs_llama_cpp": "vs llama.cpp"}
 
 def measurement_rows(runs: list[EngineRun], output_tokens: int, prompt_lens: list[int]) -> list[dict]:

@@ -32,7 +32,7 @@ def run(embedded_path, tmp_path_factory):
     # one thread: on a busy machine a second one stalls every OpenMP barrier while it waits for a core
     result = subprocess.run(
         [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--engines",
-         "hf-fp32,kvforge-fp32,vllm-bf16,llama.cpp-q4_1", "--vllm-python", str(tmp / "missing" / "python"),
+         "hf-fp32,kvforge-fp32,vllm-bf16,llama.cpp", "--vllm-python", str(tmp / "missing" / "python"),
          "--prompts", str(PROMPTS), "--batches", ",".join(map(str, BATCHES)), "--output-tokens", str(OUTPUT_TOKENS),
          "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=env)
@@ -54,11 +54,12 @@ def test_table_names_the_cpu_and_every_engine_per_batch(run):
 def test_missing_peers_are_skipped_with_why(run):
     stdout, report = run
     engines = {e["engine"]: e for e in report["engines"]}
-    for name in ("vllm-bf16", "llama.cpp-q4_1"):
+    for name in ("vllm-bf16", "llama.cpp"):
         assert engines[name]["status"] == "skipped"
         assert engines[name]["why"].startswith("not installed: no ")
         assert any(line.split()[:2] == [name, "skipped"] for line in stdout.splitlines())
-    assert "missing" in engines["vllm-bf16"]["why"] and "no-peers-here" in engines["llama.cpp-q4_1"]["why"]
+    assert "missing" in engines["vllm-bf16"]["why"] and "no-peers-here" in engines["llama.cpp"]["why"]
+    assert engines["llama.cpp"]["dtype"] == "q4_1"  # the embedded GGUF's file type, read from the file
     assert engines["hf-fp32"]["status"] == engines["kvforge-fp32"]["status"] == "ok"
     assert not any(r["engine"].startswith(("vllm", "llama")) for r in report["rows"])
 
@@ -81,6 +82,28 @@ def test_rows_are_sane_and_ratios_come_from_the_same_run(run):
     assert all(rows[("kvforge-fp32", b)]["tpot_s"]["p50"] > 0 for b in BATCHES)
 
 
+def test_gguf_runs_the_same_comparison_on_another_file(gemma_gguf_path, tmp_path):
+    """--gguf: kvforge-gguf serves that file (Gemma 3 270M, Q4_K_M) from its blocks, the report names it, and
+    llama.cpp's quantization is the file's, not the embedded model's."""
+    out = tmp_path / "gemma.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--gguf", str(gemma_gguf_path), "--engines",
+         "kvforge-gguf,llama.cpp", "--no-peers", "--prompts", "1", "--batches", "1", "--output-tokens",
+         str(OUTPUT_TOKENS), "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["model"] == str(gemma_gguf_path.resolve()) and f"peers: {report['model']};" in result.stdout
+    engines = {e["engine"]: e for e in report["engines"]}
+    assert engines["kvforge-gguf"]["status"] == "ok"
+    assert engines["llama.cpp"]["status"] == "skipped" and engines["llama.cpp"]["dtype"] == "q4_k_m"
+    (row,) = report["rows"]
+    assert row["engine"] == "kvforge-gguf" and row["generated_tokens"] == OUTPUT_TOKENS and row["output_tok_s"] > 0
+    refused = subprocess.run([sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--gguf",
+                              str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "missing.gguf: not a .gguf file" in refused.stderr
+
+
 def test_a_failing_engine_is_reported_with_its_stderr_and_keeps_what_it_measured(tmp_path):
     from kvforge.app.bench.peers import ENGINES, EngineRun, run_engine
 
@@ -96,7 +119,7 @@ def test_a_failing_engine_is_reported_with_its_stderr_and_keeps_what_it_measured
         sys.exit(3)
     """))
     fake.chmod(0o755)
-    run = EngineRun(next(e for e in ENGINES if e.name == "llama.cpp-q4_1"), python=str(fake))
+    run = EngineRun(next(e for e in ENGINES if e.name == "llama.cpp"), python=str(fake))
     run_engine(run, {"kind": "llama.cpp"}, tmp_path, timeout=60, env=dict(os.environ))
     assert run.status == "failed" and run.why == "exit code 3"
     assert "the peer fell over" in run.stderr_tail
