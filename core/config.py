@@ -121,6 +121,11 @@ class EngineConfig:
     def native_gguf(self) -> bool:
         return loads_gguf_natively(self.quant, self.gguf_dense)
 
+    def context_length(self, hf_config) -> int:
+        """The longest sequence (prompt + output) this engine serves: max_model_len, at most the model's own."""
+        model_len = getattr(hf_config, "max_position_embeddings", None) or 1 << 30
+        return min(self.max_model_len or model_len, model_len)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

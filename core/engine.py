@@ -96,8 +96,7 @@ class LLMEngine:
                     self.config, self.hf_config, self.model_path, self.tokenizer, self.runner.model,
                     self.runner.kernels))
                 self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)
-            model_len = getattr(self.hf_config, "max_position_embeddings", None) or 1 << 30
-            self.max_model_len = min(self.config.max_model_len or model_len, model_len)
+            self.max_model_len = self.config.context_length(self.hf_config)
             # a drafter with KV of its own shares the budget: both pools hold the same number of tokens
             draft_bytes = self.speculator.proposer.kv_bytes_per_block(self.config.block_size) if self.speculator else 0
             num_blocks = self.config.num_kv_blocks or max(

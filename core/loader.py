@@ -167,8 +167,9 @@ def load_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
-def build_model(config, dtype: torch.dtype, quant: QuantConfig) -> nn.Module:
-    return model_class_for(config)(config, quant, dtype)
+def build_model(config, dtype: torch.dtype, quant: QuantConfig, context_len: int | None = None) -> nn.Module:
+    """`context_len`: the longest sequence served (long-context rope variants choose their factors by it)."""
+    return model_class_for(config)(config, quant, dtype, context_len=context_len)
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -126,7 +126,7 @@ class ModelRunner:
         kernels = resolve_kernels(config.kernels, torch.device(config.device))
         with torch.device(config.device), kernel_backend(kernels):
             model = build_model(hf_config, config.torch_dtype, QuantConfig.for_checkpoint(
-                quant_cls, options, checkpoint_quantization(hf_config, model_path)))
+                quant_cls, options, checkpoint_quantization(hf_config, model_path)), config.context_length(hf_config))
         load_weights(model, model_path, progress=progress,
                      transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
         return model, kernels, quant_cls.cuda_graph_safe

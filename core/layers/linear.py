@@ -116,11 +116,30 @@ class ColumnParallelLinear(LinearBase):
         if dim is None:
             _copy_shared(param, loaded)
             return
+        if shard_id is None and len(self.output_sizes) > 1:  # a checkpoint that fused them already (Phi-3)
+            self._load_fused(param, loaded, dim)
+            return
         index = 0 if shard_id is None else self._shard_index(shard_id)
         sizes = self.out_features_per_shard
         offset, size, source = (stored_size(param, dim, features) for features in (
             sum(sizes[:index]), sizes[index], self._source_start(index)))
         _copy(param.data.narrow(dim, offset, size), loaded.narrow(dim, source, size))
+
+    def _load_fused(self, param, loaded: torch.Tensor, dim: int) -> None:
+        """Each shard's part of a fused checkpoint tensor (full sizes, in stored units along `dim`), loaded as if
+        the checkpoint held it apart: tensor parallelism and packing as for separate projections."""
+        start = 0
+        for shard_id, features in zip(self.shard_ids, self.output_sizes):
+            size = stored_size(param, dim, features)
+            self.weight_loader(param, loaded.narrow(dim, start, size), shard_id)
+            start += size
+        if start != loaded.shape[dim]:
+            raise ValueError(f"{self.prefix}: a fused checkpoint tensor of {loaded.shape[dim]} rows along axis {dim} "
+                             f"does not hold the {start} of its projections")
+
+    @property
+    def shard_ids(self) -> list[str | int]:
+        return list(range(len(self.output_sizes)))
 
     def _source_start(self, index: int) -> int:
         """Where this rank's output features of shard `index` start in the checkpoint tensor."""
@@ -154,6 +173,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _shard_index(self, shard_id: str | int) -> int:
         return {"q": 0, "k": 1, "v": 2}[shard_id]
+
+    @property
+    def shard_ids(self) -> list[str | int]:
+        return ["q", "k", "v"]
 
 
 class RowParallelLinear(LinearBase):

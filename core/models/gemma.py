@@ -155,7 +155,7 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(CausalLM):
-    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, context_len: int | None = None) -> None:
         super().__init__()
         self.config = config
         quant = quant.with_packed_modules(self.packed_modules_mapping)

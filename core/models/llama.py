@@ -1,8 +1,10 @@
 """The Llama family on the paged KV cache: Llama 2/3 (rope scaling), Mistral (sliding window),
-Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); tied or separate embeddings.
+Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm) and Phi-3 / Phi-4-mini (checkpoints with q/k/v and gate/up already
+fused, long-rope scaling, a partial rotary dimension, a sliding window on every layer); tied or separate embeddings.
 
 Parameter names follow the HF checkpoints, except that q/k/v and gate/up are fused; the loader
-uses `packed_modules_mapping` to route each checkpoint tensor to its shard. Each linear layer gets its
+uses `packed_modules_mapping` to route each checkpoint tensor to its shard (a fused checkpoint tensor is split by
+the layer itself). Each linear layer gets its
 quant method from the QuantConfig by its dotted name (`prefix`).
 """
 
@@ -17,7 +19,7 @@ from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.norm import RMSNorm
-from kvforge.core.layers.rotary import RotaryEmbedding, rotate
+from kvforge.core.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate
 from kvforge.core.models.causal_lm import CausalLM
 from kvforge.core.quant_config import QuantConfig
 
@@ -30,7 +32,7 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "phi3"):  # every layer (transformers' Mistral and Phi-3 alike)
         return getattr(config, "sliding_window", None)
     return None
 
@@ -59,7 +61,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotate = rotate
-        if use_triton():  # rotates in place, in one kernel
+        # the Triton kernel rotates whole heads in place, in one pass
+        if use_triton() and rotary_dim_of(config, self.head_dim) == self.head_dim:
             from kvforge.core.kernels.fused import rotary_inplace
 
             self.rotate = rotary_inplace
@@ -115,13 +118,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str = "model") -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str = "model",
+                 context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, quant, dtype, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), context_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """`num_layers`: run only the first layers (a draft made of the model itself), then the final norm."""
@@ -134,10 +138,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, context_len: int | None = None) -> None:
         super().__init__()
         self.config = config
         quant = quant.with_packed_modules(self.packed_modules_mapping)
-        self.model = LlamaModel(config, quant, dtype)
+        self.model = LlamaModel(config, quant, dtype, context_len=context_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

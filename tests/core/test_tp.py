@@ -107,7 +107,7 @@ def _tiny(tmp_path_factory, embedded_path, name: str) -> tuple:
     return path, random_prompts((1, 5, 17, 40, 63), seed=7)
 
 
-TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "llama-1-kv-head"]
+TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head"]
 
 
 @pytest.mark.parametrize("arch", TP_ARCHS)

@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: c
 pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
-@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2"])
+@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3"])
 def tiny(request, tmp_path_factory, embedded_path):
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_model(request.param, path, embedded_path, seed=4321)

@@ -1,6 +1,7 @@
 """Tiny random-weight models of each architecture (Llama 3 rope scaling, Mistral sliding window, Qwen2 qkv
-bias, Qwen3 q/k norms, Gemma 2 soft-capping (caps small enough to bend every score) and Gemma 3's alternating
-windows), built from configs and saved with the embedded model's tokenizer."""
+bias, Qwen3 q/k norms, Gemma 2 soft-capping (caps small enough to bend every score), Gemma 3's alternating
+windows, Phi-3 / Phi-4-mini's fused checkpoint tensors, long-rope and partial rotary dimension), built from configs
+and saved with the embedded model's tokenizer."""
 
 from __future__ import annotations
 
@@ -31,7 +32,28 @@ def tiny_configs() -> dict:
         "gemma3": Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+        "phi3": phi3_config(original_context=COMMON["max_position_embeddings"]),
     }
+
+
+def phi3_config(original_context: int):
+    """Phi-4-mini's shape in small: 3/4 of each head turns, long-rope factors (short and long differ), a window on
+    every layer, tied embeddings. With `original_context` below max_position_embeddings the long factors apply
+    past it (and an attention factor from the ratio); at max_position_embeddings only the short ones ever do, as
+    transformers chooses them, so a prompt of any length compares with it exactly (the explicit attention factor
+    is then the scaling under test)."""
+    from transformers import Phi3Config
+
+    turned = int(COMMON["hidden_size"] // COMMON["num_attention_heads"] * 0.75) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": original_context,
+            "short_factor": [1.0 + 0.1 * i for i in range(turned)],
+            "long_factor": [2.0 + 0.5 * i for i in range(turned)]}
+    if original_context == COMMON["max_position_embeddings"]:
+        rope["attention_factor"] = 1.19
+    return Phi3Config(**COMMON, rope_parameters=rope, original_max_position_embeddings=original_context,
+                      sliding_window=32, tie_word_embeddings=True)
+
 
 # the reference's attention: transformers' SDPA path drops Gemma 2's soft-capping (eager applies it)
 ATTENTION = {"gemma2": "eager"}
