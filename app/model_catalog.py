@@ -91,8 +91,7 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import read_field
 
-    from kvforge.plugins.quant.gguf import int4_bytes_per_weight
-    from kvforge.plugins.quant.gguf_blocks import FOUR_BIT
+    from kvforge.plugins.quant.gguf import held_bytes_per_weight
 
     entry.format = "gguf"
     entry.size_bytes = path.stat().st_size
@@ -104,18 +103,21 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
     arch = field("general.architecture")
     entry.architecture = arch
     entry.quantization = gguf_quantization(reader)
-    element, int4_bytes = DTYPES[dtype].itemsize, int4_bytes_per_weight()
+    element = DTYPES[dtype].itemsize
     weights, parameters, names = 0.0, 0, set()
-    for tensor in reader.tensors:
+    for tensor in reader.tensors:  # projections (and a separate head) as the gguf plugin holds them; the rest dense
         count = int(tensor.n_elements)
         parameters += count
         names.add(tensor.name)
-        int4 = tensor.tensor_type in FOUR_BIT and len(tensor.shape) == 2 and \
-            not tensor.name.startswith(("token_embd", "output.")) and DTYPES[dtype] == DTYPES["bfloat16"]
-        weights += count * (int4_bytes if int4 else element)
+        held = None if len(tensor.shape) != 2 or tensor.name.startswith("token_embd") else \
+            held_bytes_per_weight(tensor.tensor_type, DTYPES[dtype])
+        weights += count * (held[0] if held else element)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if "output.weight" not in names and embed is not None:  # a tied head: the LM head holds its own copy
-        weights += int(embed.n_elements) * element
+    if "output.weight" not in names and embed is not None:  # a tied head, from the embedding's blocks
+        held = held_bytes_per_weight(embed.tensor_type, DTYPES[dtype])
+        weights += int(embed.n_elements) * (held[0] if held else element)
+        if held and held[1] == "int8":  # the embedding reads its rows from the head's codes: no dense copy
+            weights -= int(embed.n_elements) * element
     layers, kv_heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count_kv")
     head_dim = field(f"{arch}.attention.key_length") or (
         field(f"{arch}.embedding_length") // field(f"{arch}.attention.head_count"))

@@ -360,9 +360,8 @@ class LLMEngine:
 
     def runtime(self) -> RuntimeInfo:
         runner = self.runner
-        table = runner.model.model.embed_tokens.weight
         return RuntimeInfo(str(runner.device), runner.kernels, list(runner.graphs.sizes) if runner.graphs else None,
-                           runner.weight_bytes(), table.numel() * table.element_size(), runner.kv_cache_bytes,
+                           runner.weight_bytes(), runner.model.model.embed_tokens.table_bytes, runner.kv_cache_bytes,
                            runner.kv_bytes_per_block / runner.block_size,
                            {c.key: c.choice for c in runner.kernel_choices})
 

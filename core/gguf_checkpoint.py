@@ -5,8 +5,10 @@ stored in a GGUF block type stays quantized: its blocks are decoded losslessly (
 into three safetensors tensors beside where the dense weight would be, `<name>.qcodes` (int8 [N, K]),
 `<name>.qscales` and `<name>.qoffsets` (fp32 [N, K / 16]: every type's groups written at the finest group
 size, 16, so that the projections fused into one layer -- q/k/v of a Q4_K_M file mix Q4_K, Q6_K, Q8_0 --
-share one layout). Embeddings, norms, a separate LM head and F32 / F16 / BF16 projections are stored
-dequantized in fp32, exactly as transformers' GGUF loader gives them. config.json says
+share one layout). The LM head too, from the file's output tensor or, for a tied head, from the token
+embedding's blocks (`"lm_head": true` in the quantization config: kvforge otherwise keeps heads dense): at a large
+vocabulary (Gemma's 262k) the head is most of a decode step's weight reads. Embeddings, norms and F32 / F16 / BF16
+projections are stored dequantized in fp32, exactly as transformers' GGUF loader gives them. config.json says
 `quantization_config: {"quant_method": "gguf", ...}`, listing the projections kept dense.
 
 Tensor names and the per-architecture fix-ups (Llama's Q / K row permutation, Gemma's norm offset) come from
@@ -23,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NATIVE_CONVERTER_VERSION = "2"  # bump when the layout written here changes
+NATIVE_CONVERTER_VERSION = "3"  # bump when the layout written here changes
 STORED_GROUP = 16  # the group size every quantized projection is written at (the finest GGUF type's)
 
 
@@ -59,24 +61,27 @@ def write_native(gguf: Path, out: Path) -> None:
     names = get_gguf_hf_weights_map(reference, processor)
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, object] = {}  # HF projection name (no ".weight") -> GroupCodes
+    tied = getattr(config, "tie_word_embeddings", False)
     for tensor in reader.tensors:
         name = names.get(tensor.name)
         if name is None:
             continue
         qtype = tensor.tensor_type
-        if name.endswith("_proj.weight") and qtype in DECODERS:
+        head = name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight")
+        if (name.endswith("_proj.weight") or head) and qtype in DECODERS:
             codes = decode(tensor.data, qtype)
             codes.codes, codes.scales = _rows(processor, tensor.name, codes.codes), \
                 _rows(processor, tensor.name, codes.scales)
             if codes.offsets is not None:
                 codes.offsets = _rows(processor, tensor.name, codes.offsets)
-            quantized[name.removesuffix(".weight")] = codes
-            continue
+            quantized["lm_head" if head else name.removesuffix(".weight")] = codes
+            if name != "model.embed_tokens.weight":  # the embedding itself is stored dense below
+                continue
         if qtype not in FLOAT_TYPES and qtype not in DECODERS:
             decode(tensor.data, qtype)  # raises: the type is not supported
         weights = processor.process(weights=dequantize(tensor.data, qtype), name=tensor.name).weights
         tensors[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
-    if getattr(config, "tie_word_embeddings", False):
+    if tied or "lm_head" in quantized:
         tensors.pop("lm_head.weight", None)
 
     dense_modules = _mixed_fused_layers(quantized, tensors, packed)
@@ -86,7 +91,7 @@ def write_native(gguf: Path, out: Path) -> None:
     for module, codes in quantized.items():
         for suffix, value in zip(("qcodes", "qscales", "qoffsets"), codes.stored(STORED_GROUP)):
             tensors[f"{module}.{suffix}"] = value
-    config.quantization_config = {"quant_method": "gguf", "group_size": STORED_GROUP,
+    config.quantization_config = {"quant_method": "gguf", "group_size": STORED_GROUP, "lm_head": "lm_head" in quantized,
                                   "modules_to_not_convert": sorted(dense_modules), "source": gguf.name}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
     config.save_pretrained(out)

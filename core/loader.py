@@ -238,6 +238,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
     for module in model.modules():
         if hasattr(module, "process_after_loading"):
             module.process_after_loading()
+    if hasattr(model, "after_loading"):  # what the whole model does once its layers are ready
+        model.after_loading()
 
 
 def _tensor_names(path: Path) -> Iterator[str]:

@@ -2,8 +2,9 @@
 `QuantizationConfig.get_quant_method(layer, prefix)`).
 
 Every linear layer asks `method_for(prefix)` with its name in the model ("model.layers.0.mlp.down_proj",
-"lm_head"). The LM head and the modules named in `modules_to_not_convert` stay dense; every other linear
-gets the engine's quant method. `modules_to_not_convert` comes from the checkpoint's quantization_config
+"lm_head"). The LM head (unless the checkpoint's quantization config says `"lm_head": true`, as GPTQModel's
+and kvforge's GGUF checkpoints may) and the modules named in `modules_to_not_convert` stay dense; every other
+linear gets the engine's quant method. `modules_to_not_convert` comes from the checkpoint's quantization_config
 (what GPTQ, AWQ and transformers' bitsandbytes checkpoints carry; bitsandbytes calls it
 `llm_int8_skip_modules`) and from the user's quant options, under the same name; names match as in
 transformers (`should_convert_module`), so a checkpoint means here what it means there.
@@ -18,7 +19,7 @@ from typing import Any
 
 from kvforge.core.plugins import DENSE_MODULES_OPTION, QuantMethod
 
-ALWAYS_DENSE = ("lm_head",)  # quantized checkpoints keep the head unquantized, and so does kvforge
+ALWAYS_DENSE = ("lm_head",)  # quantized checkpoints keep the head unquantized unless they say `"lm_head": true`
 CHECKPOINT_DENSE_KEYS = ("modules_to_not_convert", "llm_int8_skip_modules")
 
 
@@ -65,7 +66,8 @@ class QuantConfig:
                        quantization_config: dict[str, Any] | None) -> QuantConfig:
         """`options` as the method validated them (the user's `modules_to_not_convert` among them)."""
         plugin_options = {k: v for k, v in options.items() if k != DENSE_MODULES_OPTION}
-        dense = ALWAYS_DENSE + tuple(options.get(DENSE_MODULES_OPTION, ())) + \
+        quantized_head = bool((quantization_config or {}).get("lm_head"))  # GPTQModel's flag; the gguf checkpoint's
+        dense = (() if quantized_head else ALWAYS_DENSE) + tuple(options.get(DENSE_MODULES_OPTION, ())) + \
             checkpoint_dense_modules(quantization_config)
         return cls(method, plugin_options, dense)
 

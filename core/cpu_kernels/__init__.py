@@ -35,6 +35,8 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32],
     "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
+    "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
+    "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
 }
 
 
@@ -195,4 +197,42 @@ def dequant_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tenso
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     _run("dequant_int4", codes.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), rows, cols,
          torch.get_num_threads())
+    return out
+
+
+def _check_int8_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> int:
+    """The group size of int8 codes [outs, cols] with fp32 scales / offsets [outs, cols / group], all contiguous."""
+    outs, cols = codes.shape
+    if not (codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.dim() == 2
+            and scales.shape[0] == outs and scales.shape[1] and cols % scales.shape[1] == 0
+            and codes.is_contiguous() and scales.is_contiguous()
+            and (offsets is None or (offsets.shape == scales.shape and offsets.dtype == torch.float32
+                                     and offsets.is_contiguous()))):
+        raise ValueError("int8 codes: codes int8 [outs, cols], scales / offsets fp32 [outs, cols / group], contiguous")
+    return cols // scales.shape[1]
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor | None) -> torch.Tensor:
+    """x [..., cols] @ W.T with W = codes * scale + offset per group (core/cpu_kernels/dequant.c), fp32 math, in x's
+    dtype (fp32 / bf16 / fp16)."""
+    group = _check_int8_codes(codes, scales, offsets)
+    outs, cols = codes.shape
+    rows = x.reshape(-1, cols)
+    if rows.stride(-1) != 1 or x.dtype not in DTYPE_CODES:
+        rows = rows.contiguous().float() if x.dtype not in DTYPE_CODES else rows.contiguous()
+    out = torch.empty(rows.shape[0], outs, dtype=rows.dtype)
+    if rows.shape[0]:
+        _run("int8_linear", rows.data_ptr(), rows.stride(0), out.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+             None if offsets is None else offsets.data_ptr(), rows.shape[0], outs, cols, group,
+             DTYPE_CODES[rows.dtype], torch.get_num_threads())
+    return out.view(*x.shape[:-1], outs).to(x.dtype)
+
+
+def dequant_int8(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """The bf16 weight [outs, cols] of int8 codes with fp32 scales / offsets per group (int8_linear's W)."""
+    group = _check_int8_codes(codes, scales, offsets)
+    out = torch.empty(codes.shape, dtype=torch.bfloat16)
+    _run("dequant_int8", codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+         out.data_ptr(), codes.shape[0], codes.shape[1], group, torch.get_num_threads())
     return out

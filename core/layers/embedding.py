@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +20,27 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         rows = max(0, min(self.shard_size, vocab_size - self.vocab_start))
+        self.rows = rows
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.shared_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def share_rows(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Read rows (this rank's vocabulary shard, by local index) from another holder of the same table -- a tied
+        head's codes, dequantized to exactly the values of the dense copy -- and free the dense copy."""
+        self.dtype = self.weight.dtype
+        self.shared_rows = lookup
+        self.weight = None
+
+    @property
+    def table_bytes(self) -> int:
+        """What the table holds of its own (0 when its rows come from the head)."""
+        return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        return self.shared_rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded.narrow(0, self.vocab_start, param.shape[0])
@@ -29,10 +50,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.vocab_start
-        mask = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mask.unsqueeze(-1)
+        mask = (local >= 0) & (local < self.rows)
+        out = self._lookup(local.clamp(0, self.rows - 1)) * mask.unsqueeze(-1)
         torch.distributed.all_reduce(out)
         return out
 

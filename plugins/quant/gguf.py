@@ -10,10 +10,16 @@ GGUF's dequantized values). After loading, each layer goes to the fastest exact 
   where it loses (timed once per shape on this machine, `wide_rows`) a call expands the weight to bf16 with a
   C kernel (core/cpu_kernels/dequant.c, from a second copy of the codes: +0.5 byte per weight) and runs
   oneDNN's bf16 GEMM; where that never wins, or the C kernels cannot build, the copy is not kept;
+- `int8` (CPU, bf16 compute, where the C kernels build): the other types (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K) as their
+  int8 codes with fp32 scales (and offsets where the type has them) per group of 16 or 32: a C matmul reading the
+  codes (1.1-1.3 bytes per weight instead of bf16's 2: a decode step is bound by reading weights) with fp32 math
+  (core/cpu_kernels/dequant.c); from the row count where it loses (timed per shape, `wide_rows`) a call expands the
+  weight to bf16 and runs the bf16 GEMM. A GGUF's LM head is one of these layers (the tied embedding's codes);
 - `dense`: the weight dequantized once into the model dtype (exact in fp32: bit for bit what transformers'
-  GGUF loader gives; Q5 / Q6 / Q8 types, fp32 models and CUDA take it for now), then whatever the dense
-  method runs (F.linear or oneDNN's prepacked linear, chosen by timing).
-`auto` picks int4pack where the layer's codes are 4-bit and the model computes in bf16 on CPU.
+  GGUF loader gives; fp32 models and CUDA take it), then whatever the dense method runs (F.linear or oneDNN's
+  prepacked linear, chosen by timing).
+`auto` picks int4pack where the layer's codes are 4-bit and int8 for the others, where the model computes in bf16
+on CPU; dense elsewhere.
 """
 
 from __future__ import annotations
@@ -23,13 +29,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
-from kvforge.plugins.quant.gguf_blocks import affine_weight
+from kvforge.plugins.quant.gguf_blocks import FOUR_BIT, affine_weight
 
-KERNELS = ("auto", "int4pack", "dense")
-WIDE_ROWS = (16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the int4 kernel
+KERNELS = ("auto", "int4pack", "int8", "dense")
+# the int8 path's group (scales kept at 32 where the type's groups are) and whether the type has offsets
+INT8_GROUPS = {GGMLQuantizationType.Q5_0: (32, False), GGMLQuantizationType.Q5_1: (32, True),
+               GGMLQuantizationType.Q8_0: (32, False), GGMLQuantizationType.Q5_K: (32, True),
+               GGMLQuantizationType.Q6_K: (16, False)}
+WIDE_ROWS = (4, 8, 16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the kernels
+TIMED_OUTPUTS = 16384
 
 
 def int4_bytes_per_weight() -> float:
@@ -41,39 +53,71 @@ def int4_bytes_per_weight() -> float:
     return 0.5 + 4 / 32 + (0.5 if unavailable() is None else 0.0)
 
 
-def expanded_linear(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) in bf16, W expanded from its 4-bit codes first (core/cpu_kernels.dequant_int4)."""
-    from kvforge.core.cpu_kernels import dequant_int4
+def int8_bytes_per_weight(group: int, offsets: bool) -> float | None:
+    """What a layer on the int8 path holds per weight (for estimates): its codes, an fp32 scale (and offset) per
+    group; None where the C kernels cannot build (the layer is then dense)."""
+    from kvforge.core.cpu_kernels import unavailable
 
-    weight = dequant_int4(nibbles, scales_zeros)
+    return None if unavailable() is not None else 1 + (8 if offsets else 4) / group
+
+
+def held_bytes_per_weight(qtype: GGMLQuantizationType, dtype: torch.dtype) -> tuple[float, str] | None:
+    """What `auto` holds per weight of a projection of `qtype` after loading on CPU in `dtype`, and the path
+    ("int4pack" / "int8"), for estimates before loading; None: dense in the dtype."""
+    if dtype != COMPUTE_DTYPE:
+        return None
+    if qtype in FOUR_BIT and int4pack_available():
+        return int4_bytes_per_weight(), "int4pack"
+    held = int8_bytes_per_weight(*INT8_GROUPS[qtype]) if qtype in INT8_GROUPS else None
+    return None if held is None else (held, "int8")
+
+
+def expanded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) in bf16, with W just expanded from its codes (core/cpu_kernels: dequant_int4 / dequant_int8)."""
     return F.linear(x.to(COMPUTE_DTYPE), weight, None if bias is None else bias.to(COMPUTE_DTYPE)).to(x.dtype)
 
 
+def int8_layer_linear(x: torch.Tensor, int8: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) from int8 codes, scales and offsets (core/cpu_kernels.int8_linear), in x's dtype."""
+    from kvforge.core.cpu_kernels import int8_linear
+
+    out = int8_linear(x, *int8)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 @functools.cache
-def wide_rows(out_features: int, in_features: int, threads: int) -> int | None:
-    """The fewest timed rows from which expanding a 4-bit weight of this shape to bf16 and running the bf16
-    GEMM beats torch's int4 matmul at every larger timed count (random weights: the speed does not depend on
-    their values); None: it never does, or the C kernels cannot run here. Timed once per shape and process."""
-    from kvforge.core.cpu_kernels import pack_nibbles, unavailable
+def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> int | None:
+    """The fewest timed rows from which expanding a weight of this shape to bf16 and running the bf16 GEMM beats
+    the `kind` kernel ("int4pack": torch's int4 matmul; "int8": the int8-code C kernel) at every larger timed
+    count (random weights: the speed does not depend on their values); None: it never does, or the C kernels
+    cannot run here. Timed once per shape and process, on at most TIMED_OUTPUTS of the output features: both
+    paths cost in proportion to them (a 262k-vocabulary head timed whole added 10 s to loading)."""
+    from kvforge.core.cpu_kernels import dequant_int4, dequant_int8, pack_nibbles, unavailable
     from kvforge.core.kernel_choice import time_calls
 
     if unavailable() is not None:
         return None
-    q = torch.randint(0, 16, (out_features, in_features))
-    scales = torch.rand(out_features, in_features // 32) / 64
-    packed = pack_int4_affine(q, scales, -8 * scales, 32)
-    if packed is None:
-        return None
-    nibbles = pack_nibbles(q)
+    out_features = min(out_features, TIMED_OUTPUTS)
     inputs = {rows: torch.randn(rows, in_features, dtype=COMPUTE_DTYPE) for rows in WIDE_ROWS}
-    us = time_calls({
-        "int4pack": {r: (lambda x=x: int4_linear(x, packed)) for r, x in inputs.items()},
-        "expand": {r: (lambda x=x: expanded_linear(x, nibbles, packed.scales_and_zeros)) for r, x in inputs.items()},
-    }, min_total=0.002).us
+    if kind == "int4pack":
+        q = torch.randint(0, 16, (out_features, in_features))
+        scales = torch.rand(out_features, in_features // 32) / 64
+        packed = pack_int4_affine(q, scales, -8 * scales, 32)
+        if packed is None:
+            return None
+        nibbles = pack_nibbles(q)
+        kernel = {r: (lambda x=x: int4_linear(x, packed)) for r, x in inputs.items()}
+        expand = {r: (lambda x=x: expanded_linear(x, dequant_int4(nibbles, packed.scales_and_zeros)))
+                  for r, x in inputs.items()}
+    else:
+        int8 = (torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8),
+                torch.rand(out_features, in_features // 32) / 64, None)
+        kernel = {r: (lambda x=x: int8_layer_linear(x, int8)) for r, x in inputs.items()}
+        expand = {r: (lambda x=x: expanded_linear(x, dequant_int8(*int8))) for r, x in inputs.items()}
+    us = time_calls({kind: kernel, "expand": expand}, min_total=0.002).us
     threshold = None
     for rows in reversed(WIDE_ROWS):
-        if us["expand"][rows] >= us["int4pack"][rows]:
+        if us["expand"][rows] >= us[kind][rows]:
             break
         threshold = rows
     return threshold
@@ -82,12 +126,14 @@ def wide_rows(out_features: int, in_features: int, threads: int) -> int | None:
 class GgufMethod(DenseMethod):
     name = "gguf"
     description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K): 4-bit types "
-                   "through torch's int4 kernel in bf16, the others dequantized once into the model dtype.")
+                   "through torch's int4 kernel in bf16, the others through an int8-code kernel in bf16; "
+                   "dequantized once into the model dtype in fp32 and on CUDA.")
     settings = {
         "group_size": {"type": "integer", "enum": [16], "default": 16,
                        "description": "input features per stored scale / offset (the checkpoint's layout)"},
         "kernel": {"type": "string", "enum": list(KERNELS), "default": "auto",
-                   "description": "int4pack (CPU, 4-bit types, bf16 compute), dense (dequantized once) or auto"},
+                   "description": "int4pack (CPU, 4-bit types, bf16 compute), int8 (CPU, any type, bf16 compute), "
+                                  "dense (dequantized once) or auto"},
     }
 
     @classmethod
@@ -114,6 +160,7 @@ class GgufMethod(DenseMethod):
         layer.weight = None
         layer.packed_weight = None
         layer.int4 = None
+        layer.int8 = None  # (codes, scales, offsets or None) on the int8 path
         layer.nibbles = None  # the codes for the expand-then-GEMM path (`wide_rows`), when it is faster somewhere
         layer.wide_rows = None
         layer.weight_bytes = 0
@@ -122,7 +169,7 @@ class GgufMethod(DenseMethod):
         codes, scales, offsets = layer.qcodes.data, layer.qscales.data, layer.qoffsets.data
         for name in ("qcodes", "qscales", "qoffsets"):
             delattr(layer, name)
-        if self._use_int4pack(layer, codes, scales, offsets):
+        if self._use_int4pack(layer, codes, scales, offsets) or self._use_int8(layer, codes, scales, offsets):
             return
         weight = affine_weight(codes, scales, offsets, self.options["group_size"])
         layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
@@ -139,7 +186,7 @@ class GgufMethod(DenseMethod):
                 codes, o = codes.to(torch.int32) + 8, o - 8 * s
             layer.int4 = pack_int4_affine(codes, s, o, 32)
             if layer.int4 is not None:
-                layer.wide_rows = wide_rows(codes.shape[0], codes.shape[1], torch.get_num_threads())
+                layer.wide_rows = wide_rows("int4pack", codes.shape[0], codes.shape[1], torch.get_num_threads())
                 if layer.wide_rows is not None:
                     from kvforge.core.cpu_kernels import pack_nibbles
 
@@ -150,6 +197,29 @@ class GgufMethod(DenseMethod):
         if wanted == "int4pack":
             raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the int4pack kernel: {why}")
         return False
+
+    def _use_int8(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
+        from kvforge.core.cpu_kernels import unavailable
+
+        wanted = self.options["kernel"]
+        if wanted == "dense":
+            return False
+        why = unavailable()
+        if codes.device.type != "cpu":
+            why = "it runs on CPU"
+        elif layer.params_dtype != torch.bfloat16:
+            why = "it computes in bf16, and the model runs in " + str(layer.params_dtype).removeprefix("torch.")
+        if why is not None:
+            if wanted == "int8":
+                raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the int8 kernel: {why}")
+            return False
+        if scales.shape[1] % 2 == 0 and torch.equal(scales[:, ::2], scales[:, 1::2]) and \
+                torch.equal(offsets[:, ::2], offsets[:, 1::2]):  # a type with groups of 32: half the scales
+            scales, offsets = scales[:, ::2].contiguous(), offsets[:, ::2].contiguous()
+        layer.int8 = (codes, scales, None if not offsets.any() else offsets)  # symmetric types: no offsets
+        layer.wide_rows = wide_rows("int8", codes.shape[0], codes.shape[1], torch.get_num_threads())
+        layer.weight_bytes = sum(t.numel() * t.element_size() for t in layer.int8 if t is not None)
+        return True
 
     @staticmethod
     def _int4pack_refusal(layer, codes, scales, offsets) -> str | None:
@@ -167,11 +237,30 @@ class GgufMethod(DenseMethod):
         return None
 
     def kernels(self, layer):
-        return {} if layer.int4 is not None else super().kernels(layer)
+        return {} if layer.int4 is not None or layer.int8 is not None else super().kernels(layer)
+
+    @staticmethod
+    def row_lookup(layer):
+        """The layer's weight rows by index, dequantized from its int8 codes in fp32 (exactly GGUF's values): a tied
+        embedding served from the head's codes; None where the layer keeps no int8 codes."""
+        if layer.int8 is None:
+            return None
+        codes, scales, offsets = layer.int8
+        group = codes.shape[1] // scales.shape[1]
+        return lambda ids: affine_weight(codes[ids], scales[ids], None if offsets is None else offsets[ids], group)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        wide = layer.wide_rows is not None and x.numel() >= layer.wide_rows * x.shape[-1]
         if layer.int4 is not None:
-            if layer.nibbles is not None and x.numel() >= layer.wide_rows * x.shape[-1]:
-                return expanded_linear(x, layer.nibbles, layer.int4.scales_and_zeros, bias)
+            if wide and layer.nibbles is not None:
+                from kvforge.core.cpu_kernels import dequant_int4
+
+                return expanded_linear(x, dequant_int4(layer.nibbles, layer.int4.scales_and_zeros), bias)
             return int4_linear(x, layer.int4, bias)
+        if layer.int8 is not None:
+            if wide:
+                from kvforge.core.cpu_kernels import dequant_int8
+
+                return expanded_linear(x, dequant_int8(*layer.int8), bias)
+            return int8_layer_linear(x, layer.int8, bias)
         return super().apply(layer, x, bias)

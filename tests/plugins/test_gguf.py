@@ -21,6 +21,7 @@ from kvforge.core.sampling import SamplingParams
 from kvforge.plugins.quant.cpu_kernels import int4pack_available
 from kvforge.plugins.quant.gguf import GgufMethod
 from kvforge.plugins.quant.gguf_blocks import DECODERS, FOUR_BIT, decode
+from tests.helpers.optional_parts import require
 from tests.helpers.parity import logprobs_close
 
 T = GGMLQuantizationType
@@ -100,12 +101,58 @@ def test_int4pack_kernel_matches_the_dequantized_weight(qtype, rows):
     assert (got - expected).abs().max() <= 2e-2 * scale, ((got - expected).abs().max(), scale)
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
-def test_wider_codes_refuse_the_int4_kernel_by_name_and_auto_goes_dense(qtype):
+def _c_kernels():
+    from kvforge.core.cpu_kernels import unavailable
+
+    require(unavailable() is None, f"the C kernels do not build here: {unavailable()}")
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q6_K, T.Q8_0, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_wider_codes_take_the_int8_kernel(qtype, rows):
+    """Codes wider than 4 bits: int4pack refuses them by name; auto runs them from their int8 codes (groups of 32
+    kept at 32, offsets only where the type has them) in fp32 math, within bf16 output rounding of x @ W.T; from
+    `wide_rows` rows the weight is expanded to bf16 (exactly bf16(W)) for the bf16 GEMM; fp32 models stay dense."""
+    from kvforge.core.cpu_kernels import dequant_int8
+
+    _c_kernels()
     with pytest.raises(ValueError, match="cannot use the int4pack kernel: its codes are wider than 4 bits"):
         gguf_layer(qtype, torch.bfloat16, "int4pack")
     layer, weight = gguf_layer(qtype, torch.bfloat16, "auto")
-    assert layer.int4 is None and torch.equal(layer.weight, weight.to(torch.bfloat16))
+    codes, scales, offsets = layer.int8
+    assert layer.int4 is None and layer.weight is None
+    assert scales.shape[1] == weight.shape[1] // (32 if qtype in (T.Q5_0, T.Q5_1, T.Q8_0, T.Q5_K) else 16)
+    assert (offsets is None) == (qtype in (T.Q5_0, T.Q6_K, T.Q8_0))
+    assert torch.equal(dequant_int8(*layer.int8), weight.to(torch.bfloat16))
+    x = torch.randn(rows, weight.shape[1]).to(torch.bfloat16)
+    expected = x.double() @ weight.double().T
+    layer.wide_rows = None  # the int8 kernel at every row count
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6 * expected.abs().max()).all()
+    layer.wide_rows = 1  # the expand-then-GEMM path
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight.to(torch.bfloat16)))
+    assert gguf_layer(qtype, torch.float32, "auto")[0].int8 is None
+    with pytest.raises(ValueError, match="cannot use the int8 kernel: it computes in bf16"):
+        gguf_layer(qtype, torch.float32, "int8")
+
+
+def test_int8_kernel_rows_do_not_depend_on_the_batch():
+    """A row's result is the same alone or among others (the kernel's blocks of rows and outputs, and a tail of
+    outputs past them): bit for bit."""
+    from kvforge.core.cpu_kernels import int8_linear
+
+    _c_kernels()
+    torch.manual_seed(0)
+    codes = torch.randint(-128, 128, (70, 96), dtype=torch.int8)
+    scales, offsets = torch.rand(70, 6), torch.randn(70, 6)
+    x = torch.randn(11, 96).to(torch.bfloat16)
+    together = int8_linear(x, codes, scales, offsets)
+    alone = torch.cat([int8_linear(x[i:i + 1], codes, scales, offsets) for i in range(11)])
+    assert torch.equal(together, alone)
+    w = codes.double() * scales.double().repeat_interleave(16, 1) + offsets.double().repeat_interleave(16, 1)
+    assert torch.allclose(int8_linear(x.float(), codes, scales, offsets).double(), x.double() @ w.T, rtol=1e-5,
+                          atol=1e-4)
 
 
 def test_fused_projections_of_different_types_share_one_layer():
@@ -182,7 +229,7 @@ def test_the_wide_path_expands_the_int4_weight_exactly():
                 + sz[:, :, 1].T.repeat_interleave(32, 1)).to(torch.bfloat16)
     assert torch.equal(dequant_int4(pack_nibbles(codes), layer.int4.scales_and_zeros), expected)
     x = torch.randn(40, 512)
-    wide = expanded_linear(x, pack_nibbles(codes), layer.int4.scales_and_zeros)
+    wide = expanded_linear(x, dequant_int4(pack_nibbles(codes), layer.int4.scales_and_zeros))
     assert torch.equal(wide, torch.nn.functional.linear(x.to(torch.bfloat16), expected).float())
     reference = x @ weight.T
     assert (wide - reference).abs().max() <= 2e-2 * reference.abs().max()
