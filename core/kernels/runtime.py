@@ -7,24 +7,43 @@ triton 3.9 decides interpreted vs compiled when a function is jitted, not when i
 `record_launches()` records every `Kernel` launch made inside it (kernel, grid, arguments), so a test can
 compile exactly the launches the code makes ahead of time for a GPU it does not have (see aot.py). With
 `dry_run=True` nothing runs and the host code takes the compiled-GPU path even on a CPU machine.
+
+triton itself is imported at first need (`triton` / `tl` of this module, a kernel's first launch): a CPU engine
+that runs none of these kernels does not carry it (71 MiB of resident memory, measured on the embedded model).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-try:
+# CPU machines without triton still import the layers; kernels report it instead
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def _triton():
+    """The triton package, imported on first use."""
     import triton
-    import triton.language as tl
-except ImportError:  # CPU machines without triton still import the layers; kernels report it instead
-    triton = None
-    tl = None
+    import triton.language  # noqa: F401  (tl)
+
+    return triton
+
+
+def __getattr__(name: str):
+    """`triton` and `tl` for the kernel modules (None where triton is not installed), imported when first asked."""
+    if name in ("triton", "tl"):
+        if not TRITON_INSTALLED:
+            return None
+        return _triton() if name == "triton" else _triton().language
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Set only inside `record_launches`: the normal launch path pays one global check for them.
@@ -35,19 +54,23 @@ _dry_run = False
 def interpreting() -> bool:
     """True when TRITON_INTERPRET=1 is in force: kernels run on CPU tensors through the interpreter.
     False inside `record_launches(dry_run=True)`, so host code picks what a compiled launch would."""
-    return triton is not None and not _dry_run and bool(triton.knobs.runtime.interpret)
+    if not TRITON_INSTALLED or _dry_run:
+        return False
+    if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
+        return False  # neither the environment nor an imported triton's knobs ask for it: no import needed
+    return bool(_triton().knobs.runtime.interpret)
 
 
 def triton_available() -> bool:
     """Whether Triton kernels can run here: triton importable and a CUDA device (or TRITON_INTERPRET=1)."""
-    if triton is None:
+    if not TRITON_INSTALLED:
         return False
     return interpreting() or torch.cuda.is_available()
 
 
 def check_runnable(*tensors: torch.Tensor, name: str) -> None:
     """ValueError unless the tensors share one device the kernel `name` can run on."""
-    if triton is None:
+    if not TRITON_INSTALLED:
         raise RuntimeError(f"{name} needs the `triton` package")
     devices = {t.device for t in tensors}
     if len(devices) != 1:
@@ -72,7 +95,7 @@ class Kernel:
     def _jit(self):
         interpret = interpreting()
         if interpret not in self._jitted:
-            self._jitted[interpret] = triton.jit(self.fn)
+            self._jitted[interpret] = _triton().jit(self.fn)
         return self._jitted[interpret]
 
     def _record(self, into: list[Launch], dry_run: bool, grid, *args, **kwargs) -> None:
@@ -130,10 +153,10 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
     CUDA when triton is installed, else "torch"); "triton" where it cannot run is a ValueError."""
     if kernels == "torch":
         return "torch"
-    runnable = triton is not None and (device.type == "cuda" or interpreting())
+    runnable = TRITON_INSTALLED and (device.type == "cuda" or interpreting())
     if kernels == "auto":
         return "triton" if device.type == "cuda" and runnable else "torch"
     if not runnable:
-        why = "the `triton` package is not installed" if triton is None else f"the model runs on {device.type}"
+        why = "the `triton` package is not installed" if not TRITON_INSTALLED else f"the model runs on {device.type}"
         raise ValueError(f"kernels='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU): {why}")
     return "triton"
