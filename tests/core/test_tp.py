@@ -95,14 +95,14 @@ def test_forked_samples_get_their_partial_block_copied_on_every_rank(embedded_pa
     assert samples[2] == samples[1]
 
 
-def _tiny(tmp_path_factory, embedded_path, name: str) -> tuple:
-    """A tiny random model of tests/helpers/tiny_models.py (or one with a single KV head: fewer than the ranks,
-    so each rank holds it and half of the query heads) and its prompts."""
+def _tiny(tmp_path_factory, embedded_path, name: str, config=None) -> tuple:
+    """A tiny random model of tests/helpers/tiny_models.py, or `config`'s, or one with a single KV head (fewer than
+    the ranks, so each rank holds it and half of the query heads); and its prompts."""
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp(name)
-    config = LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False) \
-        if name == "llama-1-kv-head" else None
+    if name == "llama-1-kv-head":
+        config = LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False)
     save_tiny_model(name, path, embedded_path, seed=1234, config=config)
     return path, random_prompts((1, 5, 17, 40, 63), seed=7)
 
