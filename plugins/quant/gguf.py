@@ -15,11 +15,14 @@ GGUF's dequantized values). After loading, each layer goes to the fastest exact 
   codes (1.1-1.3 bytes per weight instead of bf16's 2: a decode step is bound by reading weights) with fp32 math
   (core/cpu_kernels/dequant.c); from the row count where it loses (timed per shape, `wide_rows`) a call expands the
   weight to bf16 and runs the bf16 GEMM. A GGUF's LM head is one of these layers (the tied embedding's codes);
+- `triton` (CUDA; on CPU under TRITON_INTERPRET=1 when named): every type through the Triton dequantize-GEMM
+  (plugins/quant/triton_gemm.py) from its codes packed in 4 or 8 bits, an integer zero and the fp32 scales and
+  offsets: W = scale * (q - zero) + offset, GGUF's values, dequantized tile by tile;
 - `dense`: the weight dequantized once into the model dtype (exact in fp32: bit for bit what transformers'
-  GGUF loader gives; fp32 models and CUDA take it), then whatever the dense method runs (F.linear or oneDNN's
+  GGUF loader gives; fp32 models on CPU take it), then whatever the dense method runs (F.linear or oneDNN's
   prepacked linear, chosen by timing).
-`auto` picks int4pack where the layer's codes are 4-bit and int8 for the others, where the model computes in bf16
-on CPU; dense elsewhere.
+`auto` picks int4pack where the layer's codes are 4-bit and int8 for the others where the model computes in bf16
+on CPU, triton on CUDA where triton is installed, dense elsewhere.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pa
 from kvforge.plugins.quant.dense import DenseMethod
 from kvforge.plugins.quant.gguf_blocks import FOUR_BIT, affine_weight
 
-KERNELS = ("auto", "int4pack", "int8", "dense")
+KERNELS = ("auto", "int4pack", "int8", "triton", "dense")
 # the int8 path's group (scales kept at 32 where the type's groups are) and whether the type has offsets
 INT8_GROUPS = {GGMLQuantizationType.Q5_0: (32, False), GGMLQuantizationType.Q5_1: (32, True),
                GGMLQuantizationType.Q8_0: (32, False), GGMLQuantizationType.Q5_K: (32, True),
@@ -75,6 +78,29 @@ def held_bytes_per_weight(qtype: GGMLQuantizationType, dtype: torch.dtype) -> tu
 def expanded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) in bf16, with W just expanded from its codes (core/cpu_kernels: dequant_int4 / dequant_int8)."""
     return F.linear(x.to(COMPUTE_DTYPE), weight, None if bias is None else bias.to(COMPUTE_DTYPE)).to(x.dtype)
+
+
+def triton_layout(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> dict:
+    """The dequantize-GEMM's arguments for codes [N, K] (int8) with fp32 scales / offsets [N, K / group]: the codes
+    as unsigned 4-bit (where they fit) or 8-bit words with one integer zero (q - zero = the code, exactly), scales
+    and offsets transposed to [groups, N] (groups of 32 where the type's are), offsets dropped when all zero."""
+    from kvforge.plugins.quant.packing import pack_cols, pack_rows
+
+    lo, hi = int(codes.min()), int(codes.max())
+    bits = 4 if (0 <= lo and hi <= 15) or (-8 <= lo and hi <= 7) else 8
+    zero = 0 if lo >= 0 and bits == 4 else 1 << (bits - 1)
+    n, k = codes.shape
+    if scales.shape[1] % 2 == 0 and torch.equal(scales[:, ::2], scales[:, 1::2]) and \
+            torch.equal(offsets[:, ::2], offsets[:, 1::2]):
+        scales, offsets = scales[:, ::2], offsets[:, ::2]
+    group = k // scales.shape[1]
+    per = 32 // bits
+    columns = -(-n // per) * per  # the zeros are packed along N in whole words
+    zeros = torch.full((scales.shape[1], columns), zero, dtype=torch.int32)
+    return {"qweight": pack_rows((codes.to(torch.int32) + zero).T.contiguous(), bits).to(codes.device),
+            "scales": scales.T.contiguous(), "qzeros": pack_cols(zeros, bits).to(codes.device),
+            "g_idx": (torch.arange(k, device=codes.device) // group).to(torch.int32), "bits": bits,
+            "offsets": offsets.T.contiguous() if offsets.any() else None}
 
 
 def int8_layer_linear(x: torch.Tensor, int8: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,7 +159,7 @@ class GgufMethod(DenseMethod):
                        "description": "input features per stored scale / offset (the checkpoint's layout)"},
         "kernel": {"type": "string", "enum": list(KERNELS), "default": "auto",
                    "description": "int4pack (CPU, 4-bit types, bf16 compute), int8 (CPU, any type, bf16 compute), "
-                                  "dense (dequantized once) or auto"},
+                                  "triton (CUDA), dense (dequantized once) or auto"},
     }
 
     @classmethod
@@ -161,6 +187,7 @@ class GgufMethod(DenseMethod):
         layer.packed_weight = None
         layer.int4 = None
         layer.int8 = None  # (codes, scales, offsets or None) on the int8 path
+        layer.triton = None  # triton_gemm.dequant_gemm's arguments on the triton path
         layer.nibbles = None  # the codes for the expand-then-GEMM path (`wide_rows`), when it is faster somewhere
         layer.wide_rows = None
         layer.weight_bytes = 0
@@ -169,7 +196,8 @@ class GgufMethod(DenseMethod):
         codes, scales, offsets = layer.qcodes.data, layer.qscales.data, layer.qoffsets.data
         for name in ("qcodes", "qscales", "qoffsets"):
             delattr(layer, name)
-        if self._use_int4pack(layer, codes, scales, offsets) or self._use_int8(layer, codes, scales, offsets):
+        if self._use_triton(layer, codes, scales, offsets) or self._use_int4pack(layer, codes, scales, offsets) or \
+                self._use_int8(layer, codes, scales, offsets):
             return
         weight = affine_weight(codes, scales, offsets, self.options["group_size"])
         layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
@@ -197,6 +225,22 @@ class GgufMethod(DenseMethod):
         if wanted == "int4pack":
             raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the int4pack kernel: {why}")
         return False
+
+    def _use_triton(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
+        from kvforge.plugins.quant.triton_gemm import triton_available
+
+        wanted = self.options["kernel"]
+        if wanted not in ("auto", "triton") or (wanted == "auto" and codes.device.type != "cuda"):
+            return False
+        if not triton_available():
+            if wanted == "triton":
+                raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the triton kernel: it needs triton "
+                                 "and a CUDA device (or TRITON_INTERPRET=1)")
+            return False
+        layer.triton = triton_layout(codes, scales, offsets)
+        layer.weight_bytes = sum(t.numel() * t.element_size() for t in layer.triton.values()
+                                 if isinstance(t, torch.Tensor))
+        return True
 
     def _use_int8(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
         from kvforge.core.cpu_kernels import unavailable
@@ -236,9 +280,6 @@ class GgufMethod(DenseMethod):
             return "its groups are smaller than 32"
         return None
 
-    def kernels(self, layer):
-        return {} if layer.int4 is not None or layer.int8 is not None else super().kernels(layer)
-
     @staticmethod
     def row_lookup(layer):
         """The layer's weight rows by index, dequantized from its int8 codes in fp32 (exactly GGUF's values): a tied
@@ -250,6 +291,11 @@ class GgufMethod(DenseMethod):
         return lambda ids: affine_weight(codes[ids], scales[ids], None if offsets is None else offsets[ids], group)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.triton is not None:
+            from kvforge.plugins.quant.triton_gemm import dequant_gemm
+
+            out = dequant_gemm(x, **layer.triton)
+            return out if bias is None else out + bias.to(out.dtype)
         wide = layer.wide_rows is not None and x.numel() >= layer.wide_rows * x.shape[-1]
         if layer.int4 is not None:
             if wide and layer.nibbles is not None:

@@ -8,7 +8,8 @@ Layout (K = in_features, N = out_features, G = number of groups, per = 32 // bit
 - `scales` [G, N] (fp16 / bf16 / fp32); `g_idx` int32 or int64 [K], the group of each input row, in any
   order (desc_act / act-order makes it non-monotonic).
 W[n, k] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]); the reference is
-`kvforge.plugins.quant.packing.Quantized.dequantize`.
+`kvforge.plugins.quant.packing.Quantized.dequantize`. With `offsets` [G, N] (GGUF's types with a minimum:
+Q4_1, Q4_K, Q5_1, Q5_K) W[n, k] = scales * (q - z) + offsets[g_idx[k], n], computed in fp32.
 
 Kernel: one program per (BLOCK_M x BLOCK_N) output tile, looping over K in BLOCK_K steps. Each step
 loads the x tile, the BLOCK_K x BLOCK_N slice of qweight words (each word is read once per row it
@@ -37,11 +38,11 @@ DEFAULT_BLOCK_K = 32
 
 
 def _dequant_gemm_kernel(
-    x_ptr, qweight_ptr, scales_ptr, qzeros_ptr, g_idx_ptr, out_ptr,
+    x_ptr, qweight_ptr, scales_ptr, qzeros_ptr, g_idx_ptr, offsets_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-    stride_om, stride_on,
-    BITS: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    stride_og, stride_on2, stride_om, stride_on,
+    BITS: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER_WORD: tl.constexpr = 32 // BITS
@@ -78,6 +79,9 @@ def _dequant_gemm_kernel(
         zeros = (zwords >> zeros_shift) & MAXQ
 
         w = (q - zeros).to(tl.float32) * scales  # dequantized W.T tile, zero where masked
+        if HAS_OFFSETS:
+            w = w + tl.load(offsets_ptr + offs_n[None, :] * stride_on2 + g * stride_og, mask=mask_kn,
+                            other=0.0).to(tl.float32)
         if BF16_BY_HAND:
             # Interpreter only: its tl.dot multiplies bf16 operands as raw uint16 and its fp32 -> bf16
             # casts truncate. Round w to bf16 (nearest even) in fp32 and dot in fp32: the same numbers.
@@ -108,9 +112,9 @@ def _check_block(name: str, value: int) -> None:
 
 def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
                  g_idx: torch.Tensor, bits: int, *, block_m: int | None = None, block_n: int = DEFAULT_BLOCK_N,
-                 block_k: int = DEFAULT_BLOCK_K) -> torch.Tensor:
+                 block_k: int = DEFAULT_BLOCK_K, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp16 / bf16 / fp32) @ W.T -> [M, N] in x.dtype,
-    with W[n, k] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]).
+    with W[n, k] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]) (+ offsets[g_idx[k], n]).
 
     Leading dimensions of x are flattened ([..., K] -> [..., N]). Accumulates in fp32; fp32 inputs use
     IEEE fp32 products (no TF32), like torch's default matmul. Raises ValueError for shapes, dtypes or
@@ -145,7 +149,10 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         raise ValueError(f"g_idx must be int32 or int64 [K] = [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
     if k and groups == 0:
         raise ValueError("scales and qzeros have no groups")
-    check_runnable(x, qweight, scales, qzeros, g_idx, name="dequant_gemm")
+    if offsets is not None and (offsets.shape != scales.shape or offsets.dtype not in FLOAT_DTYPES):
+        raise ValueError(f"offsets must be float [G, N] = {tuple(scales.shape)}, got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    check_runnable(x, qweight, scales, qzeros, g_idx, *([] if offsets is None else [offsets]), name="dequant_gemm")
     interpret = interpreting()
 
     lead = x.shape[:-1]
@@ -163,13 +170,14 @@ def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     # fp32 dots use IEEE products, not TF32 (input_precision only matters for fp32 operands). Compiled
     # kernels run bf16 tensor-core dots; the interpreter gets the same numbers through fp32 (see kernel).
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    offs = scales if offsets is None else offsets  # a placeholder pointer when there are none
     _kernel[grid](
-        x2, qweight, scales, qzeros, g_idx, out,
+        x2, qweight, scales, qzeros, g_idx, offs, out,
         m, n, k,
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        qzeros.stride(0), qzeros.stride(1), out.stride(0), out.stride(1),
+        qzeros.stride(0), qzeros.stride(1), offs.stride(0), offs.stride(1), out.stride(0), out.stride(1),
         BITS=bits, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BF16_BY_HAND=interpret and x.dtype == torch.bfloat16,
+        BF16_BY_HAND=interpret and x.dtype == torch.bfloat16, HAS_OFFSETS=offsets is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return out.reshape(*lead, n)

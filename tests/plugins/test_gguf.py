@@ -10,38 +10,21 @@ from importlib.resources import files
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 from kvforge.core import LLM
-from kvforge.core.layers.linear import ReplicatedLinear
 from kvforge.core.loader import embedded_gguf_path
 from kvforge.core.perplexity import perplexity
 from kvforge.core.sampling import SamplingParams
 from kvforge.plugins.quant.cpu_kernels import int4pack_available
 from kvforge.plugins.quant.gguf import GgufMethod
 from kvforge.plugins.quant.gguf_blocks import DECODERS, FOUR_BIT, decode
+from tests.helpers.gguf_layers import gguf_layer, random_blocks
 from tests.helpers.optional_parts import require
 from tests.helpers.parity import logprobs_close
 
 T = GGMLQuantizationType
-# byte offsets of each type's fp16 scale(s): random bytes elsewhere are valid codes, there they could be NaN
-FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
-               T.Q5_K: (0, 2), T.Q6_K: (208,)}
-
-
-def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """A [rows, cols] tensor of `qtype` with random codes and sub-scales and small random fp16 scales."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
-    blocks = raw.reshape(-1, size)
-    for offset in FP16_FIELDS[qtype]:
-        scale = rng.normal(0, 0.01, size=(blocks.shape[0], 1)).astype(np.float16)
-        blocks[:, offset:offset + 2] = scale.view(np.uint8)
-    return raw
-
-
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
 def test_decoding_reproduces_gguf_dequantize_bit_for_bit(qtype):
     raw = random_blocks(qtype, 8, 512)
@@ -64,19 +47,6 @@ def test_decoding_real_files_tensors(gemma_gguf_path):
 def test_an_unsupported_type_is_named_with_the_way_out():
     with pytest.raises(ValueError, match="IQ2_XXS is not supported natively.*--gguf-dense"):
         decode(np.zeros((1, 66), dtype=np.uint8), T.IQ2_XXS)
-
-
-def gguf_layer(qtype: GGMLQuantizationType, dtype: torch.dtype, kernel: str, rows: int = 64, cols: int = 512):
-    """A linear layer of the gguf method loaded with `qtype` weights as the converter stores them; and W."""
-    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):  # gguf-py quantizes these from real values
-        raw = quantize(np.random.default_rng(1).normal(0, 0.05, size=(rows, cols)).astype(np.float32), qtype)
-    else:
-        raw = random_blocks(qtype, rows, cols, seed=1)
-    layer = ReplicatedLinear(cols, rows, quant_method=GgufMethod(kernel=kernel), params_dtype=dtype)
-    for param, value in zip((layer.qcodes, layer.qscales, layer.qoffsets), decode(raw, qtype).stored(16)):
-        layer.weight_loader(param, value)
-    layer.process_after_loading()
-    return layer, torch.from_numpy(dequantize(raw, qtype))
 
 
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
