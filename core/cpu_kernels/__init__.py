@@ -218,9 +218,9 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     dtype (fp32 / bf16 / fp16)."""
     group = _check_int8_codes(codes, scales, offsets)
     outs, cols = codes.shape
-    rows = x.reshape(-1, cols)
-    if rows.stride(-1) != 1 or x.dtype not in DTYPE_CODES:
-        rows = rows.contiguous().float() if x.dtype not in DTYPE_CODES else rows.contiguous()
+    rows = x.reshape(-1, cols) if x.dtype in DTYPE_CODES else x.reshape(-1, cols).float()
+    if rows.stride(-1) != 1:  # the kernel takes any row stride, not strided rows
+        rows = rows.contiguous()
     out = torch.empty(rows.shape[0], outs, dtype=rows.dtype)
     if rows.shape[0]:
         _run("int8_linear", rows.data_ptr(), rows.stride(0), out.data_ptr(), codes.data_ptr(), scales.data_ptr(),

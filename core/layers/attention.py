@@ -21,7 +21,7 @@ from torch import nn
 
 from kvforge.core.context import KernelBatch, PrefillSeq, StepContext, get_context
 from kvforge.core.layers.backend import use_triton
-from kvforge.core.layers.decode_attention import DECODE_VARIANTS, soft_cap
+from kvforge.core.layers.decode_attention import DECODE_VARIANTS, masked_scores
 
 
 class Attention(nn.Module):
@@ -137,11 +137,7 @@ class Attention(nn.Module):
             queries = (q[seq.start + first:seq.start + last].float() * self.scale).view(last - first, kv_heads,
                                                                                           group, head_dim)
             queries = queries.transpose(0, 1).reshape(kv_heads, (last - first) * group, head_dim)
-            rows = mask[:, first * group:last * group]
-            if self.softcap is None:
-                scores = torch.baddbmm(rows, queries, keys.transpose(1, 2))
-            else:  # capped before the mask: tanh would turn its -inf into -cap
-                scores = soft_cap(torch.bmm(queries, keys.transpose(1, 2)), self.softcap).add_(rows)
+            scores = masked_scores(queries, keys, mask[:, first * group:last * group], self.softcap)
             attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, tokens * group, head_dim]
             out[first:last] = attended.view(kv_heads, last - first, group * head_dim).transpose(0, 1).reshape(
                 last - first, -1)

@@ -47,6 +47,17 @@ def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
     return scores.div_(cap).tanh_().mul_(cap)
 
 
+def masked_scores(queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
+                  softcap: float | None) -> torch.Tensor:
+    """queries @ keys.T (batched) plus the additive mask (None: none), soft-capped first where `softcap` is given:
+    tanh would turn the mask's -inf into -cap."""
+    if softcap is None:
+        keys_t = keys.transpose(1, 2)
+        return torch.bmm(queries, keys_t) if mask is None else torch.baddbmm(mask, queries, keys_t)
+    scores = soft_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap)
+    return scores if mask is None else scores.add_(mask)
+
+
 def visible_positions(lengths: torch.Tensor, padded: int, window: int | None) -> torch.Tensor | None:
     """[g, padded] bool: the gathered keys each sequence sees (its context, within the window); None: all."""
     needs_window = window is not None and int(lengths.max()) > window
@@ -77,14 +88,7 @@ def bmm_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale:
     if kv.dtype != torch.float32:
         kv = kv.float()
     keys, values = kv.view(2, g * kv_heads, -1, head_dim).unbind(0)
-    if mask is None or softcap is not None:  # capped before the mask: tanh would turn its -inf into -cap
-        scores = torch.bmm(queries, keys.transpose(1, 2))
-        if softcap is not None:
-            soft_cap(scores, softcap)
-        if mask is not None:
-            scores += mask
-    else:
-        scores = torch.baddbmm(mask, queries, keys.transpose(1, 2))
+    scores = masked_scores(queries, keys, mask, softcap)
     out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [g * kv_heads, queries per kv head, head_dim]
     return out.view(g, -1).to(q.dtype)
 

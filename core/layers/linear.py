@@ -138,8 +138,8 @@ class ColumnParallelLinear(LinearBase):
                              f"does not hold the {start} of its projections")
 
     @property
-    def shard_ids(self) -> list[str | int]:
-        return list(range(len(self.output_sizes)))
+    def shard_ids(self) -> tuple[str | int, ...]:
+        return tuple(range(len(self.output_sizes)))
 
     def _source_start(self, index: int) -> int:
         """Where this rank's output features of shard `index` start in the checkpoint tensor."""
@@ -171,12 +171,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         # this rank's heads (a KV head may be replicated on several ranks)
         return (self.heads.q_first if index == 0 else self.heads.kv_first) * self.head_dim
 
-    def _shard_index(self, shard_id: str | int) -> int:
-        return {"q": 0, "k": 1, "v": 2}[shard_id]
+    shard_ids = ("q", "k", "v")
 
-    @property
-    def shard_ids(self) -> list[str | int]:
-        return ["q", "k", "v"]
+    def _shard_index(self, shard_id: str | int) -> int:
+        return self.shard_ids.index(shard_id)
 
 
 class RowParallelLinear(LinearBase):

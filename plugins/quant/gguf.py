@@ -80,19 +80,31 @@ def expanded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return F.linear(x.to(COMPUTE_DTYPE), weight, None if bias is None else bias.to(COMPUTE_DTYPE)).to(x.dtype)
 
 
+def groups_of_32(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Scales and offsets stored per 16 features, at groups of 32 where every pair of 16-groups agrees (the type's
+    own groups are 32: all but Q6_K); None where they do not."""
+    if scales.shape[1] % 2 or not (torch.equal(scales[:, ::2], scales[:, 1::2])
+                                   and torch.equal(offsets[:, ::2], offsets[:, 1::2])):
+        return None
+    return scales[:, ::2].contiguous(), offsets[:, ::2].contiguous()
+
+
+def code_bits(codes: torch.Tensor) -> int:
+    """4 where the codes fit in 4 bits (0..15, or -8..7 as Q4_0's q - 8), else 8."""
+    lo, hi = int(codes.min()), int(codes.max())
+    return 4 if (0 <= lo and hi <= 15) or (-8 <= lo and hi <= 7) else 8
+
+
 def triton_layout(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> dict:
     """The dequantize-GEMM's arguments for codes [N, K] (int8) with fp32 scales / offsets [N, K / group]: the codes
     as unsigned 4-bit (where they fit) or 8-bit words with one integer zero (q - zero = the code, exactly), scales
     and offsets transposed to [groups, N] (groups of 32 where the type's are), offsets dropped when all zero."""
     from kvforge.plugins.quant.packing import pack_cols, pack_rows
 
-    lo, hi = int(codes.min()), int(codes.max())
-    bits = 4 if (0 <= lo and hi <= 15) or (-8 <= lo and hi <= 7) else 8
-    zero = 0 if lo >= 0 and bits == 4 else 1 << (bits - 1)
+    bits = code_bits(codes)
+    zero = 0 if bits == 4 and int(codes.min()) >= 0 else 1 << (bits - 1)
     n, k = codes.shape
-    if scales.shape[1] % 2 == 0 and torch.equal(scales[:, ::2], scales[:, 1::2]) and \
-            torch.equal(offsets[:, ::2], offsets[:, 1::2]):
-        scales, offsets = scales[:, ::2], offsets[:, ::2]
+    scales, offsets = groups_of_32(scales, offsets) or (scales, offsets)
     group = k // scales.shape[1]
     per = 32 // bits
     columns = -(-n // per) * per  # the zeros are packed along N in whole words
@@ -207,9 +219,10 @@ class GgufMethod(DenseMethod):
         wanted = self.options["kernel"]
         if wanted == "dense":
             return False
-        why = self._int4pack_refusal(layer, codes, scales, offsets)
+        paired = groups_of_32(scales, offsets)
+        why = self._int4pack_refusal(layer, codes) or (None if paired else "its groups are smaller than 32")
         if why is None:
-            s, o = scales[:, ::2], offsets[:, ::2]  # pairs of 16-groups are one group of 32 (checked)
+            s, o = paired
             if int(codes.min()) < 0:  # Q4_0's codes q - 8: the same W as codes q with offset -8 * scale
                 codes, o = codes.to(torch.int32) + 8, o - 8 * s
             layer.int4 = pack_int4_affine(codes, s, o, 32)
@@ -257,27 +270,21 @@ class GgufMethod(DenseMethod):
             if wanted == "int8":
                 raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the int8 kernel: {why}")
             return False
-        if scales.shape[1] % 2 == 0 and torch.equal(scales[:, ::2], scales[:, 1::2]) and \
-                torch.equal(offsets[:, ::2], offsets[:, 1::2]):  # a type with groups of 32: half the scales
-            scales, offsets = scales[:, ::2].contiguous(), offsets[:, ::2].contiguous()
+        scales, offsets = groups_of_32(scales, offsets) or (scales, offsets)  # half the scales where they repeat
         layer.int8 = (codes, scales, None if not offsets.any() else offsets)  # symmetric types: no offsets
         layer.wide_rows = wide_rows("int8", codes.shape[0], codes.shape[1], torch.get_num_threads())
         layer.weight_bytes = sum(t.numel() * t.element_size() for t in layer.int8 if t is not None)
         return True
 
     @staticmethod
-    def _int4pack_refusal(layer, codes, scales, offsets) -> str | None:
-        """Why int4pack cannot run this layer exactly (None: it can)."""
+    def _int4pack_refusal(layer, codes) -> str | None:
+        """Why int4pack cannot run this layer exactly, but for its groups (None: it can)."""
         if codes.device.type != "cpu" or not int4pack_available():
             return "it needs torch's CPU int4 kernel"
         if layer.params_dtype != torch.bfloat16:
             return "it computes in bf16, and the model runs in " + str(layer.params_dtype).removeprefix("torch.")
-        lo, hi = int(codes.min()), int(codes.max())
-        if not (0 <= lo and hi <= 15 or -8 <= lo and hi <= 7):
+        if code_bits(codes) != 4:
             return "its codes are wider than 4 bits"
-        if scales.shape[1] % 2 or not (torch.equal(scales[:, ::2], scales[:, 1::2])
-                                       and torch.equal(offsets[:, ::2], offsets[:, 1::2])):
-            return "its groups are smaller than 32"
         return None
 
     @staticmethod
