@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvforge.core.constraint import Constraint, GrammarCompiler
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
@@ -80,6 +81,7 @@ class LLMEngine:
                                              self.model_path)
         self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.hf_config.vocab_size, self.tokenizer.eos_token_ids)
         if self.config.num_threads:  # process-wide: set here, by the engine that owns the process, not per runner
             torch.set_num_threads(self.config.num_threads)
         if self.config.tp_size > 1:
@@ -185,6 +187,8 @@ class LLMEngine:
             generator = None if params.greedy else torch.Generator().manual_seed(
                 base_seed if index == 0 else hash((base_seed, index)) & (2**62 - 1))
             seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival)
+            if params.constraint is not None:  # compiled by validate_prompt: a cache hit
+                seq.grammar = self.grammars.start(params.constraint)
             samples.append(seq)
             self._output_states[seq.key] = OutputState(self.tokenizer, params)
         self.scheduler.add(samples[0], forks=samples[1:])  # the others fork off sample 0 at its prompt's end
@@ -198,8 +202,17 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_ids), params.max_tokens)
+        if params.constraint is not None:
+            self.compile_constraint(params.constraint)
         return prompt_ids
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (and cache) a constraint; InvalidConstraint (a ValueError) if it cannot be. Thread-safe: the
+        server calls it off the engine thread, so that add_request finds it compiled."""
+        self.grammars.compile(constraint)
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
@@ -268,11 +281,29 @@ class LLMEngine:
             logits = logits[rows]
         seqs = [seq for seq, _, _ in entries]
         drafting = any(s.spec_token_ids for s in seqs)
+        token_bitmask, masked_rows = self._token_masks(seqs)
         return sample_tokens(logits, SamplingBatch(
             [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], self.tokenizer.eos_token_ids,
             drafts=[s.spec_token_ids for s in seqs] if drafting else None,
-            draft_probs=[s.spec_draft_probs for s in seqs] if drafting else None))
+            draft_probs=[s.spec_draft_probs for s in seqs] if drafting else None,
+            token_bitmask=token_bitmask, masked_rows=masked_rows))
+
+    def _token_masks(self, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int] | None]:
+        """The allowed tokens of each logits row of the constrained sequences (the sampler's row layout: 1 +
+        drafts rows per sequence), and which rows those are."""
+        if not any(s.grammar is not None for s in seqs):
+            return None, None
+        num_rows = sum(1 + len(s.spec_token_ids) for s in seqs)
+        bitmask = torch.full((num_rows, self.grammars.mask_words()), -1, dtype=torch.int32)
+        masked, row = [], 0
+        for seq in seqs:
+            rows = 1 + len(seq.spec_token_ids)
+            if seq.grammar is not None and (seq.grammar.active or seq.spec_token_ids):
+                seq.grammar.fill_masks(bitmask, row, seq.output_token_ids, seq.spec_token_ids)
+                masked.extend(range(row, row + rows))
+            row += rows
+        return bitmask, masked
 
     def _detokenize(self, seq: Sequence, token: int, is_stop_token: bool) -> bool:
         """The scheduler appended `token`: stream its text (a stop token's stays hidden); True at a stop string."""

@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from kvforge.core.constraint import GrammarState
 from kvforge.core.sampling import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int | None = None  # prefix-cache hit on first admission
     num_preemptions: int = 0
+    grammar: GrammarState | None = None  # where the output stands in its constraint (params.constraint)
     # speculative decoding: this step's draft tokens (verified after the sequence's last token) and, for
     # a proposer that samples its drafts, their draft distributions [drafts, vocab]
     spec_token_ids: list[int] = field(default_factory=list)

@@ -1,7 +1,8 @@
 """Logits -> next tokens, vectorised over the batch with per-request parameters.
 
-Order (as in vLLM): penalties (repetition on prompt + output, presence / frequency on output) and
-min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sampling.
+Order (as in vLLM): penalties (repetition on prompt + output, presence / frequency on output), logit_bias,
+the constraint's token mask (core/constraint.py), min_tokens masking -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> sampling.
 Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)) with one generator per
 sequence, so a seeded request draws the same numbers whether it runs alone or in a batch.
 One entry for a step, `sample_tokens`: a token per sequence, or a sequence's accepted draft tokens plus one
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.core.constraint import apply_token_masks
 from kvforge.core.sampling import SamplingParams
 
 
@@ -30,6 +32,10 @@ class SamplingBatch:
     eos_ids: set[int]
     drafts: list[list[int]] | None = None  # speculative draft tokens to verify; None: none anywhere
     draft_probs: list[torch.Tensor | None] | None = None  # [drafts, vocab] of a drafter that samples
+    # constrained decoding: the allowed tokens of every logits row (one bit per token, see
+    # core/constraint.py) and the rows that have a constraint; None: no constraint in the batch
+    token_bitmask: torch.Tensor | None = None
+    masked_rows: list[int] | None = None
 
     @property
     def size(self) -> int:
@@ -106,10 +112,20 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> StepTokens:
     if penalised:
         _apply_penalties(logits, rows, penalised)
     for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    masked = set(batch.masked_rows or ())
+    if masked:
+        apply_token_masks(logits, batch.masked_rows, batch.token_bitmask)
+    for i, p in enumerate(params):
         if len(rows.output_ids[i]) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(batch.eos_ids))
             if banned:
+                kept = logits[i].clone() if i in masked else None
                 logits[i, banned] = float("-inf")
+                if kept is not None and bool(torch.isneginf(logits[i]).all()):
+                    logits[i] = kept  # the constraint allows only an end: it wins over min_tokens
 
     argmax = argmax_rows(logits).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvforge.core.constraint import Constraint
+
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP_STRINGS = 32  # each is matched against the text's tail after every token
 MAX_STOP_CHARS = 512
 REPETITION_PENALTY_RANGE = (0.01, 10.0)  # logits are multiplied or divided by it: 1e-308 makes them inf
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _is_int(value) -> bool:
@@ -90,6 +94,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N: the sampled token's logprob and the top N
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (after penalties)
+    constraint: Constraint | None = None  # the output must match it (core/constraint.py)
 
     def __post_init__(self) -> None:  # the numeric fields' bounds: BOUNDS
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -104,6 +110,13 @@ class SamplingParams:
             ("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of non-negative integers"),
             self._bounded("logprobs"),
+            ("logit_bias", self.logit_bias is None or (
+                isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS
+                and all(_is_int(t) and t >= 0 and _is_number(b) and LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1]
+                        for t, b in self.logit_bias.items())),
+             f"a map of at most {MAX_LOGIT_BIAS_TOKENS} token ids to numbers in [{LOGIT_BIAS_RANGE[0]:g}, "
+             f"{LOGIT_BIAS_RANGE[1]:g}]"),
+            ("constraint", self.constraint is None or isinstance(self.constraint, Constraint), "a Constraint"),
         ]
         for name, ok, expected in checks:
             if not ok:

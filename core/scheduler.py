@@ -187,6 +187,11 @@ class Scheduler:
         for seq, proposal in self.speculator.propose(self.running):
             seq.spec_token_ids = list(proposal.token_ids)
             seq.spec_draft_probs = proposal.probs
+            if seq.grammar is not None:  # drafts the constraint forbids are never verified
+                valid = seq.grammar.valid_drafts(seq.output_token_ids, seq.spec_token_ids)
+                del seq.spec_token_ids[valid:]
+                if seq.spec_draft_probs is not None:
+                    seq.spec_draft_probs = seq.spec_draft_probs[:valid]
 
     def _plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         item = ScheduledSeq(seq, n)
@@ -264,8 +269,12 @@ class Scheduler:
             is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
             generated = len(seq.output_token_ids)
             found_stop_string = stop_string(seq, token, is_stop_token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token, seq.output_token_ids)
             reason = None
             if (is_stop_token and generated >= params.min_tokens) or found_stop_string:
+                reason = "stop"
+            elif seq.grammar is not None and seq.grammar.finished:  # the constraint is complete
                 reason = "stop"
             elif generated >= params.max_tokens:
                 reason = "length"

@@ -50,18 +50,23 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """`tools`: OpenAI's tool definitions, for templates that render them; `template_kwargs`: more variables
+        for the template (e.g. enable_thinking)."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        # The rendered template already holds every special token it needs.
-        return self.hf.encode(text, add_special_tokens=False)
+        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **(template_kwargs or {}))
+        # The rendered template already holds every special token it needs (unless asked, none are added).
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -44,12 +44,14 @@ def warm_up(engine, ids: list[int], ignore_eos: bool = False) -> None:
 
 
 def run_batch(engine, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,
-              ignore_eos: bool = True) -> dict:
-    """Submit the prompts at once and step until all finish. Output tok/s over the whole run; decode tok/s
-    from when every sequence has its first token (prefill excluded)."""
+              ignore_eos: bool = True, constraint=None) -> dict:
+    """Submit the prompts at once (greedy; each held to `constraint` when given) and step until all finish.
+    Output tok/s over the whole run; decode tok/s from when every sequence has its first token (prefill
+    excluded)."""
     from kvforge.core import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=logprobs,
+                            constraint=constraint)
     ids = []
     try:
         for prompt in prompts:

@@ -1,0 +1,220 @@
+"""Constrained decoding: a request's output held to a JSON schema, any JSON object, a regular expression, a
+choice among strings or a Lark grammar, one token at a time.
+
+llguidance compiles a constraint against the tokenizer and, per sequence, says which tokens may come next
+(a bitmask) and follows the tokens taken. Chosen over xgrammar (pulls triton and a TVM runtime on Linux)
+and outlines-core (JSON schema and regex only): one abi3 wheel with no dependencies, native on CPU, Lark
+grammars with inline JSON schemas (what tool calls need), rollback and a draft-token check for speculation.
+
+The parts: `Constraint` (what a request asks for; hashable, so compiled grammars are cached by it),
+`GrammarCompiler` (one per engine: the tokenizer's llguidance view, compiled grammars, thread-safe so the
+server compiles off the engine thread), `GrammarState` (one per sequence: its matcher, advanced by the
+scheduler on every appended token; drafts are checked and masked without moving it), `apply_token_masks`
+(the sampler's step: plain torch).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+COMPILED_CACHE_SIZE = 256  # compiled grammars kept per engine (a client usually repeats a few schemas)
+ANY_JSON_OBJECT = {"type": "object"}
+# JSON whitespace between tokens: bounded (pretty-printing ~11 levels deep still fits), so a model cannot spend
+# its whole max_tokens on spaces and newlines inside an object -- llguidance's default is unbounded
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
+
+
+class InvalidConstraint(ValueError):
+    """A constraint llguidance cannot compile (an unsupported schema feature, a bad regex or grammar)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match. `spec` is text so that equal constraints hash alike: a JSON
+    schema's JSON, a regex, the JSON list of choices, or a Lark grammar (llguidance's dialect:
+    `%json {...}` embeds a schema). `after`: token ids that open the constraint -- a reasoning model's
+    end-of-thinking marker; before it the output is free. Empty: the constraint holds from the first token."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+    after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any]) -> Constraint:
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties come out in the schema's order
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        if not options or not all(isinstance(o, str) for o in options):
+            raise ValueError("a choice constraint needs a non-empty list of strings")
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def grammar(cls, lark: str) -> Constraint:
+        return cls("grammar", lark)
+
+    def opened_by(self, marker: Sequence[int]) -> Constraint:
+        return Constraint(self.kind, self.spec, tuple(marker))
+
+    def llguidance_grammar(self) -> str:
+        from llguidance import LLMatcher
+
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, overrides=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "choice":  # a Lark alternation of string literals (JSON strings are Lark strings)
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(self.spec)))
+        return LLMatcher.grammar_from_lark(self.spec)
+
+
+class GrammarCompiler:
+    """The engine's llguidance tokenizer (built at first use: ~0.3 s for a 49k vocabulary) and its compiled
+    grammars, an LRU by constraint. Safe to call from any thread; llguidance drops the GIL while compiling."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        """`vocab_size`: the model's logits width (may exceed the tokenizer's: padded embeddings)."""
+        self.hf_tokenizer, self.eos_token_ids = hf_tokenizer, sorted(eos_token_ids)
+        self.vocab_size = max(vocab_size, len(hf_tokenizer))
+        self._lltokenizer = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lltokenizer(self):
+        with self._lock:
+            if self._lltokenizer is None:
+                import llguidance.hf
+
+                self._lltokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                                 eos_token=self.eos_token_ids or None)
+            return self._lltokenizer
+
+    def compile(self, constraint: Constraint):
+        """A matcher in its start state for `constraint` (shared: copy it before use); InvalidConstraint
+        when it does not compile."""
+        from llguidance import LLMatcher
+
+        key = (constraint.kind, constraint.spec)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        try:
+            grammar = constraint.llguidance_grammar()
+        except ValueError as exc:
+            raise InvalidConstraint(str(exc)) from None
+        matcher = LLMatcher(self.lltokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidConstraint(_first_line(matcher.get_error()))
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def start(self, constraint: Constraint) -> GrammarState:
+        """A fresh state for one sequence."""
+        return GrammarState(self.compile(constraint).deep_copy(), constraint.after, self.vocab_size)
+
+    def mask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "the grammar does not compile"
+
+
+class GrammarState:
+    """One sequence's place in its constraint. Before the opening marker (`after`) it is inactive: every
+    token may come and the matcher does not move. The scheduler calls `accept` for each appended token."""
+
+    def __init__(self, matcher, after: tuple[int, ...], vocab_size: int) -> None:
+        self.matcher, self.after, self.vocab_size = matcher, after, vocab_size
+        self.active = not after
+        self.failed = False  # a token the grammar refused was appended (only if masking was bypassed)
+
+    def accept(self, token: int, output_ids: Sequence[int]) -> None:
+        """`token` was appended; `output_ids` ends with it."""
+        if not self.active:
+            self.active = _ends_with(output_ids, self.after)
+            return
+        if not self.matcher.consume_token(token):
+            self.failed = True
+
+    @property
+    def finished(self) -> bool:
+        """The output is complete: the grammar takes no further token (only the end of sequence)."""
+        return self.active and (self.failed or self.matcher.is_stopped())
+
+    def valid_drafts(self, output_ids: Sequence[int], drafts: Sequence[int]) -> int:
+        """How many of the speculative `drafts` may follow the output; a draft that completes the opening
+        marker ends them (the tokens after it are checked only next step, against the then active grammar)."""
+        if self.active:
+            return self.matcher.validate_tokens(list(drafts))
+        for j in range(len(drafts)):
+            if _ends_with(list(output_ids[-len(self.after):]) + list(drafts[:j + 1]), self.after):
+                return j + 1
+        return len(drafts)
+
+    def fill_masks(self, bitmask: torch.Tensor, row: int, output_ids: Sequence[int], drafts: Sequence[int]) -> None:
+        """Rows row .. row + len(drafts) of `bitmask` ([rows, words] int32, every bit set on entry): the tokens
+        allowed after the output and after each draft (drafts already checked by `valid_drafts`)."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        active, consumed = self.active, 0
+        tail = list(output_ids[-len(self.after):]) if self.after else []
+        for j in range(len(drafts) + 1):
+            if active:
+                fill_next_token_bitmask(self.matcher, bitmask, row + j)
+            if j == len(drafts):
+                break
+            if active:
+                if not self.matcher.consume_token(drafts[j]):
+                    raise AssertionError(f"draft token {drafts[j]} was not checked against the grammar")
+                consumed += 1
+            else:
+                tail = (tail + [drafts[j]])[-len(self.after):]
+                active = _ends_with(tail, self.after)
+        if consumed:
+            self.matcher.rollback(consumed)
+
+
+def _ends_with(ids: Sequence[int], marker: tuple[int, ...]) -> bool:
+    return len(ids) >= len(marker) and tuple(ids[len(ids) - len(marker):]) == marker
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf the logits of the tokens a row's bitmask forbids (bit t of word t // 32 clear), for the
+    given rows; plain torch on the bytes of the mask (llguidance's own helper needs torch.compile)."""
+    if not rows:
+        return
+    masks = bitmask[rows].contiguous()
+    bits = (masks.view(torch.uint8).unsqueeze(-1) >> _BIT_SHIFTS.to(masks.device)) & 1  # little-endian words
+    allowed = bits.view(len(rows), -1)[:, :logits.shape[1]].bool().to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
