@@ -46,6 +46,14 @@ class Admission:
             raise APIError(503, "no model is loaded; load one with POST /admin/models/load", None, "server_error",
                            "no_model")
 
+    def check_model(self, name: str | None) -> None:
+        """503 when no model is loaded; 404 when a request names a model other than the one served (no name, or
+        "", asks for that one). Not checked during a model swap, when the served name is changing."""
+        self.check_loaded()  # before the name check: with no model there is no name to compare
+        if name not in (None, "", self.host.name) and not self.host.swapping:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.host.name!r}", "model",
+                           "not_found_error", "model_not_found")
+
     async def enter(self) -> Ticket:
         self.check_open()
         self.pending += 1

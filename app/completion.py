@@ -13,19 +13,22 @@ from starlette.types import Receive, Scope, Send
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import SamplingFields
 from kvforge.core.async_engine import AsyncEngine, RequestStream
+from kvforge.core.constraint import Constraint
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
 
 
 def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default_max_tokens: int,
-           logprobs: int | None, prompt_field: str) -> tuple[RequestStream, SamplingParams]:
-    """Queue the request; APIError 400 naming the field for bad sampling values or a prompt that
-    cannot fit (`prompt_field` names where the prompt came from)."""
+           logprobs: int | None, prompt_field: str, constraint: Constraint | None = None,
+           skip_special_tokens: bool = True) -> tuple[RequestStream, SamplingParams]:
+    """Queue the request (held to `constraint`, compiled beforehand off the event loop); APIError 400 naming the
+    field for bad sampling values or a prompt that cannot fit (`prompt_field` names where the prompt came from)."""
     try:
         params = body.sampling_params(default_max_tokens, logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split()[0]) from None
+    params.constraint, params.skip_special_tokens = constraint, skip_special_tokens
     if params.max_tokens == default_max_tokens and body.requested_max_tokens() is None:
         # no explicit limit: fit what is left of the context instead of rejecting the request
         room = engine.engine.max_model_len - len(prompt)
@@ -34,8 +37,9 @@ def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default
         stream = engine.add_request(prompt, params)
     except RequestRejected as exc:
         raise APIError(400, str(exc), prompt_field, code="context_length_exceeded") from None
-    except ValueError as exc:
-        raise APIError(400, str(exc), prompt_field) from None
+    except ValueError as exc:  # the prompt's token ids, or logit_bias's, outside the vocabulary
+        param = "logit_bias" if str(exc).startswith("logit_bias") else prompt_field
+        raise APIError(400, str(exc), param) from None
     return stream, params
 
 
@@ -95,8 +99,11 @@ async def within(stream: RequestStream, timeout_s: float | None) -> AsyncIterato
         yield out
 
 
-def finish_reason(out: RequestOutput) -> str:
-    return "length" if out.finish_reason == "length" else "stop"
+def finish_reason(out: RequestOutput, called_tools: bool = False) -> str:
+    """OpenAI's finish_reason: "length", "tool_calls" (a reply that ended by calling tools) or "stop"."""
+    if out.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called_tools else "stop"
 
 
 def usage(finals, prompt_tokens: int) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -22,7 +24,22 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
 
 # a union's members each report an error; the one about the value beats the ones about another member's type
 TYPE_MISMATCHES = frozenset({"string_type", "list_type", "int_type", "float_type", "bool_type", "dict_type",
-                             "model_type", "int_parsing", "float_parsing", "none_required"})
+                             "model_type", "int_parsing", "float_parsing", "none_required", "literal_error"})
+
+
+def sent_path(body: Any, loc: list) -> list[str]:
+    """An error's location as the client sent it: the keys and list indices found in the body, and a last
+    name that is not there (a required field that is missing). Union members' tags that pydantic puts in the
+    location ("json_schema", "ChatCompletionNamedToolChoice", "list[constrained-str]") say nothing to a client."""
+    path, node = [], body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
+                and 0 <= part < len(node):
+            path.append(str(part))
+            node = node[part]
+        elif i == len(loc) - 1 and isinstance(part, str) and part.isidentifier():
+            path.append(part)
+    return path
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -41,8 +58,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     field = tuple(first.get("loc", ()))[:2]
     same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
     best = next((e for e in same_field if e.get("type") not in TYPE_MISMATCHES), first)
-    # field names and list indices; union member tags ("constrained-str", "list[...]") say nothing to a client
-    loc = [str(p) for p in best.get("loc", ()) if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
+    loc = sent_path(exc.body, [p for p in best.get("loc", ()) if p != "body"])
+    if best.get("type") == "extra_forbidden" and loc:  # the unknown key as sent (it need not be an identifier)
+        where = f"{'.'.join(loc[:-1])}: " if len(loc) > 1 else ""
+        return (f"{where}unknown field {loc[-1]!r} (neither OpenAI's nor one of this server's documented extras)",
+                loc[0])
     message = best.get("msg", "invalid value")
     if best.get("type") == "finite_number":
         message = "must be a finite number"

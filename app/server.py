@@ -25,6 +25,8 @@ from starlette.routing import Route
 
 from kvforge.app.access import AccessGuard, AccessPolicy
 from kvforge.app.admission import Admission
+from kvforge.app.chat_output import ChoiceReader, whole_message
+from kvforge.app.chat_request import ChatPlan, plan_chat
 from kvforge.app.chat_service import ChatService
 from kvforge.app.completion import (
     RequestTimedOut,
@@ -44,7 +46,9 @@ from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.app.sessions import sessions_router
+from kvforge.app.tokenize_routes import tokenize_router
 from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.constraint import Constraint, InvalidConstraint
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.metrics import gpu_memory
 from kvforge.core.output import RequestOutput, TokenLogprob
@@ -134,10 +138,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         return error_response(500, f"internal error: {type(exc).__name__}", None, "server_error")
 
     def check_model(body: SamplingFields) -> None:
-        admission.check_loaded()  # before the name check: with no model there is no name to compare
-        if body.model not in (None, "", host.name) and not host.swapping:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {host.name!r}",
-                           "model", "not_found_error", "model_not_found")
+        admission.check_model(body.model)
 
     @app.get("/health")
     async def health():
@@ -196,23 +197,25 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         check_model(body)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
 
-        def render(engine: AsyncEngine) -> list[int]:
-            try:
-                return engine.tokenizer.apply_chat_template(messages)
-            except Exception as exc:  # a template that rejects this conversation (e.g. role order)
-                raise APIError(400, f"messages: {exc}", "messages") from None
+        def render(engine: AsyncEngine) -> ChatPlan:
+            plan = plan_chat(body, engine.tokenizer)
+            if plan.constraint is not None:
+                compile_constraint(engine, plan.constraint, plan.constraint_field)
+            return plan
 
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m.text()) for m in body.messages) + sum(len(t.model_dump_json()) for t in body.tools or [])
         return await respond(body, chars, render, body.logprobs_count(), chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         check_model(body)
 
+        constraint = body.structured_outputs.constraint() if body.structured_outputs else None
+
         def render(engine: AsyncEngine) -> list[int]:
+            if constraint is not None:
+                compile_constraint(engine, constraint, "structured_outputs")
             if isinstance(body.prompt, list):
                 return body.prompt
             try:
@@ -220,21 +223,42 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             except Exception as exc:  # text the tokenizer cannot take (e.g. a lone UTF-16 surrogate)
                 raise APIError(400, f"prompt: cannot tokenize ({type(exc).__name__})", "prompt") from None
 
-        chars = len(body.prompt) if isinstance(body.prompt, str) else 0
-        return await respond(body, chars, render, body.logprobs, chat=False)
+        def echo(engine: AsyncEngine, prompt: list[int]) -> str:  # the prompt's text, which starts each choice
+            return body.prompt if isinstance(body.prompt, str) else engine.tokenizer.decode(prompt, False)
 
-    async def respond(body: SamplingFields, chars: int, render: Callable[[AsyncEngine], list[int]],
-                      logprobs: int | None, chat: bool):
-        """Admit the request, render and tokenize its prompt off the event loop, queue it, answer."""
+        chars = len(body.prompt) if isinstance(body.prompt, str) else 0
+        return await respond(body, chars, render, body.logprobs, chat=False, echo=echo if body.echo else None,
+                             constraint=constraint)
+
+    def compile_constraint(engine: AsyncEngine, constraint: Constraint, field: str) -> None:
+        """Compiled (and cached) by the render step, off the event loop and the engine thread; 400 naming the field
+        when it cannot be."""
+        try:
+            engine.engine.compile_constraint(constraint)
+        except InvalidConstraint as exc:
+            raise APIError(400, f"{field}: cannot be enforced: {exc}", field) from None
+
+    async def respond(body: SamplingFields, chars: int, render: Callable[[AsyncEngine], list[int] | ChatPlan],
+                      logprobs: int | None, chat: bool, echo: Callable[[AsyncEngine, list[int]], str] | None = None,
+                      constraint: Constraint | None = None):
+        """Admit the request, render and tokenize its prompt off the event loop, queue it, answer. `render` gives
+        the prompt's ids, or for a chat the ChatPlan (app/chat_request.py), which holds the chat's constraint.
+        `echo`: the text each choice starts with (completions' echo), from the engine and the prompt's token ids;
+        `constraint`: the completion's (compiled by `render`)."""
         prompt_field = "messages" if chat else "prompt"
         ticket = await admission.enter()
         try:
             engine = ticket.engine
             check_prompt_chars(engine, chars, prompt_field)
-            prompt = await run_in_threadpool(render, engine)
+            rendered = await run_in_threadpool(render, engine)
+            plan = rendered if isinstance(rendered, ChatPlan) else None
+            prompt = plan.prompt if plan is not None else rendered
             if not prompt:
                 raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
-            stream, params = submit(engine, prompt, body, default_max_tokens, logprobs, prompt_field)
+            # before the request is queued: a client gone during this await leaves nothing running
+            echoed = await run_in_threadpool(echo, engine, prompt) if echo else ""
+            stream, params = submit(engine, prompt, body, default_max_tokens, logprobs, prompt_field,
+                                    plan.constraint if plan else constraint, plan.skip_special_tokens if plan else True)
         except BaseException:
             ticket.release()
             raise
@@ -247,8 +271,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 ticket.release()
                 stream.abort()
 
-            return SSEResponse(sse(engine, stream, request_id, created, chat, params.n, include_usage,
-                                   len(prompt)), close)
+            return SSEResponse(sse(engine, stream, request_id, created, plan, params.n, include_usage,
+                                   len(prompt), echoed), close)
         try:
             finals: dict[int, RequestOutput] = {}
             token_logprobs: dict[int, list[TokenLogprob]] = {}
@@ -268,16 +292,21 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             out = finals[i]
             lp = format_logprobs(token_logprobs.get(i, []), chat, engine.tokenizer) if logprobs is not None else None
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                                "logprobs": lp, "finish_reason": finish_reason(out)})
+                message, called = whole_message(plan, out.text)
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": finish_reason(out, called)})
             else:
-                choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
+                choices.append({"index": i, "text": echoed + out.text, "logprobs": lp,
+                                "finish_reason": finish_reason(out)})
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": host.name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
                 "timings": timings(finals[0])}
 
-    async def sse(engine: AsyncEngine, stream, request_id: str, created: int, chat: bool, n: int,
-                  include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    async def sse(engine: AsyncEngine, stream, request_id: str, created: int, plan: ChatPlan | None, n: int,
+                  include_usage: bool, prompt_tokens: int, echo: str = "") -> AsyncIterator[str]:
+        """`plan`: a chat's (its choices' text is read into content, reasoning and tool-call deltas); None for
+        completions."""
+        chat = plan is not None
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
@@ -286,25 +315,33 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             return f"data: {json.dumps(payload)}\n\n"
 
         finals: dict[int, RequestOutput] = {}
-        started: set[int] = set()  # samples whose first chunk (with the role) is sent
+        started: set[int] = set()  # samples whose first chunk (chat: with the role; echo: the prompt) is sent
+        readers: dict[int, ChoiceReader] = {}
         try:
             async for out in within(stream, request_timeout_s):
                 lp = format_logprobs(out.delta_logprobs, chat, engine.tokenizer) if out.delta_logprobs else None
-                # The role goes out with the first token, not before prefill: a client's TTFT is then true.
-                first = chat and out.index not in started
-                if out.delta_text or lp or first:
-                    if chat:
+                if chat:
+                    reader = readers.setdefault(out.index, ChoiceReader(plan))
+                    deltas = reader.feed(out.delta_text) + (reader.finish() if out.finished else [])
+                    if out.index not in started:  # the role goes out with the first token (a true TTFT), not
+                        started.add(out.index)    # before prefill
+                        deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
+                    elif lp and not deltas:
+                        deltas = [{"content": ""}]
+                    for j, delta in enumerate(deltas):
+                        yield chunk([{"index": out.index, "delta": delta, "logprobs": lp if j == 0 else None,
+                                      "finish_reason": None}])
+                else:
+                    echo_now = echo if out.index not in started else ""  # opens each choice's text
+                    if out.delta_text or lp or echo_now:
                         started.add(out.index)
-                        delta = {"role": "assistant"} if first else {}
-                        delta["content"] = out.delta_text
-                        yield chunk([{"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": None}])
-                    else:
-                        yield chunk([{"index": out.index, "text": out.delta_text, "logprobs": lp,
+                        yield chunk([{"index": out.index, "text": echo_now + out.delta_text, "logprobs": lp,
                                       "finish_reason": None}])
                 if out.finished:
                     finals[out.index] = out
                     metrics.observe_finished(out)
-                    last = {"index": out.index, "logprobs": None, "finish_reason": finish_reason(out)}
+                    called = chat and readers[out.index].num_tool_calls > 0
+                    last = {"index": out.index, "logprobs": None, "finish_reason": finish_reason(out, called)}
                     last.update({"delta": {}} if chat else {"text": ""})
                     yield chunk([last], timings=timings(out))
             if include_usage:
@@ -320,6 +357,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     if store is not None:
         app.state.chat = ChatService(admission, store, metrics, default_max_tokens, request_timeout_s)
         app.include_router(sessions_router(app.state.chat))
+    app.include_router(tokenize_router(admission))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
     if store is not None and ui:  # last: the UI mounted at / would shadow later routes
         from kvforge.ui.app import mount_ui

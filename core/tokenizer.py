@@ -61,12 +61,17 @@ class Tokenizer:
                             add_special_tokens: bool = False) -> list[int]:
         """`tools`: OpenAI's tool definitions, for templates that render them; `template_kwargs`: more variables
         for the template (e.g. enable_thinking)."""
-        if not self.hf.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False, **(template_kwargs or {}))
+        text = self.chat_text(messages, add_generation_prompt, tools, template_kwargs)
         # The rendered template already holds every special token it needs (unless asked, none are added).
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> str:
+        """The chat template's rendering, as text (apply_chat_template's ids are its encoding)."""
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **(template_kwargs or {}))
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -92,10 +92,9 @@ FIELDS = {
     "repetition_penalty": st.sampled_from([1e-9, 0.5, 1.0, 1.3, 1e6, 1e308]),
     "min_tokens": st.integers(min_value=0, max_value=MAX_TOKENS_CAP + 2),
     "ignore_eos": st.booleans(),
-    "echo": st.booleans(),
 }
 CHAT_FIELDS = {**FIELDS, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20)}
-COMPLETION_FIELDS = {**FIELDS, "logprobs": st.integers(min_value=0, max_value=20)}
+COMPLETION_FIELDS = {**FIELDS, "logprobs": st.integers(min_value=0, max_value=20), "echo": st.booleans()}
 JUNK_KEYS = st.sampled_from(["", "foo", "tools", "user", "response_format", "\u2603", "messages ", "Max_Tokens"])
 
 

@@ -1,0 +1,67 @@
+"""A chat choice's generated text read back into OpenAI's message fields: the thinking of a reasoning model as
+`reasoning_content`, tool calls as `tool_calls`, the rest as `content`. One reader serves streamed and whole
+responses (a whole response is the stream's deltas merged), so the two never disagree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvforge.app.chat_request import ChatPlan
+from kvforge.app.reasoning import ReasoningStream
+from kvforge.app.tool_calls import ToolCall, ToolCallStream, openai_tool_call
+
+
+class ChoiceReader:
+    """Text deltas of one choice -> OpenAI delta dicts ({"reasoning_content"}, {"content"}, {"tool_calls"}):
+    the thinking is split off first, then tool calls are read from the answer."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        self._reasoning = ReasoningStream(plan.starts_in_reasoning, plan.reasoning) if plan.reasoning else None
+        self._tools = ToolCallStream(plan.tool_syntax, plan.tool_names) if plan.tool_names is not None else None
+        self.num_tool_calls = 0
+
+    @property
+    def ended_in_reasoning(self) -> bool:
+        """After finish(): the output never left the think block (there is no answer)."""
+        return self._reasoning is not None and self._reasoning.in_reasoning
+
+    def feed(self, delta_text: str) -> list[dict[str, Any]]:
+        return self._read(delta_text, final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._read("", final=True)
+
+    def _read(self, text: str, final: bool) -> list[dict[str, Any]]:
+        deltas = []
+        if self._reasoning is not None:
+            thinking, text = self._reasoning.finish() if final else self._reasoning.feed(text)
+            if thinking:
+                deltas.append({"reasoning_content": thinking})
+        if self._tools is None:
+            return deltas + ([{"content": text}] if text else [])
+        events = self._tools.feed(text) if text else []
+        if final:
+            events += self._tools.finish()
+        for event in events:
+            if isinstance(event, ToolCall):
+                deltas.append({"tool_calls": [openai_tool_call(event, self.num_tool_calls)]})
+                self.num_tool_calls += 1
+            elif event:
+                deltas.append({"content": event})
+        return deltas
+
+
+def whole_message(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a finished choice and whether it called tools."""
+    reader = ChoiceReader(plan)
+    deltas = reader.feed(text) + reader.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    thinking = "".join(d.get("reasoning_content", "") for d in deltas)
+    calls = [{k: v for k, v in call.items() if k != "index"} for d in deltas for call in d.get("tool_calls", [])]
+    no_answer = bool(calls) or reader.ended_in_reasoning
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if no_answer else "")}
+    if plan.reasoning is not None:
+        message["reasoning_content"] = thinking or None
+    if calls:
+        message["tool_calls"] = calls
+    return message, bool(calls)

@@ -1,0 +1,212 @@
+"""Tool calls and structured outputs through a real `kvforge serve` started as README command 1 starts it (no flag
+but the port and a data dir: the embedded model in its default configuration), driven by the official `openai`
+SDK and LangChain (`langchain-openai`). Even a 135M model's outputs parse and validate: the constraint is in the
+decoder."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import fields
+from typing import Annotated
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from kvforge.app.settings import ServeSettings
+from tests.helpers.server_process import ServeProcess
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a timezone.",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's served name
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=30)
+    age: int = Field(ge=0, le=150)
+    hobbies: list[Annotated[str, Field(max_length=20)]] = Field(max_length=3)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:  # no setting reaches the server but the README's command line
+        for name in [f.name for f in fields(ServeSettings)] + ["config"]:
+            env.delenv(f"KVFORGE_{name.upper()}", raising=False)
+        process = ServeProcess("--data-dir", str(tmp_path_factory.mktemp("data")), "--no-ui")
+    yield process
+    process.stop()
+
+
+@pytest.fixture()
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def arguments_valid(call, tool: dict) -> dict:
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+def test_parse_with_a_pydantic_model(client):
+    """The SDK's `parse` sends a strict json_schema response_format and validates the reply into the model."""
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person with a name, an age and hobbies."}],
+        response_format=Person, temperature=0, max_tokens=120)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)
+    assert list(json.loads(choice.message.content)) == ["name", "age", "hobbies"]
+
+
+def test_json_object_and_samples_validate(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}], n=3, temperature=1.0, seed=7,
+        max_tokens=150, response_format={"type": "json_schema", "json_schema": {
+            "name": "cat", "schema": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": 20}, "legs": {"type": "integer", "maximum": 4}},
+                "required": ["name", "legs"], "additionalProperties": False}}})
+    for choice in reply.choices:
+        if choice.finish_reason == "stop":
+            assert set(json.loads(choice.message.content)) == {"name", "legs"}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello as a JSON object with one short key."}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=200)
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_a_schema_that_cannot_be_enforced_is_a_400(server):
+    body = {"messages": ASK_WEATHER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "no-such-type"}}}}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_validate(client, choice):
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
+                                           tool_choice=tool_choice, parallel_tool_calls=False,
+                                           temperature=0, max_tokens=100)
+    choice_ = reply.choices[0]
+    assert choice_.finish_reason == "tool_calls"
+    assert choice_.message.content is None and len(choice_.message.tool_calls) == 1
+    call = choice_.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    arguments_valid(call, tool)
+    if choice == "named":
+        assert call.function.name == "get_time"
+
+
+def test_streamed_tool_calls_are_reassembled_by_the_sdk(client):
+    request = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+                   max_tokens=100, parallel_tool_calls=False)
+    with client.chat.completions.stream(**request) as stream:
+        final = stream.get_final_completion()
+    whole = client.chat.completions.create(**request)
+    streamed, expected = final.choices[0], whole.choices[0]
+    assert streamed.finish_reason == expected.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in expected.message.tool_calls]
+    assert streamed.message.tool_calls[0].id.startswith("call_")
+
+
+def test_parallel_calls_each_validate(client):
+    """parallel_tool_calls (OpenAI's default: true) lets the model call several times; this small model keeps
+    calling until max_tokens, so the last call may be cut: it stays in the content, the complete ones validate."""
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
+                                           tool_choice="required", temperature=0, max_tokens=120)
+    choice = reply.choices[0]
+    assert len(choice.message.tool_calls) >= 1
+    for call in choice.message.tool_calls:
+        arguments_valid(call, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])
+    if choice.finish_reason == "length":
+        assert choice.message.content.lstrip().startswith("<tool_call>")
+    else:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+
+
+def test_a_multi_turn_tool_conversation(client):
+    """call -> the tool's result -> an answer in words that uses it."""
+    first = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=100)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                            temperature=0, max_tokens=40)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    auto = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=60)
+    for later_call in auto.choices[0].message.tool_calls or []:  # a small model may call again or answer
+        arguments_valid(later_call, WEATHER)
+    assert (auto.choices[0].finish_reason == "tool_calls") == bool(auto.choices[0].message.tool_calls)
+
+
+def test_langchain_structured_output_and_bound_tools(server):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=150,
+                     max_retries=0, timeout=300)
+    person = llm.with_structured_output(Person).invoke("Invent a person with a name, an age and hobbies.")
+    assert isinstance(person, Person)
+
+    @tool
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city, in celsius or fahrenheit."""
+        return f"21 degrees {unit} in {city}"
+
+    message = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke(
+        "Weather in Rome?")
+    assert [c["name"] for c in message.tool_calls] == ["get_weather"]
+    assert set(message.tool_calls[0]["args"]) == {"city", "unit"}
+
+
+def test_structured_outputs_regex_choice_and_grammar(client, server):
+    """vLLM's structured_outputs extra, on completions and chat."""
+    regex = r"\d{3}-\d{4}"
+    completion = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": regex}})
+    assert re.fullmatch(regex, completion.choices[0].text)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert reply.choices[0].message.content in ("yes", "no")
+    lark = 'start: "Answer: " WORD "."\nWORD: /[a-z]{1,12}/'
+    completion = client.completions.create(model=MODEL, prompt="What color is the sky?", max_tokens=20, temperature=0,
+                                           extra_body={"structured_outputs": {"grammar": lark}})
+    assert re.fullmatch(r"Answer: [a-z]{1,12}\.", completion.choices[0].text)
+    both = {"messages": ASK_WEATHER, "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a+"}}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=both, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs"
+    bad = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                     json={"prompt": "x", "structured_outputs": {"grammar": "start: missing_rule"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+
+
+def test_tokenize_renders_tools_as_the_chat_route_does(client, server):
+    """/v1/tokenize with messages and tools counts the prompt a chat request with them gets."""
+    counted = httpx.post(f"{server.url}/v1/tokenize", json={"messages": ASK_WEATHER, "tools": [WEATHER]}, timeout=60)
+    assert counted.status_code == 200
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=1)
+    assert counted.json()["count"] == reply.usage.prompt_tokens
+    plain = httpx.post(f"{server.url}/v1/tokenize", json={"messages": ASK_WEATHER}, timeout=60).json()["count"]
+    assert plain < counted.json()["count"]  # the tools' descriptions are in the prompt
