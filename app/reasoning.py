@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
+from kvforge.app.stream_text import partial_marker_length
+
 _NEWLINES = "\r\n"
 
 
@@ -57,14 +59,6 @@ def split_reasoning(text: str, starts_inside: bool,
     return reasoning.lstrip(_NEWLINES) or None, after.lstrip(_NEWLINES) if closed else None
 
 
-def _partial_marker_length(text: str, marker: str) -> int:
-    """The length of the longest tail of `text` that is a proper prefix of `marker` (a marker still arriving)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
 class ReasoningStream:
     """Streamed output -> (reasoning delta, content delta) pairs, for any split the same as `split_reasoning` of the
     whole. Only a possible partial marker at the tail is held back (and, at the very start, whitespace before a
@@ -105,7 +99,7 @@ class ReasoningStream:
         if self._state == self._REASONING:
             end = self._buffer.find(self._syntax.end)
             if end < 0:
-                keep = 0 if final else _partial_marker_length(self._buffer, self._syntax.end)
+                keep = 0 if final else partial_marker_length(self._buffer, self._syntax.end)
                 cut = len(self._buffer) - keep
                 reasoning = self._section_text(self._buffer[:cut], _NEWLINES)
                 self._buffer = self._buffer[cut:]

@@ -22,6 +22,8 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kvforge.app.stream_text import partial_marker_length
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_MARKER, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -422,14 +424,6 @@ class _StrippedText:
         return body
 
 
-def _partial_marker_length(text: str, marker: str) -> int:
-    """The length of the longest tail of `text` that is a proper prefix of `marker` (a marker still arriving)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
 class ToolCallStream:
     """Streamed output -> content deltas and complete tool calls. Content is released as soon as it cannot be the
     start of a call marker (only a possible partial marker, and trailing whitespace, is held back); a call is
@@ -482,7 +476,7 @@ class ToolCallStream:
             if not self._in_call:
                 start = self._buffer.find(open_)
                 if start < 0:
-                    keep = 0 if final else _partial_marker_length(self._buffer, open_)
+                    keep = 0 if final else partial_marker_length(self._buffer, open_)
                     cut = len(self._buffer) - keep
                     events += self._content_events(self._buffer[:cut])
                     self._buffer = self._buffer[cut:]

