@@ -108,23 +108,26 @@ def test_preemption_recompute_keeps_the_grammar(embedded_path, embedded_llm):
             valid_json(out.text, PERSON)
 
 
-def test_ngram_speculation_under_a_constraint(embedded_path, embedded_llm):
-    """Drafts are checked against the grammar before verification and masked per draft position: greedy
-    constrained outputs equal those without speculation, and drafts were verified and accepted."""
-    schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 6, "items": {
+@pytest.mark.parametrize("decoding, options", [("ngram", {"min_n": 1, "max_batch_size": 8}),
+                                               ("draft", {"layers": 20, "k": 3, "max_batch_size": 8})])
+def test_speculation_under_a_constraint(embedded_path, embedded_llm, decoding, options):
+    """Drafts (n-gram, or a drafter that samples them with probabilities) are checked against the grammar before
+    verification and masked per draft position: greedy constrained outputs equal those without speculation,
+    drafts were verified and accepted, sampled ones validate."""
+    schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 4, "items": {
         "type": "object", "properties": {"id": {"type": "integer", "maximum": 99}, "tag": {"enum": ["a", "b"]}},
         "required": ["id", "tag"], "additionalProperties": False}}}, "required": ["items"]}
-    chat = [{"role": "user", "content": "List six items as JSON: each has an id and a tag."}]
-    params = greedy(max_tokens=150, constraint=Constraint.json_schema(schema))
+    chat = [{"role": "user", "content": "List four items as JSON: each has an id and a tag."}]
+    params = greedy(max_tokens=110, constraint=Constraint.json_schema(schema))
     reference = embedded_llm.chat(chat, params)[0]
-    spec = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20, decoding="ngram",
-               decoding_options={"min_n": 1, "max_batch_size": 8})
+    spec = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20, decoding=decoding,
+               decoding_options=options)
     out = spec.chat(chat, params)[0]
     assert out.token_ids == reference.token_ids
     valid_json(out.text, schema)
     stats = spec.engine.stats()
     assert stats.spec_accepted_tokens_total > 0
-    sampled = spec.chat(chat, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=150,
+    sampled = spec.chat(chat, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=110,
                                              constraint=Constraint.json_schema(schema)))[0]
     for sample in sampled:
         if sample.finish_reason == "stop":
