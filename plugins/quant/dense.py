@@ -13,11 +13,18 @@ from kvforge.core.plugins import LinearKernel, QuantMethod
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked linear (fp32-level rounding, see tests/plugins/test_dense.py): private torch ops, so
-    offered only where they exist."""
+    offered only where they exist -- and for bf16 only where oneDNN computes it (an AVX2-only CPU, e.g. AMD
+    EPYC Zen 2, refuses to pack a bf16 weight)."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (weight.dtype != torch.bfloat16 or _onednn_bf16()))
+
+
+def _onednn_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

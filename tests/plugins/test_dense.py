@@ -28,7 +28,8 @@ def _layer(dtype: torch.dtype, bias: bool, kernel: str | None) -> tuple[Replicat
 
 def require_onednn(dtype: torch.dtype) -> None:
     if not onednn_packing_available(torch.empty(1, dtype=dtype)):
-        pytest.skip("this torch build has no oneDNN prepacked linear; F.linear is the only kernel")
+        pytest.skip(f"no oneDNN prepacked linear for {dtype} here (the torch build has none, or the CPU cannot run "
+                    "oneDNN's bf16, e.g. AVX2 only); F.linear is the only kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
