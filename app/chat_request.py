@@ -78,25 +78,25 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPlan:
     text = chat_prompt_text(tokenizer, body.messages, tools if use_tools else None, body.chat_template_kwargs)
     prompt = tokenizer.encode(text, add_special_tokens=False)
 
-    vocab = tokenizer.hf.get_vocab()
-    reasoning = detect_reasoning(tokenizer.hf.chat_template, vocab)
-    constraint, field = _constraint(body, syntax, tools, choice, use_tools, tokenizer)
+    # one token lookup per marker (get_vocab() would build the whole vocabulary's dict for every request)
+    reasoning = detect_reasoning(tokenizer.hf.chat_template,
+                                 lambda token: tokenizer.hf.backend_tokenizer.token_to_id(token) is not None)
+    specials = special_token_ids(tokenizer)
+    constraint, field = _constraint(body, syntax, tools, choice, use_tools, specials)
     if constraint is not None and reasoning is not None and not text.rstrip().endswith(reasoning.end):
         constraint = constraint.opened_by(tokenizer.encode(reasoning.end, add_special_tokens=False))
     markers = [syntax.call_open, syntax.call_close] if use_tools else []
     markers += [reasoning.start, reasoning.end] if reasoning is not None else []
-    specials = special_token_ids(tokenizer)
     return ChatPlan(prompt, constraint, field, syntax, tool_names(tools) if use_tools else None, reasoning,
                     reasoning is not None and starts_in_reasoning(text, reasoning),
                     skip_special_tokens=not any(m in specials for m in markers if m))
 
 
 def _constraint(body: ChatCompletionRequest, syntax: ToolSyntax, tools: list[dict], choice: Any, use_tools: bool,
-                tokenizer: Tokenizer) -> tuple[Constraint | None, str | None]:
+                specials: dict[str, int]) -> tuple[Constraint | None, str | None]:
     if use_tools and choice not in (None, "auto"):
         try:
-            grammar = call_grammar(syntax, tools, choice, body.parallel_tool_calls is not False,
-                                   special_token_ids(tokenizer))
+            grammar = call_grammar(syntax, tools, choice, body.parallel_tool_calls is not False, specials)
         except ValueError as exc:
             raise APIError(400, f"tool_choice: {exc}", "tool_choice") from None
         return Constraint.grammar(grammar), "tools"

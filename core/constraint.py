@@ -137,7 +137,7 @@ class GrammarCompiler:
 
     def start(self, constraint: Constraint) -> GrammarState:
         """A fresh state for one sequence."""
-        return GrammarState(self.compile(constraint).deep_copy(), constraint.after, self.vocab_size)
+        return GrammarState(self.compile(constraint).deep_copy(), constraint.after)
 
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
@@ -171,8 +171,8 @@ class GrammarState:
     """One sequence's place in its constraint. Before the opening marker (`after`) it is inactive: every
     token may come and the matcher does not move. The scheduler calls `accept` for each appended token."""
 
-    def __init__(self, matcher, after: tuple[int, ...], vocab_size: int) -> None:
-        self.matcher, self.after, self.vocab_size = matcher, after, vocab_size
+    def __init__(self, matcher, after: tuple[int, ...]) -> None:
+        self.matcher, self.after = matcher, after
         self.active = not after
         self.failed = False  # a token the grammar refused was appended (only if masking was bypassed)
 
