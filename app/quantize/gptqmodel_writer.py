@@ -35,13 +35,58 @@ def write_gptqmodel(options: QuantizeOptions, source: Path, staging: Path, say) 
                                 format="gemm", sym=False)
         backend = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH
     clip = "" if options.clip in (None, True) else ", no clip search"
+    compute = calibration_dtype(options.method)
+    if options.method == "awq" and calibration_dtype("gptq") == torch.float32:
+        say("note: this CPU has no native bf16 (AVX2 only) and GPTQModel's AWQ calibrates in bf16 only: the build "
+            "is slow here (over an hour for a 135M model); gptq calibrates in fp32 on such a CPU")
     say(f"{options.method}: {options.bits}-bit, group size {options.group_size}, {len(data)} calibration "
-        f"samples of {options.seq_len} tokens{clip}, GPTQModel {gptqmodel.__version__} (its progress bars follow)")
-    model = GPTQModel.load(str(source), quantize_config=config, dtype=torch.bfloat16)
+        f"samples of {options.seq_len} tokens{clip}, computed in {str(compute).removeprefix('torch.')}, "
+        f"GPTQModel {gptqmodel.__version__} (its progress bars follow)")
+    model = GPTQModel.load(str(source), quantize_config=config, dtype=compute)
     with tempfile.TemporaryDirectory(prefix="kvforge-gptqmodel-logs-") as logs, _gptqmodel_logs_in(Path(logs)), \
             _awq_clip_search(options.clip is not False):
         model.quantize(data, backend=backend)
     model.save(str(staging))
+    if compute == torch.float32:
+        _store_float32_as_bfloat16(staging)
+
+
+def calibration_dtype(method: str):
+    """What GPTQModel computes in: bfloat16 where the device computes it natively (core/config.py's "auto"). On
+    other CPUs (AVX2 only) bf16 is emulated, ~8x slower than fp32 in a matmul, so gptq calibrates in float32
+    there (docs/MEASUREMENTS.md). awq stays bf16: GPTQModel's CPU AWQ layer takes 16-bit weights only (forced to
+    float32 it wrote a checkpoint that answers gibberish), so an AWQ build there is slow (over an hour for the
+    embedded model): the CLI says so before it starts."""
+    import torch
+
+    from kvforge.core.config import DTYPES, resolve_dtype
+
+    native = DTYPES[resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")]
+    return torch.float32 if native == torch.float32 and method == "gptq" else torch.bfloat16
+
+
+def _store_float32_as_bfloat16(checkpoint: Path) -> None:
+    """A checkpoint calibrated in float32 stored as a bf16 calibration stores it: its float32 tensors (the weights
+    left unquantized: embeddings, norms) in bf16, the quantized layers' scales as they are (GPTQ's fp16),
+    config.json's dtype bfloat16."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata()
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors = {name: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for name, t in tensors.items()}
+        save_file(tensors, str(path), metadata=metadata)
+    config_path = checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = "bfloat16"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 @contextmanager
@@ -84,3 +129,4 @@ def _gptqmodel_logs_in(path: Path):
         yield
     finally:
         loop_processor._PROJECT_LOG_DIR = previous
+

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvforge.app.quantize.gptqmodel_writer import calibration_dtype
 from tests.helpers.optional_parts import require
 
 METHODS = ("gptq", "awq", "bnb-nf4", "bnb-int8")
@@ -42,11 +43,12 @@ PROMPTS = [
     "Explain what a noun is in one sentence.",
     "What is the square root of 81?",
 ]
-# Beyond --method and --out. AWQ's clip search is most of its build on CPU and memory-bound (it slows down most
-# when neighbours load the machine); without it the checkpoint passes the rules below as well as the default one
-# (docs/MEASUREMENTS.md, "AWQ build time").
-BUILD_ARGS = {"awq": ("--no-clip",)}
-# GPTQ takes 2-4 min on 2 shared cores, AWQ --no-clip about 10; a hung run must still not hang the suite.
+# Beyond --method and --out. AWQ without its clip search, which is most of its build on CPU, and with 32 calibration
+# samples (not 64): its scale search grows with the calibration tokens; on the CPU it was measured on, both
+# closeness rules below still held on 7 of 8 prompts (docs/MEASUREMENTS.md, "AWQ build time"). GPTQ with its
+# defaults (~2 min on 2 cores: fp32 calibration on an AVX2-only CPU, bf16 elsewhere).
+BUILD_ARGS = {"awq": ("--no-clip", "--calibration-samples", "32")}
+# A hung build must not hang the suite.
 BUILD_TIMEOUT_S = 3600
 
 
@@ -54,10 +56,19 @@ def gptqmodel_installed() -> bool:
     return find_spec("gptqmodel") is not None and find_spec("optimum") is not None
 
 
+def awq_builds_here() -> bool:
+    """GPTQModel's AWQ calibrates in bf16 only: on a CPU that emulates bf16 (AVX2 only) a build of the embedded model
+    takes over an hour (docs/MEASUREMENTS.md), past what a test run can spend."""
+    return calibration_dtype("awq") == calibration_dtype("gptq")
+
+
 def require_library(method: str) -> None:
     if method in GPTQMODEL_METHODS:
         require(gptqmodel_installed(),
                 f"--method {method} needs GPTQModel and optimum: pip install 'kvforge[quantize]'")
+    if method == "awq" and not awq_builds_here():  # the CPU, not a missing part: a skip even in CI
+        pytest.skip("this CPU has no native bf16 (AVX2 only): GPTQModel's AWQ calibration (bf16 only) would take "
+                    "over an hour; the AWQ plugin is tested on round-to-nearest checkpoints (test_quant_accuracy)")
 
 
 def run_quantize(*args: str, prelude: str = "", timeout: float = BUILD_TIMEOUT_S,
@@ -141,7 +152,8 @@ def build(embedded_path, tmp_path_factory):
 # ====================================================================================================
 @pytest.fixture(scope="module")
 def quantized_checkpoints(build) -> dict[str, Path]:
-    methods = [m for m in METHODS if m not in GPTQMODEL_METHODS or gptqmodel_installed()]
+    methods = [m for m in METHODS if (m not in GPTQMODEL_METHODS or gptqmodel_installed())
+               and (m != "awq" or awq_builds_here())]
     return {method: build(method)[0] for method in methods}
 
 
@@ -150,6 +162,23 @@ def tokenizer(embedded_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(embedded_path)
+
+
+@pytest.fixture(scope="module")
+def hf_quantized(build, tokenizer):
+    """hf_quantized(method) -> HF transformers' greedy outputs with top-k on that checkpoint, once per module."""
+    from transformers import AutoModelForCausalLM
+
+    outputs = {}
+
+    def get(method: str):
+        if method not in outputs:
+            out, _ = build(method)
+            outputs[method] = greedy_with_topk(AutoModelForCausalLM.from_pretrained(out, device_map="cpu"),
+                                               tokenizer, PROMPTS)
+        return outputs[method]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +234,13 @@ def test_checkpoint_layout(method, build, embedded_path):
     config = json.loads((out / "config.json").read_text())
     quant = config["quantization_config"]
     assert {k: quant.get(k) for k in EXPECTED_CONFIG[method]} == EXPECTED_CONFIG[method], quant
+    if method in GPTQMODEL_METHODS:  # stored in bf16 whatever dtype the calibration computed in
+        assert config["dtype"] == "bfloat16", config
 
     prefix = "model.layers.0.self_attn.q_proj."
     with safe_open(str(out / "model.safetensors"), "pt") as f:
+        if method in GPTQMODEL_METHODS:
+            assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
         names = {n[len(prefix):] for n in f.keys() if n.startswith(prefix)}
         assert names == set(EXPECTED_Q_PROJ[method]), names
         for suffix, (dtype, shape) in EXPECTED_Q_PROJ[method].items():
@@ -217,12 +250,8 @@ def test_checkpoint_layout(method, build, embedded_path):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_hf_transformers_generates_close_to_fp32(method, build, reference, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    out, _ = build(method)
-    model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
-    tested = greedy_with_topk(model, tokenizer, PROMPTS)
+def test_hf_transformers_generates_close_to_fp32(method, hf_quantized, reference, tokenizer):
+    tested = hf_quantized(method)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in tested]
     report = "\n".join(f"  {p!r}: fp32 {tokenizer.decode(r[0], skip_special_tokens=True)!r} / {method} {t!r}"
                        for p, r, t in zip(PROMPTS, reference, texts))
@@ -237,7 +266,8 @@ def test_hf_transformers_generates_close_to_fp32(method, build, reference, token
 def test_quantized_checkpoints_fixture(quantized_checkpoints):
     """The hook for the kvforge-side comparison returns a checkpoint per installed method."""
     assert {"bnb-nf4", "bnb-int8"} <= set(quantized_checkpoints)
-    assert set(GPTQMODEL_METHODS) <= set(quantized_checkpoints) or not gptqmodel_installed()
+    assert ({"gptq", "awq"} if awq_builds_here() else {"gptq"}) <= set(quantized_checkpoints) \
+        or not gptqmodel_installed()
     for path in quantized_checkpoints.values():
         assert "quantization_config" in json.loads((path / "config.json").read_text())
 
@@ -342,17 +372,15 @@ def test_plain_calibration_file_is_one_passage(tmp_path):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_kvforge_and_hf_transformers_run_the_same_checkpoint(method, build, tokenizer):
+def test_kvforge_and_hf_transformers_run_the_same_checkpoint(method, build, hf_quantized):
     """The checkpoint `kvforge quantize` wrote, loaded by kvforge (its plugin picked from config.json) and by
     HF transformers: the same greedy tokens within vLLM's top-5 rule on every prompt but at most one (the
     two compute in different precisions: kvforge's CPU int4 / int8 kernels in bf16, HF in its own)."""
-    from transformers import AutoModelForCausalLM
-
     from kvforge.core import LLM
     from kvforge.core.sampling import SamplingParams
 
     out, _ = build(method)
-    hf = greedy_with_topk(AutoModelForCausalLM.from_pretrained(out, device_map="cpu"), tokenizer, PROMPTS)
+    hf = hf_quantized(method)
     llm = LLM(str(out), progress=False)
     assert llm.engine.config.quant == method
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, logprobs=TOP_K)
