@@ -78,9 +78,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPlan:
     text = chat_prompt_text(tokenizer, body.messages, tools if use_tools else None, body.chat_template_kwargs)
     prompt = tokenizer.encode(text, add_special_tokens=False)
 
-    # one token lookup per marker (get_vocab() would build the whole vocabulary's dict for every request)
-    reasoning = detect_reasoning(tokenizer.hf.chat_template,
-                                 lambda token: tokenizer.hf.backend_tokenizer.token_to_id(token) is not None)
+    reasoning = reasoning_syntax(tokenizer)
     specials = special_token_ids(tokenizer)
     constraint, field = _constraint(body, syntax, tools, choice, use_tools, specials)
     if constraint is not None and reasoning is not None and not text.rstrip().endswith(reasoning.end):
@@ -109,6 +107,13 @@ def _constraint(body: ChatCompletionRequest, syntax: ToolSyntax, tools: list[dic
         return Constraint.json_object(), "response_format"
     schema = response_format.json_schema.schema_
     return Constraint.json_schema(schema if schema is not None else {}), "response_format"
+
+
+def reasoning_syntax(tokenizer: Tokenizer) -> ReasoningSyntax | None:
+    """The model's think markers when it reasons (its template or vocabulary has them), else None."""
+    # one token lookup per marker (get_vocab() would build the whole vocabulary's dict for every request)
+    return detect_reasoning(tokenizer.hf.chat_template,
+                            lambda token: tokenizer.hf.backend_tokenizer.token_to_id(token) is not None)
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:

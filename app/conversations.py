@@ -52,7 +52,8 @@ class Message(Base):
     conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"), index=True)
     position: Mapped[int] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(16))
-    content: Mapped[str] = mapped_column(Text)
+    content: Mapped[str] = mapped_column(Text)  # a reasoning model's answer, without its think block
+    reasoning: Mapped[str | None] = mapped_column(Text)  # its think block (app/reasoning.py); None: none
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -66,6 +67,8 @@ class Message(Base):
 
     def to_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "role": self.role, "content": self.content, "created_at": self.created_at}
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
         out.update({k: getattr(self, k) for k in self.STATS if getattr(self, k) is not None})
         return out
 
@@ -112,7 +115,8 @@ class Conversations:
             if s.execute(delete(Conversation).where(Conversation.id == conversation_id)).rowcount == 0:
                 raise NotFound(f"session {conversation_id!r} not found")
 
-    def add_message(self, conversation_id: str, role: str, content: str, **stats: Any) -> Message:
+    def add_message(self, conversation_id: str, role: str, content: str, reasoning: str | None = None,
+                    **stats: Any) -> Message:
         """Append a message (at the next position) in one transaction."""
         with self.store.session() as s, s.begin():
             conv = s.get(Conversation, conversation_id, with_for_update=True)
@@ -123,7 +127,7 @@ class Conversations:
             position = (select(func.coalesce(func.max(Message.position), 0) + 1)
                         .where(Message.conversation_id == conversation_id).scalar_subquery())
             message = Message(conversation_id=conversation_id, position=position, role=role,
-                              content=content, **stats)
+                              content=content, reasoning=reasoning, **stats)
             s.add(message)
             conv.updated_at = message.created_at = time.time()
             s.flush()

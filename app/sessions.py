@@ -11,7 +11,9 @@ after a restart — serves all of it: only the new message is computed.
 
 A reply streams as server-sent events: `{"type": "user", "message"}` (the stored user message),
 `{"type": "delta", "content"}`..., then `{"type": "done", "message", "usage", "timings", "token_ids"}` and
-`[DONE]`. A client that disconnects aborts the reply; what was generated so far is kept with
+`[DONE]`. A reasoning model's think block streams as `{"type": "delta", "reasoning_content"}` deltas and is
+stored apart from the answer: a message's `content` is the answer, its `reasoning_content` the thinking (absent
+for a model that does not reason). A client that disconnects aborts the reply; what was generated so far is kept with
 finish_reason "abort", like a chat app's stop button.
 """
 

@@ -1,6 +1,7 @@
-"""The chat: the conversations list (new, switch, rename, delete), the messages with their per-reply stats, a
-streamed reply with Stop (the partial reply is kept), Regenerate and Edit last message, and the generation
-settings (system prompt, temperature, top-p, max tokens).
+"""The chat: the conversations list (new, switch, rename, delete), the messages with their per-reply stats (a
+reasoning model's thinking in a collapsible bubble before its answer), a streamed reply with Stop (the partial
+reply is kept), Regenerate and Edit last message, and the generation settings (system prompt, temperature, top-p,
+max tokens).
 
 Gradio is imported inside the functions: build_ui imports this module after the offline environment is set.
 """
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
     from kvforge.app.conversations import Conversation
 
 
+REASONING_TITLE = "Reasoning"
+
+
 def reply_stats_markdown(message: dict | None) -> str:
     """Per-reply stats under the chat: tokens, tok/s, TTFT, cached tokens."""
     if not message or message.get("role") != "assistant":
@@ -34,8 +38,21 @@ def reply_stats_markdown(message: dict | None) -> str:
     return "Last reply: " + " · ".join(parts)
 
 
+def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False) -> list[dict]:
+    """A message as the chat shows it: a reasoning model's thinking in a collapsible bubble ("Reasoning", Gradio's
+    metadata title) before its answer; `thinking` while the reply still streams it."""
+    bubbles = []
+    if reasoning:
+        status = "pending" if thinking else "done"
+        bubbles.append({"role": "assistant", "content": reasoning,
+                        "metadata": {"title": REASONING_TITLE, "status": status}})
+    if content or not reasoning:
+        bubbles.append({"role": role, "content": content})
+    return bubbles
+
+
 def chat_history(conv: Conversation | None) -> list[dict]:
-    return [] if conv is None else [{"role": m.role, "content": m.content} for m in conv.messages]
+    return [] if conv is None else [b for m in conv.messages for b in message_bubbles(m.role, m.content, m.reasoning)]
 
 
 def last_stats(conv: Conversation | None) -> str:
@@ -100,16 +117,20 @@ class ChatHandlers:
             turn = await self.service.start_turn(session_id, message, overrides)
         except APIError as exc:
             raise gr.Error(exc.message) from None
-        history = chat_history(self.service.conversation(session_id)) + [{"role": "assistant", "content": ""}]
+        before = chat_history(self.service.conversation(session_id))
+        reasoning, content = "", ""
         choices = gr.update(choices=self.service.conversation_choices(), value=session_id)
-        yield history, "", "", choices, session_id
+        yield before + message_bubbles("assistant", ""), "", "", choices, session_id
         async for event in turn.events():
             if event["type"] == "delta":
-                history[-1]["content"] += event["content"]
-                yield history, gr.update(), gr.update(), gr.update(), session_id
+                reasoning += event.get("reasoning_content", "")
+                content += event.get("content", "")
+                shown = message_bubbles("assistant", content, reasoning, thinking=not content)
+                yield before + shown, gr.update(), gr.update(), gr.update(), session_id
             elif event["type"] == "done":
-                history[-1]["content"] = event["message"]["content"]
-                yield history, gr.update(), reply_stats_markdown(event["message"]), gr.update(), session_id
+                message = event["message"]
+                shown = message_bubbles("assistant", message["content"], message.get("reasoning_content"))
+                yield before + shown, gr.update(), reply_stats_markdown(message), gr.update(), session_id
 
     async def stopped_stats(self, session_id: str | None) -> str:
         """After Stop: the cancelled reply is stored as it ends (abort); show its stats once it is."""

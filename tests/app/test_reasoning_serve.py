@@ -12,20 +12,13 @@ the first step or never, while after `<filename>` it writes a few sure tokens fi
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import jsonschema
 import pytest
 
 from tests.helpers.server_process import ServeProcess
+from tests.helpers.thinking_model import END_ID, START_ID, thinking_model
 
-START_ID, END_ID = 6, 5  # SmolLM2's <filename>, <file_sep>: renamed <think>, </think>
-TEMPLATE = (  # ChatML; DeepSeek-R1's open think block, or Qwen3's closed empty one when enable_thinking is false
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}")
 MODEL = "thinker"
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -36,29 +29,6 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema":
 # ~11.9; a bias in between (12 to 13 all close it there) gives a few tokens of reasoning, then `</think>`
 CLOSE_SOON = {str(END_ID): 12.5}
 CLOSE_NOW = {str(END_ID): 100}  # `</think>` first: empty reasoning
-
-
-def thinking_model(directory: Path) -> Path:
-    """The embedded model's directory with the think markers renamed into its tokenizer and TEMPLATE."""
-    from kvforge.core.loader import resolve_model
-
-    source = Path(resolve_model(None))
-    directory.mkdir()
-    (directory / "config.json").write_text((source / "config.json").read_text())
-    (directory / "tokenizer_config.json").write_text((source / "tokenizer_config.json").read_text())
-    os.symlink(source / "model.safetensors", directory / "model.safetensors")  # 0.5 GB: not copied
-    tokenizer = json.loads((source / "tokenizer.json").read_text())
-    renames = {START_ID: "<think>", END_ID: "</think>"}
-    for token in tokenizer["added_tokens"]:
-        if token["id"] in renames:
-            vocab = tokenizer["model"]["vocab"]
-            assert vocab.pop(token["content"]) == token["id"]
-            token["content"] = renames[token["id"]]
-            vocab[token["content"]] = token["id"]
-            token["special"] = False  # decoding keeps them: the reader must see `</think>` in the text
-    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
-    (directory / "chat_template.jinja").write_text(TEMPLATE)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +134,58 @@ def test_chat_template_kwargs_switch_thinking_off(client, tokenizer):
     jsonschema.validate(json.loads(message.content), SCHEMA)
     assert reasoning_of(message) is None and reply.choices[0].finish_reason == "stop"
     assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+# ---- the sessions API: a reply's thinking stored apart from its answer ------------------------------------------
+
+
+def session_turn(server, session_id: str, **fields) -> tuple[list[dict], dict]:
+    """Post a message to a session, streamed: (the delta events, the done event)."""
+    import httpx
+
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/sessions/{session_id}/messages", timeout=300,
+                      json={"stream": True, **fields}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+    assert events[-1]["type"] == "done", events[-1]
+    return [e for e in events if e["type"] == "delta"], events[-1]
+
+
+def test_a_session_stores_the_reasoning_apart_and_renders_the_history(client, server, tokenizer):
+    import httpx
+
+    created = httpx.post(f"{server.url}/v1/sessions", json={"sampling": {"temperature": 0}}, timeout=30)
+    assert created.status_code == 200, (created.status_code, created.text)
+    session = created.json()
+    deltas, done = session_turn(server, session["id"], content=QUESTION[0]["content"], max_tokens=24,
+                                logit_bias=CLOSE_SOON)
+    # the same reply as the chat route's, split the same way
+    expected = chat(client, max_tokens=24, logit_bias=CLOSE_SOON).choices[0].message
+    assert reasoning_of(expected) and expected.content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning_of(expected)
+    assert "".join(d.get("content", "") for d in deltas) == expected.content
+    assert all(len(d) == 2 for d in deltas)  # each delta carries one of the two
+    message = done["message"]
+    assert (message["reasoning_content"], message["content"]) == (reasoning_of(expected), expected.content)
+    stored = httpx.get(f"{server.url}/v1/sessions/{session['id']}", timeout=30).json()["messages"]
+    assert stored[1] == message
+
+    # an unclosed think block: all reasoning, an empty answer, whole (not streamed) too
+    response = httpx.post(f"{server.url}/v1/sessions/{session['id']}/messages", timeout=300,
+                          json={"content": "And 4 + 4?", "max_tokens": 8, "stream": False})
+    assert response.status_code == 200, (response.status_code, response.text)
+    reply = response.json()
+    assert reply["message"]["reasoning_content"] and reply["message"]["content"] == ""
+    assert "</think>" not in reply["message"]["reasoning_content"]
+
+    # the next turn renders the history through the template (this one ignores reasoning_content)
+    _, third = session_turn(server, session["id"], content="Thanks.", max_tokens=4)
+    history = [{"role": "user", "content": QUESTION[0]["content"]}, {"role": "assistant", "content": expected.content},
+               {"role": "user", "content": "And 4 + 4?"}, {"role": "assistant", "content": ""},
+               {"role": "user", "content": "Thanks."}]
+    prompt = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert third["usage"]["prompt_tokens"] == len(prompt)
+

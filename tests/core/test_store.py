@@ -67,6 +67,30 @@ def test_migrations_create_the_schema_and_reopening_is_a_noop(db_url):
         third.engine.dispose()
 
 
+def test_a_data_file_of_the_first_schema_is_upgraded_with_its_messages(db_url):
+    """A database written at revision 0001 (before replies kept their reasoning apart) opens with its rows."""
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(conn), "0001")
+            conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
+                                 "VALUES ('c1', 'old', '{}', 1, 1)"))
+            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
+                                 "VALUES ('c1', 1, 'assistant', 'kept', 1)"))
+    finally:
+        engine.dispose()
+    store = Store(db_url)
+    try:
+        conversations = Conversations(store)
+        [old] = conversations.get("c1").messages
+        assert (old.content, old.reasoning) == ("kept", None) and "reasoning_content" not in old.to_dict()
+        new = conversations.add_message("c1", "assistant", "Paris.", reasoning="The capital...")
+        assert new.to_dict()["reasoning_content"] == "The capital..."
+        assert [m.reasoning for m in conversations.get("c1").messages] == [None, "The capital..."]
+    finally:
+        store.engine.dispose()
+
+
 # --- the persisted-KV index ----------------------------------------------------------------------
 
 def kv_entry(name: str, fingerprint: bytes, last_access: float, nbytes: int = 1000) -> KVEntry:
