@@ -4,6 +4,10 @@ A turn renders the whole history with the chat template (earlier turns render by
 replies are stored exactly as generated, so the prefix cache serves the history), queues the request,
 stores the user message, then streams the reply and stores it when it ends — however it ends: a reply
 cut short (stop button, disconnect) is kept with finish_reason "abort", like a chat app's.
+
+A reasoning model's reply is stored as its answer (`content`) and its thinking (`reasoning`) and goes back to
+the template with `reasoning_content`. Templates that drop past thinking (DeepSeek-R1's) then render that reply
+differently from how it was generated, so the next turn's cache hit ends at that reply: the model's own design.
 """
 
 from __future__ import annotations
