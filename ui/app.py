@@ -53,7 +53,7 @@ def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:
             add_chat(demo, service)
             with gr.Column(scale=2, min_width=280):
                 add_settings(demo, service)
-                add_dashboard(service)
+                add_dashboard(demo, service)
     demo.queue(default_concurrency_limit=None)
     slow_queue_polling(demo)
     return demo

@@ -15,13 +15,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from kvforge.app.cache import human_bytes
 from kvforge.core.metrics import gpu_memory
 from kvforge.ui.service import UIService
+
+if TYPE_CHECKING:
+    import gradio as gr
 
 
 def process_rss_bytes() -> int:
@@ -143,12 +146,16 @@ def throughput_frame(service: UIService) -> pd.DataFrame:
                          "tok/s": [s.stats.get("generation_tokens_per_s", 0.0) for s in samples]})
 
 
-def add_dashboard(service: UIService) -> None:
-    """The figures table and the tok/s plot, refreshed every second from the latest sample."""
+def add_dashboard(blocks: gr.Blocks, service: UIService) -> None:
+    """The figures table and the tok/s plot: filled when the page loads, then refreshed every second from the
+    latest sample."""
     import gradio as gr
 
     dashboard = gr.Markdown(elem_id="dashboard")
     plot = gr.LinePlot(x="seconds ago", y="tok/s", title="Generation tok/s", height=220, elem_id="tokens-plot")
-    timer = gr.Timer(1.0)
-    timer.tick(lambda: (dashboard_markdown(service), throughput_frame(service)), outputs=[dashboard, plot],
-               queue=False, show_progress="hidden")
+
+    def refresh():
+        return dashboard_markdown(service), throughput_frame(service)
+
+    blocks.load(refresh, outputs=[dashboard, plot], queue=False, show_progress="hidden")
+    gr.Timer(1.0).tick(refresh, outputs=[dashboard, plot], queue=False, show_progress="hidden")
