@@ -87,7 +87,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPlan:
     markers += [reasoning.start, reasoning.end] if reasoning is not None else []
     return ChatPlan(prompt, constraint, field, syntax, tool_names(tools) if use_tools else None, reasoning,
                     reasoning is not None and starts_in_reasoning(text, reasoning),
-                    skip_special_tokens=not any(m in specials for m in markers if m))
+                    skip_special_tokens=may_skip_special_tokens(specials, markers))
 
 
 def _constraint(body: ChatCompletionRequest, syntax: ToolSyntax, tools: list[dict], choice: Any, use_tools: bool,
@@ -114,6 +114,11 @@ def reasoning_syntax(tokenizer: Tokenizer) -> ReasoningSyntax | None:
     # one token lookup per marker (get_vocab() would build the whole vocabulary's dict for every request)
     return detect_reasoning(tokenizer.hf.chat_template,
                             lambda token: tokenizer.hf.backend_tokenizer.token_to_id(token) is not None)
+
+
+def may_skip_special_tokens(specials: dict[str, int], markers: list[str | None]) -> bool:
+    """Whether decoding may drop special tokens: not when a marker the output's reader looks for is one."""
+    return not any(m in specials for m in markers if m)
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:

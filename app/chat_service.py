@@ -19,7 +19,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.admission import Admission, Ticket
-from kvforge.app.chat_request import reasoning_syntax, special_token_ids
+from kvforge.app.chat_request import may_skip_special_tokens, reasoning_syntax, special_token_ids
 from kvforge.app.completion import RequestTimedOut, check_prompt_chars, submit, timings, usage, within
 from kvforge.app.conversations import Conversation, Conversations, Message, NotFound
 from kvforge.app.errors import APIError
@@ -204,6 +204,6 @@ def _render(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], Repl
     text = tokenizer.chat_text(messages)
     syntax = reasoning_syntax(tokenizer)
     reading = ReplyReading(syntax, syntax is not None and starts_in_reasoning(text, syntax))
-    specials = special_token_ids(tokenizer) if syntax is not None else {}
-    skip_special = not (syntax is not None and (syntax.start in specials or syntax.end in specials))
+    markers = [syntax.start, syntax.end] if syntax is not None else []
+    skip_special = may_skip_special_tokens(special_token_ids(tokenizer) if markers else {}, markers)
     return tokenizer.encode(text, add_special_tokens=False), reading, skip_special

@@ -36,7 +36,7 @@ def write_gptqmodel(options: QuantizeOptions, source: Path, staging: Path, say) 
         backend = BACKEND.AUTO if torch.cuda.is_available() else BACKEND.AWQ_TORCH
     clip = "" if options.clip in (None, True) else ", no clip search"
     compute = calibration_dtype(options.method)
-    if options.method == "awq" and calibration_dtype("gptq") == torch.float32:
+    if options.method == "awq" and _device_dtype() == torch.float32:
         say("note: this CPU has no native bf16 (AVX2 only) and GPTQModel's AWQ calibrates in bf16 only: the build "
             "is slow here (over an hour for a 135M model); gptq calibrates in fp32 on such a CPU")
     say(f"{options.method}: {options.bits}-bit, group size {options.group_size}, {len(data)} calibration "
@@ -59,10 +59,16 @@ def calibration_dtype(method: str):
     embedded model): the CLI says so before it starts."""
     import torch
 
+    return torch.float32 if _device_dtype() == torch.float32 and method == "gptq" else torch.bfloat16
+
+
+def _device_dtype():
+    """core/config.py's "auto" dtype on this machine: bf16 where computed natively, else fp32 (fp16 on old GPUs)."""
+    import torch
+
     from kvforge.core.config import DTYPES, resolve_dtype
 
-    native = DTYPES[resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")]
-    return torch.float32 if native == torch.float32 and method == "gptq" else torch.bfloat16
+    return DTYPES[resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")]
 
 
 def _store_float32_as_bfloat16(checkpoint: Path) -> None:
@@ -129,4 +135,3 @@ def _gptqmodel_logs_in(path: Path):
         yield
     finally:
         loop_processor._PROJECT_LOG_DIR = previous
-
