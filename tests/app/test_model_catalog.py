@@ -53,3 +53,23 @@ def test_the_gguf_estimate_is_what_loading_measures():
     assert with_context == 2048 * kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
                                                      config.hidden_size // config.num_attention_heads,
                                                      llm.engine.config.torch_dtype)
+
+
+def test_a_gguf_header_is_parsed_once_per_file_version(tmp_path, gemma_gguf_path):
+    """The UI asks for an estimate on every settings change: the header is read once, and read again when the
+    file under the name changes (here: the embedded GGUF copied over by Gemma's)."""
+    import shutil
+
+    from kvforge.app.model_catalog import describe, gguf_facts
+    from kvforge.core.loader import embedded_gguf_path
+
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(embedded_gguf_path(), path)
+    first = describe("model.gguf", path, 1024)
+    assert gguf_facts(path) is gguf_facts(path)  # the second ask reads nothing
+    assert (first.architecture, first.quantization) == ("llama", "Q4_1")
+    shutil.copyfile(gemma_gguf_path, path)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000_000))
+    second = describe("model.gguf", path, 1024)
+    assert (second.architecture, second.quantization) == ("gemma3", "Q4_K_M")
+    assert second.parameters != first.parameters
