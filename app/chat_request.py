@@ -16,10 +16,9 @@ Decisions, one place each:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvforge.app.errors import APIError
-from kvforge.app.protocol import ChatCompletionRequest, ChatMessage
+from kvforge.app.protocol import ChatCompletionRequest, ChatMessage, ToolFields
 from kvforge.app.reasoning import ReasoningSyntax, detect_reasoning, starts_in_reasoning
 from kvforge.app.tool_calls import (
     ToolSyntax,
@@ -71,16 +70,29 @@ def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: l
 def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPlan:
     """Render and decide (see the module's docstring); APIError 400 for a conversation the template rejects.
     Runs off the event loop (template rendering is Python work)."""
+    return plan_conversation(tokenizer, body.messages, body, body.chat_template_kwargs, *_format_constraint(body))
+
+
+def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fields: ToolFields,
+                      template_kwargs: dict | None = None, output_constraint: Constraint | None = None,
+                      output_field: str | None = None) -> ChatPlan:
+    """A chat request's plan from its parts: the chat route's, and a session turn's (its stored conversation and
+    settings). `output_constraint`: the response format's, which a forced tool call overrides."""
     syntax = detect_tool_syntax(tokenizer.hf.chat_template)
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
-    choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+    tools, choice = tool_fields.tool_dicts(), tool_fields.tool_choice_value()
     use_tools = bool(tools) and choice != "none"
-    text = chat_prompt_text(tokenizer, body.messages, tools if use_tools else None, body.chat_template_kwargs)
+    text = chat_prompt_text(tokenizer, messages, tools if use_tools else None, template_kwargs)
     prompt = tokenizer.encode(text, add_special_tokens=False)
 
     reasoning = reasoning_syntax(tokenizer)
     specials = special_token_ids(tokenizer)
-    constraint, field = _constraint(body, syntax, tools, choice, use_tools, specials)
+    constraint, field = output_constraint, output_field
+    if use_tools and choice not in (None, "auto"):  # a forced call: the call grammar wins
+        try:
+            grammar = call_grammar(syntax, tools, choice, tool_fields.parallel_tool_calls is not False, specials)
+        except ValueError as exc:
+            raise APIError(400, f"tool_choice: {exc}", "tool_choice") from None
+        constraint, field = Constraint.grammar(grammar), "tools"
     if constraint is not None and reasoning is not None and not text.rstrip().endswith(reasoning.end):
         constraint = constraint.opened_by(tokenizer.encode(reasoning.end, add_special_tokens=False))
     markers = [syntax.call_open, syntax.call_close] if use_tools else []
@@ -90,14 +102,8 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPlan:
                     skip_special_tokens=may_skip_special_tokens(specials, markers))
 
 
-def _constraint(body: ChatCompletionRequest, syntax: ToolSyntax, tools: list[dict], choice: Any, use_tools: bool,
-                specials: dict[str, int]) -> tuple[Constraint | None, str | None]:
-    if use_tools and choice not in (None, "auto"):
-        try:
-            grammar = call_grammar(syntax, tools, choice, body.parallel_tool_calls is not False, specials)
-        except ValueError as exc:
-            raise APIError(400, f"tool_choice: {exc}", "tool_choice") from None
-        return Constraint.grammar(grammar), "tools"
+def _format_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
+    """The constraint `structured_outputs` or `response_format` asks for, and the field it is blamed on."""
     if body.structured_outputs is not None:
         return body.structured_outputs.constraint(), "structured_outputs"
     response_format = body.response_format

@@ -2,12 +2,20 @@
 
 A turn renders the whole history with the chat template (earlier turns render byte-identically, and
 replies are stored exactly as generated, so the prefix cache serves the history), queues the request,
-stores the user message, then streams the reply and stores it when it ends — however it ends: a reply
+stores the posted message, then streams the reply and stores it when it ends — however it ends: a reply
 cut short (stop button, disconnect) is kept with finish_reason "abort", like a chat app's.
+
+A turn is planned as a chat-completions request is (app/chat_request.py): the conversation's tools
+(its settings) go to the template or the default tools prompt, a forced tool_choice through the call
+grammar, and the reply is read by the same reader (app/chat_output.py) into content, reasoning and tool
+calls. A reply that calls tools is stored with its calls (finish_reason "tool_calls"); the client runs
+them and posts each result as a `tool` message naming its call; the result that answers the reply's
+last open call starts the next reply.
 
 A reasoning model's reply is stored as its answer (`content`) and its thinking (`reasoning`) and goes back to
 the template with `reasoning_content`. Templates that drop past thinking (DeepSeek-R1's) then render that reply
 differently from how it was generated, so the next turn's cache hit ends at that reply: the model's own design.
+So do tool calls on a template without tool syntax: they go back as `<tool_call>` blocks of their parsed JSON.
 """
 
 from __future__ import annotations
@@ -16,42 +24,80 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.admission import Admission, Ticket
-from kvforge.app.chat_request import may_skip_special_tokens, reasoning_syntax, special_token_ids
-from kvforge.app.completion import RequestTimedOut, check_prompt_chars, submit, timings, usage, within
+from kvforge.app.chat_output import ChoiceReader, whole_message
+from kvforge.app.chat_request import ChatPlan, plan_conversation
+from kvforge.app.completion import (
+    RequestTimedOut,
+    check_prompt_chars,
+    compile_constraint,
+    finish_reason,
+    submit,
+    timings,
+    usage,
+    within,
+)
 from kvforge.app.conversations import Conversation, Conversations, Message, NotFound
 from kvforge.app.errors import APIError
 from kvforge.app.metrics import ServerMetrics
-from kvforge.app.protocol import SamplingFields
-from kvforge.app.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning, starts_in_reasoning
+from kvforge.app.protocol import ChatMessage, SamplingFields, ToolFields
 from kvforge.core.async_engine import RequestStream
 from kvforge.core.output import RequestOutput
 from kvforge.core.store import Store
-from kvforge.core.tokenizer import Tokenizer
 
 DEFAULT_TITLE = "New chat"
 
 
-def chat_messages(conv: Conversation, new_user_message: str | None = None) -> list[dict[str, str]]:
-    """What the chat template renders: the system prompt, the history, the new message. A reply's reasoning goes
-    as `reasoning_content`, the name templates that render past thinking read (Qwen3's; DeepSeek-R1's drops it)."""
+def chat_messages(conv: Conversation, posted: dict[str, Any] | None = None) -> list[ChatMessage]:
+    """What the chat template renders: the system prompt, the history, the posted message (OpenAI's message
+    shape: a reply's reasoning as `reasoning_content`, the name templates that render past thinking read, its
+    calls as `tool_calls`; a tool result with its `tool_call_id`)."""
     system = (conv.settings or {}).get("system_prompt")
     messages = [{"role": "system", "content": system}] if system else []
-    for m in conv.messages:
-        messages.append({"role": m.role, "content": m.content}
-                        | ({"reasoning_content": m.reasoning} if m.reasoning is not None else {}))
-    if new_user_message is not None:
-        messages.append({"role": "user", "content": new_user_message})
-    return messages
+    messages += [{k: v for k, v in m.to_dict().items() if k in TEMPLATE_FIELDS} for m in conv.messages]
+    if posted is not None:
+        messages.append(posted)
+    return [ChatMessage.model_validate(m) for m in messages]
 
 
-def reply_stats(out: RequestOutput, prompt_tokens: int) -> dict:
+TEMPLATE_FIELDS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id")
+
+
+def tool_settings(conv: Conversation, tool_choice: str | dict | None = None) -> ToolFields:
+    """The conversation's tools, tool_choice (or this reply's) and parallel_tool_calls (none set: no tools);
+    APIError 400 naming tool_choice for one its tools do not allow."""
+    settings = {k: v for k, v in (conv.settings or {}).items() if k in ToolFields.model_fields}
+    if tool_choice is not None:
+        settings["tool_choice"] = tool_choice
+    try:
+        return ToolFields.model_validate(settings)
+    except ValidationError as exc:  # only the override can be wrong: the stored settings were checked
+        raise APIError(400, f"tool_choice: {exc.errors()[0]['msg'].removeprefix('Value error, ')}",
+                       "tool_choice") from None
+
+
+def open_tool_calls(conv: Conversation) -> list[str]:
+    """The ids of the last reply's tool calls that no tool message has answered yet (none: nothing is open)."""
+    answered: set[str] = set()
+    for message in reversed(conv.messages):
+        if message.role == "tool":
+            answered.add(message.tool_call_id)
+        elif message.role == "assistant":
+            return [call["id"] for call in message.tool_calls or () if call["id"] not in answered]
+        else:
+            return []
+    return []
+
+
+def reply_stats(out: RequestOutput, prompt_tokens: int, called_tools: bool = False) -> dict:
     m = out.metrics or {}
     tpot = m.get("tpot")
+    reason = finish_reason(out, called_tools) if out.finish_reason in ("stop", "length") else out.finish_reason
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
-            "cached_tokens": out.num_cached_tokens, "finish_reason": out.finish_reason,
+            "cached_tokens": out.num_cached_tokens, "finish_reason": reason,
             "ttft_s": m.get("ttft"), "tokens_per_s": (1 / tpot) if tpot else None}
 
 
@@ -65,36 +111,33 @@ def not_found(exc: NotFound, suffix: str = "") -> APIError:
     return APIError(404, f"{exc}{suffix}", "session_id", "not_found_error", "session_not_found")
 
 
-@dataclass(frozen=True)
-class ReplyReading:
-    """How a reply's text splits into reasoning and content (app/reasoning.py): `syntax` None for a model that
-    does not reason; `starts_inside` when the prompt opened the think block."""
-    syntax: ReasoningSyntax | None = None
-    starts_inside: bool = False
+def stored_reply(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
+    """A reply's text as stored: its content ("" when it only called tools), reasoning and tool calls, and
+    whether it called any."""
+    message, called = whole_message(plan, text)
+    return {"content": message["content"] or "", "reasoning": message.get("reasoning_content"),
+            "tool_calls": message.get("tool_calls")}, called
 
-    def stream(self) -> ReasoningStream | None:
-        return ReasoningStream(self.starts_inside, self.syntax) if self.syntax is not None else None
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(reasoning, content) of a whole reply; content "" when it ended inside the think block."""
-        if self.syntax is None:
-            return None, text
-        reasoning, content = split_reasoning(text, self.starts_inside, self.syntax)
-        return reasoning, content or ""
+@dataclass
+class AwaitingResults:
+    """A tool result stored while other calls of the same reply still wait for theirs: no reply yet."""
+    posted: Message
+    open_calls: list[str]  # the ids of the calls still unanswered
 
 
 @dataclass
 class Turn:
-    """A queued reply: `user` is the stored user message; iterate `events()` exactly once (or call
-    `abort()`): {"type": "delta", "content"} (or, for a reasoning model's thinking, {"type": "delta",
-    "reasoning_content"})..., then {"type": "done", "message", "usage", ...}."""
+    """A queued reply: `posted` is the stored message it answers (the user's, or the last tool result); iterate
+    `events()` exactly once (or call `abort()`): {"type": "delta", "content" | "reasoning_content" |
+    "tool_calls"}... (OpenAI's delta fields), then {"type": "done", "message", "usage", ...}."""
     service: ChatService
     session_id: str
-    user: Message
+    posted: Message
     prompt_tokens: int
     stream: RequestStream
     ticket: Ticket
-    reading: ReplyReading = ReplyReading()
+    plan: ChatPlan
 
     def abort(self) -> None:
         """Stop the reply and give back its admission; safe to call more than once."""
@@ -105,49 +148,40 @@ class Turn:
         """Raises RequestTimedOut (after keeping the partial reply, finish_reason "timeout") when the
         reply runs past the server's request timeout."""
         conversations, last, final, ended = self.service.conversations, None, None, "abort"
-        reader = self.reading.stream()
+        reader = ChoiceReader(self.plan)
         try:
             async for out in within(self.stream, self.service.request_timeout_s):
                 last = out
-                if out.delta_text:
-                    for event in _delta_events(reader, out.delta_text, final=False):
-                        yield event
+                deltas = reader.feed(out.delta_text) if out.delta_text else []
                 if out.finished:
                     final = out
                     self.service.metrics.observe_finished(out)
-                    for event in _delta_events(reader, "", final=True):
-                        yield event
+                    deltas += reader.finish()
+                for delta in deltas:
+                    yield {"type": "delta", **delta}
         except RequestTimedOut:
             ended = "timeout"
             raise
         finally:
             self.abort()  # no-op once finished; frees the KV blocks if the client went away
             if final is None and last is not None and last.text:  # cut short: keep what was generated
-                reasoning, content = self.reading.split(last.text)
+                reply, _ = stored_reply(self.plan, last.text)
                 try:
-                    conversations.add_message(self.session_id, "assistant", content, reasoning, finish_reason=ended,
-                                      prompt_tokens=self.prompt_tokens, completion_tokens=len(last.token_ids),
-                                      cached_tokens=last.num_cached_tokens)
+                    conversations.add_message(self.session_id, "assistant", **reply, finish_reason=ended,
+                                              prompt_tokens=self.prompt_tokens, completion_tokens=len(last.token_ids),
+                                              cached_tokens=last.num_cached_tokens)
                 except NotFound:
                     pass  # the conversation was deleted meanwhile
         if final.finish_reason == "abort" and not final.text:
             return  # stopped before any text: nothing to keep
-        reasoning, content = self.reading.split(final.text)
+        reply, called = stored_reply(self.plan, final.text)
         try:
-            message = await run_in_threadpool(conversations.add_message, self.session_id, "assistant", content,
-                                              reasoning, **reply_stats(final, self.prompt_tokens))
+            message = await run_in_threadpool(conversations.add_message, self.session_id, "assistant", **reply,
+                                              **reply_stats(final, self.prompt_tokens, called))
         except NotFound as exc:
             raise not_found(exc, " (deleted during the reply)") from None
         yield {"type": "done", "message": message.to_dict(), "usage": usage([final], self.prompt_tokens),
                "timings": timings(final), "token_ids": final.token_ids}
-
-
-def _delta_events(reader: ReasoningStream | None, text: str, final: bool) -> list[dict[str, str]]:
-    if reader is None:
-        return [{"type": "delta", "content": text}] if text else []
-    reasoning, content = reader.finish() if final else reader.feed(text)
-    return ([{"type": "delta", "reasoning_content": reasoning}] if reasoning else []) + (
-        [{"type": "delta", "content": content}] if content else [])
 
 
 class ChatService:
@@ -164,46 +198,66 @@ class ChatService:
         except NotFound as exc:
             raise not_found(exc) from None
 
-    async def start_turn(self, session_id: str, content: str, overrides: dict[str, Any] | None = None) -> Turn:
-        """Validate and queue the reply to `content`, then store `content`; APIError (nothing stored)
-        for an unknown session, bad sampling fields, or a conversation too long for the model."""
+    async def start_turn(self, session_id: str, content: str, overrides: dict[str, Any] | None = None,
+                         tool_call_id: str | None = None, tool_choice: str | dict | None = None
+                         ) -> Turn | AwaitingResults:
+        """Validate and queue the reply to `content` (a user message; with `tool_call_id`, a tool's result),
+        then store `content`; APIError (nothing stored) for an unknown session, bad sampling fields, a tool
+        result for no open call, or a conversation too long for the model. A tool result while other calls of
+        the reply are still open is stored without a reply (AwaitingResults)."""
         self.admission.check_open()  # a full server refuses before reading the conversation
         conv = await run_in_threadpool(self.get, session_id)
+        tools = tool_settings(conv, tool_choice)
+        posted = {"role": "user", "content": content}
+        if tool_call_id is not None:
+            open_calls = open_tool_calls(conv)
+            if tool_call_id not in open_calls:
+                raise APIError(400, f"tool_call_id: {tool_call_id!r} is not an open call of the last reply (open: "
+                               f"{', '.join(open_calls) or 'none'})", "tool_call_id")
+            posted = {"role": "tool", "content": content, "tool_call_id": tool_call_id}
+            if len(open_calls) > 1:
+                message = await self._store(session_id, conv, posted)
+                return AwaitingResults(message, [c for c in open_calls if c != tool_call_id])
         fields = SamplingFields.model_validate({**(conv.settings or {}).get("sampling", {}), **(overrides or {})})
         ticket = await self.admission.enter()
         try:
             engine = ticket.engine
-            messages = chat_messages(conv, content)
-            check_prompt_chars(engine, sum(len(m["content"]) for m in messages), "content")
-            try:
-                prompt, reading, skip_special = await run_in_threadpool(_render, engine.tokenizer, messages)
-            except Exception as exc:  # a template that rejects this conversation (e.g. role order)
-                raise APIError(400, f"content: {exc}", "content") from None
-            stream, _ = submit(engine, prompt, fields, self.default_max_tokens, None, "content",
-                               skip_special_tokens=skip_special)
+            messages = chat_messages(conv, posted)
+            check_prompt_chars(engine, sum(len(m.text()) for m in messages), "content")
+            plan = await run_in_threadpool(self._plan, engine, messages, tools)
+            stream, _ = submit(engine, plan.prompt, fields, self.default_max_tokens, None, "content",
+                               plan.constraint, plan.skip_special_tokens)
         except BaseException:
             ticket.release()
             raise
         try:
-            user = await run_in_threadpool(self.conversations.add_message, session_id, "user", content,
-                                           prompt_tokens=len(prompt))
-            if conv.title == DEFAULT_TITLE and not conv.messages:
-                await run_in_threadpool(self.conversations.update, session_id, title=title_from(content))
-        except BaseException as exc:
+            message = await self._store(session_id, conv, posted, prompt_tokens=len(plan.prompt))
+        except BaseException:
             ticket.release()
             stream.abort()
-            if isinstance(exc, NotFound):  # deleted meanwhile
-                raise not_found(exc) from None
             raise
-        return Turn(self, session_id, user, len(prompt), stream, ticket, reading)
+        return Turn(self, session_id, message, len(plan.prompt), stream, ticket, plan)
 
+    @staticmethod
+    def _plan(engine, messages: list[ChatMessage], tools: ToolFields) -> ChatPlan:
+        try:
+            plan = plan_conversation(engine.tokenizer, messages, tools)
+        except APIError as exc:
+            if exc.param != "messages":
+                raise
+            # the template rejected this conversation (e.g. role order): the posted message is to blame
+            raise APIError(400, exc.message.replace("messages: ", "content: ", 1), "content") from None
+        if plan.constraint is not None:
+            compile_constraint(engine, plan.constraint, "tools")
+        return plan
 
-def _render(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], ReplyReading, bool]:
-    """The prompt's tokens, how its reply reads, and whether decoding may drop special tokens (not when a think
-    marker is one: the reader must see it)."""
-    text = tokenizer.chat_text(messages)
-    syntax = reasoning_syntax(tokenizer)
-    reading = ReplyReading(syntax, syntax is not None and starts_in_reasoning(text, syntax))
-    markers = [syntax.start, syntax.end] if syntax is not None else []
-    skip_special = may_skip_special_tokens(special_token_ids(tokenizer) if markers else {}, markers)
-    return tokenizer.encode(text, add_special_tokens=False), reading, skip_special
+    async def _store(self, session_id: str, conv: Conversation, posted: dict[str, Any], **stats: Any) -> Message:
+        """Store the posted message (a first user message also names the conversation)."""
+        try:
+            message = await run_in_threadpool(self.conversations.add_message, session_id, posted["role"],
+                                              posted["content"], tool_call_id=posted.get("tool_call_id"), **stats)
+            if conv.title == DEFAULT_TITLE and not conv.messages and posted["role"] == "user":
+                await run_in_threadpool(self.conversations.update, session_id, title=title_from(posted["content"]))
+        except NotFound as exc:  # deleted meanwhile
+            raise not_found(exc) from None
+        return message

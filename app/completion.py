@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import SamplingFields
 from kvforge.core.async_engine import AsyncEngine, RequestStream
-from kvforge.core.constraint import Constraint
+from kvforge.core.constraint import Constraint, InvalidConstraint
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
@@ -41,6 +41,15 @@ def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default
         param = "logit_bias" if str(exc).startswith("logit_bias") else prompt_field
         raise APIError(400, str(exc), param) from None
     return stream, params
+
+
+def compile_constraint(engine: AsyncEngine, constraint: Constraint, field: str) -> None:
+    """Compile (and cache) a request's constraint before it is queued, off the event loop and the engine thread;
+    APIError 400 naming `field` when it cannot be enforced."""
+    try:
+        engine.engine.compile_constraint(constraint)
+    except InvalidConstraint as exc:
+        raise APIError(400, f"{field}: cannot be enforced: {exc}", field) from None
 
 
 def check_prompt_chars(engine: AsyncEngine, chars: int, prompt_field: str) -> None:

@@ -54,6 +54,9 @@ class Message(Base):
     role: Mapped[str] = mapped_column(String(16))
     content: Mapped[str] = mapped_column(Text)  # a reasoning model's answer, without its think block
     reasoning: Mapped[str | None] = mapped_column(Text)  # its think block (app/reasoning.py); None: none
+    # an assistant's tool calls in OpenAI's shape ([{"id", "type": "function", "function": {"name", "arguments"}}])
+    tool_calls: Mapped[list | None] = mapped_column(JSON)
+    tool_call_id: Mapped[str | None] = mapped_column(String(200))  # a tool message: the call it answers
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -69,6 +72,10 @@ class Message(Base):
         out = {"id": self.id, "role": self.role, "content": self.content, "created_at": self.created_at}
         if self.reasoning is not None:
             out["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         out.update({k: getattr(self, k) for k in self.STATS if getattr(self, k) is not None})
         return out
 
@@ -116,7 +123,7 @@ class Conversations:
                 raise NotFound(f"session {conversation_id!r} not found")
 
     def add_message(self, conversation_id: str, role: str, content: str, reasoning: str | None = None,
-                    **stats: Any) -> Message:
+                    tool_calls: list[dict] | None = None, tool_call_id: str | None = None, **stats: Any) -> Message:
         """Append a message (at the next position) in one transaction."""
         with self.store.session() as s, s.begin():
             conv = s.get(Conversation, conversation_id, with_for_update=True)
@@ -127,7 +134,8 @@ class Conversations:
             position = (select(func.coalesce(func.max(Message.position), 0) + 1)
                         .where(Message.conversation_id == conversation_id).scalar_subquery())
             message = Message(conversation_id=conversation_id, position=position, role=role,
-                              content=content, reasoning=reasoning, **stats)
+                              content=content, reasoning=reasoning, tool_calls=tool_calls or None,
+                              tool_call_id=tool_call_id, **stats)
             s.add(message)
             conv.updated_at = message.created_at = time.time()
             s.flush()

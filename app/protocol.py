@@ -333,6 +333,60 @@ def function_tools_only(tools: Any) -> Any:
     return tools
 
 
+class ToolFields(BaseModel):
+    """The tools a model may call and how: a chat-completions request's, and a session's settings (kept for every
+    turn of the conversation)."""
+
+    model_config = FORBID
+    tools: list[ChatCompletionFunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, tools: Any) -> Any:
+        return function_tools_only(tools)
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[ChatCompletionFunctionTool] | None) -> Any:
+        names = [tool.function.name for tool in tools or ()]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(repeated)}")
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice(cls, choice: Any) -> Any:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind == "allowed_tools":
+            raise ValueError("allowed_tools is not supported: send only the allowed tools in tools")
+        if kind == "custom":
+            raise ValueError("custom tools are not supported, only type 'function'")
+        return choice
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:  # tools itself was refused: that error is the one to report
+            return choice
+        names = [tool.function.name for tool in info.data["tools"] or ()]
+        if not names and choice not in (None, "none"):
+            raise ValueError(f"{choice!r} needs tools" if isinstance(choice, str) else "a named function needs tools")
+        if isinstance(choice, ChatCompletionNamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"function {choice.function.name!r} is not among tools ({', '.join(names)})")
+        return choice
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as chat templates and the call grammar take them (OpenAI's shape, unset fields left out)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, ChatCompletionNamedToolChoice) else choice
+
+
 # --- sampling fields and the two OpenAI requests --------------------------------------------------------
 
 
@@ -394,15 +448,12 @@ class SamplingFields(BaseModel):
         return self.max_tokens
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(ToolFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs", None)
     response_format: ResponseFormat | None = None
-    tools: list[ChatCompletionFunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
-    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra: regex, choice, grammar or JSON schema
     modalities: list[Literal["text"]] | None = None
@@ -452,11 +503,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("needs logprobs: true")
         return top
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _function_tools(cls, tools: Any) -> Any:
-        return function_tools_only(tools)
-
     @field_validator("structured_outputs")
     @classmethod
     def _one_output_format(cls, value: StructuredOutputs | None, info: ValidationInfo) -> StructuredOutputs | None:
@@ -464,46 +510,12 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("give response_format or structured_outputs, not both")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _unique_tool_names(cls, tools: list[ChatCompletionFunctionTool] | None) -> Any:
-        names = [tool.function.name for tool in tools or ()]
-        repeated = sorted({name for name in names if names.count(name) > 1})
-        if repeated:
-            raise ValueError(f"tool names must be unique; repeated: {', '.join(repeated)}")
-        return tools
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _function_choice(cls, choice: Any) -> Any:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind == "allowed_tools":
-            raise ValueError("allowed_tools is not supported: send only the allowed tools in tools")
-        if kind == "custom":
-            raise ValueError("custom tools are not supported, only type 'function'")
-        return choice
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
-        if "tools" not in info.data:  # tools itself was refused: that error is the one to report
-            return choice
-        names = [tool.function.name for tool in info.data["tools"] or ()]
-        if not names and choice not in (None, "none"):
-            raise ValueError(f"{choice!r} needs tools" if isinstance(choice, str) else "a named function needs tools")
-        if isinstance(choice, ChatCompletionNamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"function {choice.function.name!r} is not among tools ({', '.join(names)})")
-        return choice
-
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def forced_tool(self) -> str | None:
-        """The function a named tool_choice forces, if any."""
-        return self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
 
 
 class CompletionRequest(SamplingFields):
@@ -619,8 +631,9 @@ class LoadModelRequest(BaseModel):
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
 
 
-class SessionSettings(BaseModel):
-    """A conversation's own settings: its system prompt and sampling defaults (SamplingFields names)."""
+class SessionSettings(ToolFields):
+    """A conversation's own settings: its system prompt, sampling defaults (SamplingFields names), and the tools
+    its replies may call (ToolFields: checked as a chat request's)."""
 
     model_config = ConfigDict(extra="forbid")
     system_prompt: str | None = Field(default=None, max_length=MAX_SYSTEM_PROMPT_CHARS)
@@ -630,6 +643,13 @@ class SessionSettings(BaseModel):
     @classmethod
     def _known_valid_sampling(cls, sampling: dict[str, Any]) -> dict[str, Any]:
         return check_sampling(sampling)
+
+    def stored(self) -> dict[str, Any]:
+        """The settings as a conversation keeps them: the system prompt and sampling always, the tool fields only
+        where set (a conversation without tools keeps none)."""
+        tool_fields = set(ToolFields.model_fields) & self.model_fields_set
+        return {"system_prompt": self.system_prompt, "sampling": self.sampling,
+                **self.model_dump(include=tool_fields, exclude_none=True)}
 
 
 def check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -650,20 +670,44 @@ class SessionCreateRequest(SessionSettings):
 
 
 class SessionUpdateRequest(BaseModel):
+    """PATCH /v1/sessions/{id}: the fields given change (null clears a system prompt or the tools); the settings
+    they make are checked together (a tool_choice must name one of the tools)."""
+
     model_config = ConfigDict(extra="forbid")
     title: str | None = Field(default=None, min_length=1, max_length=200)
     system_prompt: str | None = Field(default=None, max_length=MAX_SYSTEM_PROMPT_CHARS)
     sampling: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked with the rest, as SessionSettings
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    @field_validator("sampling")
-    @classmethod
-    def _valid_sampling(cls, sampling: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if sampling is None else check_sampling(sampling)
+    def settings(self, current: dict[str, Any]) -> SessionSettings:
+        """`current` with this request's changes; pydantic's ValidationError for settings that do not hold."""
+        changed = self.model_dump(include=self.model_fields_set - {"title"})
+        if changed.get("sampling") is None:
+            changed.pop("sampling", None)
+        merged = {k: v for k, v in {**current, **changed}.items() if v is not None or k == "system_prompt"}
+        return SessionSettings.model_validate(merged)
 
 
 class SessionMessageRequest(SamplingFields):
-    """POST /v1/sessions/{id}/messages: the user's message; fields given here override the
-    conversation's sampling settings for this reply. Streams by default."""
+    """POST /v1/sessions/{id}/messages: the user's message, or a tool's result (role "tool", with the id of the
+    call it answers); fields given here override the conversation's sampling settings (and tool_choice) for this
+    reply. Streams by default."""
 
+    role: Literal["user", "tool"] = "user"
     content: str = Field(min_length=1)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=200, validate_default=True)
+    # this reply's, instead of the conversation's (e.g. "required" to start, "auto" once the results are in)
+    tool_choice: str | dict[str, Any] | None = None
     stream: bool = True
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _on_tool_results_only(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and call_id is None:
+            raise ValueError("a tool message needs the id of the call it answers")
+        if role == "user" and call_id is not None:
+            raise ValueError("only on tool messages (role 'tool')")
+        return call_id

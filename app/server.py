@@ -32,6 +32,7 @@ from kvforge.app.completion import (
     RequestTimedOut,
     SSEResponse,
     check_prompt_chars,
+    compile_constraint,
     finish_reason,
     format_logprobs,
     submit,
@@ -48,7 +49,7 @@ from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadM
 from kvforge.app.sessions import sessions_router
 from kvforge.app.tokenize_routes import tokenize_router
 from kvforge.core.async_engine import AsyncEngine
-from kvforge.core.constraint import Constraint, InvalidConstraint
+from kvforge.core.constraint import Constraint
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.metrics import gpu_memory
 from kvforge.core.output import RequestOutput, TokenLogprob
@@ -229,14 +230,6 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         chars = len(body.prompt) if isinstance(body.prompt, str) else 0
         return await respond(body, chars, render, body.logprobs, chat=False, echo=echo if body.echo else None,
                              constraint=constraint)
-
-    def compile_constraint(engine: AsyncEngine, constraint: Constraint, field: str) -> None:
-        """Compiled (and cached) by the render step, off the event loop and the engine thread; 400 naming the field
-        when it cannot be."""
-        try:
-            engine.engine.compile_constraint(constraint)
-        except InvalidConstraint as exc:
-            raise APIError(400, f"{field}: cannot be enforced: {exc}", field) from None
 
     async def respond(body: SamplingFields, chars: int, render: Callable[[AsyncEngine], list[int] | ChatPlan],
                       logprobs: int | None, chat: bool, echo: Callable[[AsyncEngine, list[int]], str] | None = None,

@@ -2,19 +2,22 @@
 
     GET/POST /v1/sessions                 list, create
     GET/PATCH/DELETE /v1/sessions/{id}    get (with messages), rename / change settings, delete
-    GET/POST /v1/sessions/{id}/messages   history; post a user message and get the assistant's reply
+    GET/POST /v1/sessions/{id}/messages   history; post a user message (or a tool's result) and get the reply
 
 A turn (app/chat_service.py) renders the whole history with the chat template. Earlier turns render
 byte-identically from turn to turn (the reply is stored exactly as generated), so the prompt's prefix
 is the previous turn's prompt plus its reply, and the prefix cache — in memory, or the persisted tier
 after a restart — serves all of it: only the new message is computed.
 
-A reply streams as server-sent events: `{"type": "user", "message"}` (the stored user message),
-`{"type": "delta", "content"}`..., then `{"type": "done", "message", "usage", "timings", "token_ids"}` and
-`[DONE]`. A reasoning model's think block streams as `{"type": "delta", "reasoning_content"}` deltas and is
-stored apart from the answer: a message's `content` is the answer, its `reasoning_content` the thinking (absent
-for a model that does not reason). A client that disconnects aborts the reply; what was generated so far is kept with
-finish_reason "abort", like a chat app's stop button.
+A reply streams as server-sent events: `{"type": "user", "message"}` (the stored user message; a tool result:
+`{"type": "tool", "message"}`), `{"type": "delta", "content"}`..., then `{"type": "done", "message", "usage",
+"timings", "token_ids"}` and `[DONE]`. A reasoning model's think block streams as `{"type": "delta",
+"reasoning_content"}` deltas and is stored apart from the answer: a message's `content` is the answer, its
+`reasoning_content` the thinking (absent for a model that does not reason). A conversation's tools (its
+settings) may be called: a call streams as `{"type": "delta", "tool_calls"}` and is stored in the reply's
+`tool_calls`; each result is posted as a tool message, and one that leaves other calls of the reply open gets
+`{"type": "awaiting_tool_results", "tool_call_ids"}` instead of a reply. A client that disconnects aborts the
+reply; what was generated so far is kept with finish_reason "abort", like a chat app's stop button.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
-from kvforge.app.chat_service import ChatService, not_found
+from kvforge.app.chat_service import AwaitingResults, ChatService, not_found
 from kvforge.app.completion import RequestTimedOut, SSEResponse
 from kvforge.app.conversations import NotFound
 from kvforge.app.errors import APIError
@@ -45,7 +50,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
 
     @router.post("/v1/sessions")
     def create_session(body: SessionCreateRequest):
-        conv = conversations.create(body.title, host.name, body.model_dump(exclude={"title"}))
+        conv = conversations.create(body.title, host.name, body.stored())
         return conv.to_dict(messages=True)
 
     @router.get("/v1/sessions/{session_id}")
@@ -58,13 +63,11 @@ def sessions_router(chat: ChatService) -> APIRouter:
         changes = {}
         if body.title is not None:
             changes["title"] = body.title
-        if "system_prompt" in body.model_fields_set or body.sampling is not None:
-            settings = dict(conv.settings or {})
-            if "system_prompt" in body.model_fields_set:
-                settings["system_prompt"] = body.system_prompt
-            if body.sampling is not None:
-                settings["sampling"] = body.sampling
-            changes["settings"] = settings
+        if body.model_fields_set - {"title"}:
+            try:
+                changes["settings"] = body.settings(conv.settings or {}).stored()
+            except ValidationError as exc:  # the settings these changes make do not hold together
+                raise RequestValidationError(exc.errors(), body=body.model_dump(exclude_unset=True)) from None
         try:
             return conversations.update(session_id, **changes).to_dict(messages=True)
         except NotFound as exc:
@@ -87,9 +90,16 @@ def sessions_router(chat: ChatService) -> APIRouter:
         if body.n != 1:
             raise APIError(400, "n: a session reply has one sample (n = 1)", "n")
         # the fields this request sets override the conversation's sampling settings
-        overrides = body.model_dump(include=body.model_fields_set - {"content", "stream", "model"})
-        turn = await chat.start_turn(session_id, body.content, overrides)
-        user, reply = turn.user, turn.events
+        overrides = body.model_dump(include=body.model_fields_set - {"role", "content", "tool_call_id", "tool_choice",
+                                                                     "stream", "model"})
+        turn = await chat.start_turn(session_id, body.content, overrides, body.tool_call_id, body.tool_choice)
+        posted = {"type": body.role, "message": turn.posted.to_dict()}
+        if isinstance(turn, AwaitingResults):  # other calls of the reply still wait for their results
+            waiting = {"type": "awaiting_tool_results", "tool_call_ids": turn.open_calls}
+            if not body.stream:
+                return {body.role: posted["message"], "awaiting_tool_results": turn.open_calls}
+            return SSEResponse(iter_events([posted, waiting]), lambda: None)
+        reply = turn.events
 
         if not body.stream:
             try:
@@ -98,10 +108,10 @@ def sessions_router(chat: ChatService) -> APIRouter:
                 raise exc.api_error() from None
             finally:
                 turn.abort()
-            return {"user": user.to_dict(), **{k: v for k, v in done.items() if k != "type"}}
+            return {body.role: posted["message"], **{k: v for k, v in done.items() if k != "type"}}
 
         async def sse() -> AsyncIterator[str]:
-            yield event_line({"type": "user", "message": user.to_dict()})
+            yield event_line(posted)
             try:
                 async for event in reply():
                     yield event_line(event)
@@ -119,3 +129,9 @@ def sessions_router(chat: ChatService) -> APIRouter:
 
 def event_line(event: dict) -> str:
     return f"data: {json.dumps(event)}\n\n"
+
+
+async def iter_events(events: list[dict]) -> AsyncIterator[str]:
+    for event in events:
+        yield event_line(event)
+    yield "data: [DONE]\n\n"

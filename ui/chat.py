@@ -1,7 +1,8 @@
 """The chat: the conversations list (new, switch, rename, delete), the messages with their per-reply stats (a
-reasoning model's thinking in a collapsible bubble before its answer), a streamed reply with Stop (the partial
-reply is kept), Regenerate and Edit last message, and the generation settings (system prompt, temperature, top-p,
-max tokens).
+reasoning model's thinking in a collapsible bubble before its answer; a reply's tool calls, and the results the
+client posted for them, each in a collapsible bubble after it), a streamed reply with Stop (the partial reply is
+kept), Regenerate and Edit last message, and the generation settings (system prompt, temperature, top-p, max
+tokens). A conversation's tools are set, and their results posted, through the sessions API (app/sessions.py).
 
 Gradio is imported inside the functions: build_ui imports this module after the offline environment is set.
 """
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
 REASONING_TITLE = "Reasoning"
 
 
+def tool_call_title(call: dict) -> str:
+    return f"Tool call: {call['function']['name']}"
+
+
+def tool_result_title(name: str | None, call_id: str | None) -> str:
+    return f"Tool result: {name}" if name else f"Tool result for {call_id}"
+
+
 def reply_stats_markdown(message: dict | None) -> str:
     """Per-reply stats under the chat: tokens, tok/s, TTFT, cached tokens."""
     if not message or message.get("role") != "assistant":
@@ -35,24 +44,42 @@ def reply_stats_markdown(message: dict | None) -> str:
     parts.append(f"{message.get('cached_tokens') or 0} cached tokens")
     if message.get("finish_reason") == "abort":
         parts.append("stopped")
+    elif message.get("finish_reason") == "tool_calls":
+        parts.append("called tools")
     return "Last reply: " + " · ".join(parts)
 
 
-def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False) -> list[dict]:
+def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False,
+                    tool_calls: list[dict] | None = None, tool_name: str | None = None,
+                    tool_call_id: str | None = None) -> list[dict]:
     """A message as the chat shows it: a reasoning model's thinking in a collapsible bubble ("Reasoning", Gradio's
-    metadata title) before its answer; `thinking` while the reply still streams it."""
+    metadata title) before its answer; `thinking` while the reply still streams it; each tool call after it (its
+    arguments); a tool result (role "tool", Gradio has no such role) as a collapsible bubble named after its call."""
+    if role == "tool":
+        return [{"role": "assistant", "content": content,
+                 "metadata": {"title": tool_result_title(tool_name, tool_call_id), "status": "done"}}]
     bubbles = []
     if reasoning:
         status = "pending" if thinking else "done"
         bubbles.append({"role": "assistant", "content": reasoning,
                         "metadata": {"title": REASONING_TITLE, "status": status}})
-    if content or not reasoning:
+    if content or not (reasoning or tool_calls):
         bubbles.append({"role": role, "content": content})
+    for call in tool_calls or ():
+        bubbles.append({"role": "assistant", "content": f"```json\n{call['function']['arguments']}\n```",
+                        "metadata": {"title": tool_call_title(call), "status": "done"}})
     return bubbles
 
 
 def chat_history(conv: Conversation | None) -> list[dict]:
-    return [] if conv is None else [b for m in conv.messages for b in message_bubbles(m.role, m.content, m.reasoning)]
+    if conv is None:
+        return []
+    bubbles, names = [], {}  # names: each call's function, for the results that answer it
+    for m in conv.messages:
+        names.update({call["id"]: call["function"]["name"] for call in m.tool_calls or ()})
+        bubbles += message_bubbles(m.role, m.content, m.reasoning, tool_calls=m.tool_calls,
+                                   tool_name=names.get(m.tool_call_id), tool_call_id=m.tool_call_id)
+    return bubbles
 
 
 def last_stats(conv: Conversation | None) -> str:
@@ -118,18 +145,21 @@ class ChatHandlers:
         except APIError as exc:
             raise gr.Error(exc.message) from None
         before = chat_history(self.service.conversation(session_id))
-        reasoning, content = "", ""
+        reasoning, content, calls = "", "", []
         choices = gr.update(choices=self.service.conversation_choices(), value=session_id)
         yield before + message_bubbles("assistant", ""), "", "", choices, session_id
         async for event in turn.events():
             if event["type"] == "delta":
                 reasoning += event.get("reasoning_content", "")
                 content += event.get("content", "")
-                shown = message_bubbles("assistant", content, reasoning, thinking=not content)
+                calls += event.get("tool_calls", [])
+                shown = message_bubbles("assistant", content, reasoning, thinking=not (content or calls),
+                                        tool_calls=calls)
                 yield before + shown, gr.update(), gr.update(), gr.update(), session_id
             elif event["type"] == "done":
                 message = event["message"]
-                shown = message_bubbles("assistant", message["content"], message.get("reasoning_content"))
+                shown = message_bubbles("assistant", message["content"], message.get("reasoning_content"),
+                                        tool_calls=message.get("tool_calls"))
                 yield before + shown, gr.update(), reply_stats_markdown(message), gr.update(), session_id
 
     async def stopped_stats(self, session_id: str | None) -> str:

@@ -375,6 +375,119 @@ def test_chat_template_renders_stable_prefixes(engine):
     assert wait_idle(engine)
 
 
+# --- tools ------------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CALL_TOKENS = {"temperature": 0, "max_tokens": 60}
+
+
+def test_session_tool_settings_are_checked_and_kept(server):
+    http, _ = server
+    session = create(http, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert session["settings"] == {"system_prompt": None, "sampling": {}, "tools": [WEATHER],
+                                   "tool_choice": "required", "parallel_tool_calls": False}
+    assert get(http, session["id"]) == session
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert "get_time" in assert_error(http.post("/v1/sessions", json={"tools": [WEATHER], "tool_choice": named}),
+                                      400, "tool_choice")["message"]
+    assert_error(http.post("/v1/sessions", json={"tool_choice": "required"}), 400, "tool_choice")
+    assert_error(http.post("/v1/sessions", json={"tools": [{"type": "custom", "custom": {}}]}), 400, "tools")
+    # a change is checked with the settings it leaves: no tools left for a required call
+    url = f"/v1/sessions/{session['id']}"
+    assert_error(http.patch(url, json={"tools": None}), 400, "tool_choice")
+    assert get(http, session["id"])["settings"]["tools"] == [WEATHER]  # nothing changed
+    changed = http.patch(url, json={"tool_choice": "auto"}).json()["settings"]
+    assert changed["tool_choice"] == "auto" and changed["tools"] == [WEATHER]
+    cleared = http.patch(url, json={"tools": None, "tool_choice": None, "parallel_tool_calls": None}).json()
+    assert cleared["settings"] == {"system_prompt": None, "sampling": {}}
+    # a tool result needs an open call, and a user message takes no tool_call_id
+    messages = f"{url}/messages"
+    assert_error(http.post(messages, json={"role": "tool", "content": "12 C"}), 400, "tool_call_id")
+    assert_error(http.post(messages, json={"content": "hi", "tool_call_id": "call_1"}), 400, "tool_call_id")
+    assert_error(http.post(messages, json={"role": "tool", "content": "12 C", "tool_call_id": "call_1"}),
+                 400, "tool_call_id")
+    assert_error(http.post(messages, json={"content": "hi", "tool_choice": "required"}), 400, "tool_choice")
+    assert get(http, session["id"])["messages"] == []
+
+
+def test_a_tool_conversation_in_a_session(server, engine):
+    """Call (forced, so its arguments validate even on a 135M model) -> the client's result -> the answer; stored
+    with the calls, rendered as /v1/chat/completions renders the same conversation."""
+    import jsonschema
+
+    http, _ = server
+    session = create(http, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, sampling=CALL_TOKENS)
+    question = "What is the weather like in Paris today?"
+    whole = post_whole(http, session["id"], content=question)
+    user, reply = whole["user"], whole["message"]
+    assert reply["finish_reason"] == "tool_calls" and reply["content"] == "", reply
+    [call] = reply["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather" and call["id"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert get(http, session["id"])["messages"] == [user, reply]
+
+    # the result (streamed reply) answers the call; this reply may answer in prose
+    result = json.dumps({"city": "Paris", "temperature": 21, "sky": "sunny"})
+    url = f"/v1/sessions/{session['id']}/messages"
+    assert_error(http.post(url, json={"role": "tool", "content": result, "tool_call_id": "call_other"}),
+                 400, "tool_call_id")
+    events = post_stream(http, session["id"], role="tool", content=result, tool_call_id=call["id"],
+                         tool_choice="none")
+    assert [e if isinstance(e, str) else e["type"] for e in (events[0], events[-2], events[-1])] == [
+        "tool", "done", "[DONE]"], events
+    posted, answer = events[0]["message"], events[-2]["message"]
+    assert (posted["role"], posted["content"], posted["tool_call_id"]) == ("tool", result, call["id"])
+    assert answer["role"] == "assistant" and answer["content"] and "tool_calls" not in answer
+    assert answer["content"] == "".join(e.get("content", "") for e in events[1:-2])
+    assert get(http, session["id"])["messages"] == [user, reply, posted, answer]
+    assert_error(http.post(url, json={"role": "tool", "content": result, "tool_call_id": call["id"]}),
+                 400, "tool_call_id")  # answered already
+
+    # the same conversation sent whole to /v1/chat/completions: the same prompt and reply
+    history = [{"role": "user", "content": question},
+               {"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]},
+               {"role": "tool", "content": result, "tool_call_id": call["id"]}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "tools": [WEATHER],
+                                                "tool_choice": "none", **CALL_TOKENS})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == posted["prompt_tokens"] == answer["prompt_tokens"]
+    assert r.json()["choices"][0]["message"]["content"] == answer["content"]
+    assert wait_idle(engine)
+
+
+def test_a_reply_with_parallel_calls_waits_for_every_result(server, engine):
+    """A reply that made two calls: the first result is stored and the reply waits; the second starts it."""
+    http, app = server
+    session = create(http, tools=[WEATHER], sampling=GREEDY)
+    conversations = app.state.chat.conversations
+    conversations.add_message(session["id"], "user", "Weather in Oslo and Rome?")
+    calls = [{"id": f"call_{city}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}
+             for city in ("oslo", "rome")]
+    conversations.add_message(session["id"], "assistant", "", tool_calls=calls, finish_reason="tool_calls")
+    url = f"/v1/sessions/{session['id']}/messages"
+    first = post_whole(http, session["id"], role="tool", content="3 C", tool_call_id="call_oslo")
+    assert first["awaiting_tool_results"] == ["call_rome"] and "message" not in first
+    assert first["tool"]["tool_call_id"] == "call_oslo"
+    assert_error(http.post(url, json={"role": "tool", "content": "3 C", "tool_call_id": "call_oslo"}),
+                 400, "tool_call_id")
+    events = post_stream(http, session["id"], role="tool", content="19 C", tool_call_id="call_rome")
+    assert events[0]["type"] == "tool" and events[-2]["type"] == "done"
+    stored = get(http, session["id"])["messages"]
+    assert [(m["role"], m.get("tool_call_id")) for m in stored] == [
+        ("user", None), ("assistant", None), ("tool", "call_oslo"), ("tool", "call_rome"), ("assistant", None)]
+    # a streamed first result says the same
+    conversations.add_message(session["id"], "assistant", "", tool_calls=calls[:1] + [dict(calls[1], id="call_b")])
+    waiting = post_stream(http, session["id"], role="tool", content="4 C", tool_call_id="call_oslo")
+    assert [e if isinstance(e, str) else e["type"] for e in waiting] == ["tool", "awaiting_tool_results", "[DONE]"]
+    assert waiting[1]["tool_call_ids"] == ["call_b"]
+    assert wait_idle(engine)
+
+
 # --- sampling settings ------------------------------------------------------------------------------------
 
 def test_message_fields_override_the_session_sampling(sqlite_server, engine):

@@ -68,7 +68,8 @@ def test_migrations_create_the_schema_and_reopening_is_a_noop(db_url):
 
 
 def test_a_data_file_of_the_first_schema_is_upgraded_with_its_messages(db_url):
-    """A database written at revision 0001 (before replies kept their reasoning apart) opens with its rows."""
+    """A database written at revision 0001 (before replies kept their reasoning and tool calls apart) opens with its
+    rows, and takes both."""
     engine = sa.create_engine(db_url)
     try:
         with engine.begin() as conn:
@@ -87,6 +88,12 @@ def test_a_data_file_of_the_first_schema_is_upgraded_with_its_messages(db_url):
         new = conversations.add_message("c1", "assistant", "Paris.", reasoning="The capital...")
         assert new.to_dict()["reasoning_content"] == "The capital..."
         assert [m.reasoning for m in conversations.get("c1").messages] == [None, "The capital..."]
+        call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+        conversations.add_message("c1", "assistant", "", tool_calls=[call])
+        conversations.add_message("c1", "tool", "12 C", tool_call_id="call_1")
+        *_, asked, answered = [m.to_dict() for m in conversations.get("c1").messages]
+        assert asked["tool_calls"] == [call] and "tool_call_id" not in asked and "tool_calls" not in old.to_dict()
+        assert (answered["role"], answered["content"], answered["tool_call_id"]) == ("tool", "12 C", "call_1")
     finally:
         store.engine.dispose()
 

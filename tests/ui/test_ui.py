@@ -322,6 +322,29 @@ def test_reload_shows_the_same_conversations(page, server):
     page.wait_for_function("document.querySelector('#reply-stats').innerText.includes('Last reply')")
 
 
+def test_tool_calls_and_results_are_shown(page, server):
+    """A conversation whose reply called a tool (made through the sessions API, where tools are set): the call and
+    its result each in a titled bubble, the answer after them."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                              "required": ["city"], "additionalProperties": False}}}
+    session = httpx.post(f"{server.url}/v1/sessions", timeout=30, json={
+        "tools": [weather], "tool_choice": "required", "parallel_tool_calls": False,
+        "sampling": {"temperature": 0, "max_tokens": 40}}).json()
+    url = f"{server.url}/v1/sessions/{session['id']}/messages"
+    call = httpx.post(url, timeout=120, json={"content": "Weather in Paris?", "stream": False}).json()["message"]
+    [tool_call] = call["tool_calls"]
+    answer = httpx.post(url, timeout=120, json={"role": "tool", "content": "21 C, sunny", "stream": False,
+                                                "tool_call_id": tool_call["id"], "tool_choice": "none"}).json()
+    page.reload()  # the newest conversation is the one shown
+    page.wait_for_function("document.querySelectorAll('#chat .thought-group').length === 2")
+    titles = [t.strip() for t in page.locator("#chat .thought-group .title").all_inner_texts()]
+    assert titles == ["Tool call: get_weather", "Tool result: get_weather"]
+    shown = chat_messages(page)
+    assert shown[0] == ("user", "Weather in Paris?") and shown[-1] == ("assistant", answer["message"]["content"])
+    assert tool_call["function"]["arguments"] in shown[1][1] and shown[2][1] == "21 C, sunny", shown
+
+
 def test_dashboard_changes_while_generating(page, server):
     server.wait_idle()
     idle = wait_dashboard(page, lambda r: running(r) == [0, 0] and kv_used(r) == 0, "an idle engine")
