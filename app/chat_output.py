@@ -1,12 +1,15 @@
 """A chat choice's generated text read back into OpenAI's message fields: the thinking of a reasoning model as
 `reasoning_content`, tool calls as `tool_calls`, the rest as `content`. One reader serves streamed and whole
-responses (a whole response is the stream's deltas merged), so the two never disagree."""
+responses (a whole response is the stream's deltas merged), so the two never disagree. The format the
+tokenizer declares (app/declared_response.py) reads a reply with tools where there is one; kvforge's
+per-family readers otherwise."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvforge.app.chat_request import ChatPlan
+from kvforge.app.declared_response import REASONING_FIELDS, DeclaredResponseReader
 from kvforge.app.reasoning import ReasoningStream
 from kvforge.app.tool_calls import ToolCall, ToolCallStream, openai_tool_call
 
@@ -16,6 +19,10 @@ class ChoiceReader:
     the thinking is split off first, then tool calls are read from the answer."""
 
     def __init__(self, plan: ChatPlan) -> None:
+        self._declared = None
+        if plan.declared_template is not None:
+            self._declared = DeclaredResponseReader(plan.declared_template, plan.prompt_text, plan.tools,
+                                                    plan.tool_names or [])
         self._reasoning = ReasoningStream(plan.starts_in_reasoning, plan.reasoning) if plan.reasoning else None
         self._tools = ToolCallStream(plan.tool_syntax, plan.tool_names) if plan.tool_names is not None else None
         self.num_tool_calls = 0
@@ -23,6 +30,8 @@ class ChoiceReader:
     @property
     def ended_in_reasoning(self) -> bool:
         """After finish(): the output never left the think block (there is no answer)."""
+        if self._declared is not None:
+            return self._declared.open_field in REASONING_FIELDS
         return self._reasoning is not None and self._reasoning.in_reasoning
 
     def feed(self, delta_text: str) -> list[dict[str, Any]]:
@@ -32,6 +41,10 @@ class ChoiceReader:
         return self._read("", final=True)
 
     def _read(self, text: str, final: bool) -> list[dict[str, Any]]:
+        if self._declared is not None:
+            events = (self._declared.feed(text) if text else []) + (self._declared.finish() if final else [])
+            return [self._tool_call_delta(e) if isinstance(e, ToolCall) else
+                    {"reasoning_content" if e[0] == "reasoning" else "content": e[1]} for e in events]
         deltas = []
         if self._reasoning is not None:
             thinking, text = self._reasoning.finish() if final else self._reasoning.feed(text)
@@ -44,11 +57,14 @@ class ChoiceReader:
             events += self._tools.finish()
         for event in events:
             if isinstance(event, ToolCall):
-                deltas.append({"tool_calls": [openai_tool_call(event, self.num_tool_calls)]})
-                self.num_tool_calls += 1
+                deltas.append(self._tool_call_delta(event))
             elif event:
                 deltas.append({"content": event})
         return deltas
+
+    def _tool_call_delta(self, call: ToolCall) -> dict[str, Any]:
+        self.num_tool_calls += 1
+        return {"tool_calls": [openai_tool_call(call, self.num_tool_calls - 1)]}
 
 
 def whole_message(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
@@ -60,7 +76,7 @@ def whole_message(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
     calls = [{k: v for k, v in call.items() if k != "index"} for d in deltas for call in d.get("tool_calls", [])]
     no_answer = bool(calls) or reader.ended_in_reasoning
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if no_answer else "")}
-    if plan.reasoning is not None:
+    if plan.reasoning is not None or thinking:  # a reasoning model's (null: it did not think); a declared format's
         message["reasoning_content"] = thinking or None
     if calls:
         message["tool_calls"] = calls

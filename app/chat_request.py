@@ -11,12 +11,16 @@ Decisions, one place each:
   (the reply is a call, not an answer).
 - a reasoning model (its template or vocabulary has `</think>`): the constraint opens after `</think>`, unless the
   rendered prompt already closed the thinking (e.g. Qwen3 with enable_thinking false).
+- a tokenizer that declares its reply format (transformers' `response_template`): that format reads a reply with
+  tool_choice "auto" (thinking, content and calls: app/declared_response.py); a forced call is written by the
+  call grammar and read by kvforge's parser for `syntax`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvforge.app.declared_response import declared_template
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import ChatCompletionRequest, ChatMessage, ToolFields
 from kvforge.app.reasoning import ReasoningSyntax, detect_reasoning, starts_in_reasoning
@@ -45,6 +49,10 @@ class ChatPlan:
     reasoning: ReasoningSyntax | None  # split the output's thinking from its answer
     starts_in_reasoning: bool  # the prompt opened the think block
     skip_special_tokens: bool  # False when a marker the reader looks for is a special token
+    # the reply format the tokenizer declares (transformers' response_template), which reads a reply with tools
+    declared_template: dict | None = None
+    prompt_text: str = ""  # the rendered prompt: where a declared format's reader starts
+    tools: list[dict] = field(default_factory=list)  # the tools described (their schemas type the arguments)
 
 
 def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
@@ -86,20 +94,24 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
 
     reasoning = reasoning_syntax(tokenizer)
     specials = special_token_ids(tokenizer)
-    constraint, field = output_constraint, output_field
+    constraint, blamed = output_constraint, output_field
     if use_tools and choice not in (None, "auto"):  # a forced call: the call grammar wins
         try:
             grammar = call_grammar(syntax, tools, choice, tool_fields.parallel_tool_calls is not False, specials)
         except ValueError as exc:
             raise APIError(400, f"tool_choice: {exc}", "tool_choice") from None
-        constraint, field = Constraint.grammar(grammar), "tools"
+        constraint, blamed = Constraint.grammar(grammar), "tools"
     if constraint is not None and reasoning is not None and not text.rstrip().endswith(reasoning.end):
         constraint = constraint.opened_by(tokenizer.encode(reasoning.end, add_special_tokens=False))
     markers = [syntax.call_open, syntax.call_close] if use_tools else []
     markers += [reasoning.start, reasoning.end] if reasoning is not None else []
-    return ChatPlan(prompt, constraint, field, syntax, tool_names(tools) if use_tools else None, reasoning,
-                    reasoning is not None and starts_in_reasoning(text, reasoning),
-                    skip_special_tokens=may_skip_special_tokens(specials, markers))
+    # the model's own format reads what it writes freely; a forced call is written by the grammar in `syntax`
+    declared = declared_template(tokenizer.hf) if use_tools and choice in (None, "auto") else None
+    # a declared format's delimiters may be special tokens (Gemma 4's <|tool_call>): its reader sees them all
+    skip_special = declared is None and may_skip_special_tokens(specials, markers)
+    return ChatPlan(prompt, constraint, blamed, syntax, tool_names(tools) if use_tools else None, reasoning,
+                    reasoning is not None and starts_in_reasoning(text, reasoning), skip_special,
+                    declared, text if declared is not None else "", tools if use_tools else [])
 
 
 def _format_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
