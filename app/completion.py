@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -19,9 +20,19 @@ from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
 
 
+@dataclass(frozen=True)
+class ContextWindow:
+    """A context a request asks for (Ollama's options.num_ctx): its prompt must fit, and its output stops where the
+    window ends. Larger than the model's context: the model's."""
+
+    tokens: int
+    field: str  # the request field that set it, named when the prompt does not fit
+
+
 def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default_max_tokens: int,
            logprobs: int | None, prompt_field: str, constraint: Constraint | None = None,
-           skip_special_tokens: bool = True) -> tuple[RequestStream, SamplingParams]:
+           skip_special_tokens: bool = True,
+           window: ContextWindow | None = None) -> tuple[RequestStream, SamplingParams]:
     """Queue the request (held to `constraint`, compiled beforehand off the event loop); APIError 400 naming the
     field for bad sampling values or a prompt that cannot fit (`prompt_field` names where the prompt came from)."""
     try:
@@ -29,10 +40,16 @@ def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split()[0]) from None
     params.constraint, params.skip_special_tokens = constraint, skip_special_tokens
+    context = engine.engine.max_model_len
+    if window is not None:
+        context = min(context, window.tokens)
+        if len(prompt) >= context:
+            raise APIError(400, f"{window.field}: the prompt's {len(prompt)} tokens leave no room in a context of "
+                           f"{context} tokens", window.field, code="context_length_exceeded")
+        params.max_tokens = min(params.max_tokens, context - len(prompt))
     if params.max_tokens == default_max_tokens and body.requested_max_tokens() is None:
         # no explicit limit: fit what is left of the context instead of rejecting the request
-        room = engine.engine.max_model_len - len(prompt)
-        params.max_tokens = max(1, min(params.max_tokens, room))
+        params.max_tokens = max(1, min(params.max_tokens, context - len(prompt)))
     try:
         stream = engine.add_request(prompt, params)
     except RequestRejected as exc:
@@ -61,13 +78,14 @@ def check_prompt_chars(engine: AsyncEngine, chars: int, prompt_field: str) -> No
                        "tokens", prompt_field, code="context_length_exceeded")
 
 
-class SSEResponse(StreamingResponse):
-    """Server-sent events that run `on_close` however the response ends — also when the client went away
-    before the body generator started (its own `finally` never runs then): the admission ticket is
-    released and the request aborted exactly once either way."""
+class StreamResponse(StreamingResponse):
+    """A streamed response (server-sent events, or Ollama's JSON lines) that runs `on_close` however it ends — also
+    when the client went away before the body generator started (its own `finally` never runs then): the
+    admission ticket is released and the request aborted exactly once either way."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
+        super().__init__(events, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

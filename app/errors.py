@@ -1,4 +1,5 @@
-"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""API errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}; under /api/ in Ollama's,
+{"error": "message"}, which Ollama's clients read."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
+
+OLLAMA_PATHS = "/api/"  # Ollama's API (app/ollama_api.py)
 
 
 class APIError(Exception):
@@ -16,10 +20,26 @@ class APIError(Exception):
         self.headers = headers  # e.g. Retry-After on a 503
 
 
+class ErrorResponse(JSONResponse):
+    """An error in the shape of the API the request was for, chosen by the path it answers: so every place that
+    refuses a request (the routes, the middleware, the fallback for unknown paths) answers each API in its own."""
+
+    def __init__(self, status: int, message: str, param: str | None, kind: str, code: str | None,
+                 headers: dict[str, str] | None) -> None:
+        super().__init__({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                         headers=headers)
+        self.message, self.given_headers = message, headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("path", "").startswith(OLLAMA_PATHS):
+            self.body = self.render({"error": self.message})
+            self.init_headers(self.given_headers)  # the new body's Content-Length
+        await super().__call__(scope, receive, send)
+
+
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
-                        headers=headers)
+                   code: str | None = None, headers: dict[str, str] | None = None) -> ErrorResponse:
+    return ErrorResponse(status, message, param, kind, code, headers)
 
 
 # a union's members each report an error; the one about the value beats the ones about another member's type

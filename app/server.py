@@ -2,11 +2,10 @@
 
 Routes: /v1/chat/completions, /v1/completions (streamed as server-sent events or whole),
 /v1/sessions (conversations kept server-side, see sessions.py),
-/v1/models, /health, /metrics (Prometheus). Errors come in OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}: 400 naming the bad field, 401 for a missing or wrong
-API key, 404 for an unknown model, 503 when the bounded queue is full. A client that disconnects
-has its request aborted and its KV blocks freed.
-"""
+/v1/models, /health, /metrics (Prometheus); Ollama's API under /api (app/ollama_api.py). Errors come in
+OpenAI's shape, {"error": {"message", "type", "param", "code"}} (under /api, Ollama's): 400 naming the bad field,
+401 for a missing or wrong API key, 404 for an unknown model, 503 when the bounded queue is full. A client that
+disconnects has its request aborted and its KV blocks freed."""
 
 from __future__ import annotations
 
@@ -14,37 +13,37 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from kvforge.app.access import AccessGuard, AccessPolicy
 from kvforge.app.admission import Admission
 from kvforge.app.chat_output import ChoiceReader, whole_message
-from kvforge.app.chat_request import ChatPlan, plan_chat
+from kvforge.app.chat_request import ChatPlan
 from kvforge.app.chat_service import ChatService
 from kvforge.app.completion import (
     RequestTimedOut,
-    SSEResponse,
-    check_prompt_chars,
+    StreamResponse,
     compile_constraint,
     finish_reason,
     format_logprobs,
-    submit,
     timings,
     usage,
     within,
 )
 from kvforge.app.engine_factory import build_async_engine
 from kvforge.app.errors import APIError, error_response, validation_message
+from kvforge.app.generation import admit, chat_chars, render_chat
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
+from kvforge.app.ollama_api import ollama_router
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.app.sessions import sessions_router
 from kvforge.app.tokenize_routes import tokenize_router
@@ -63,7 +62,7 @@ def default_engine_factory(spec: ModelSpec) -> AsyncEngine:
 
 class ApiFallback:
     """Answers, in OpenAI's shape, what the API routes do not: 405 (with Allow) for a method an API path does
-    not take, 404 for an unknown path under /v1 or /admin. Without it Starlette hands such requests to the
+    not take, 404 for an unknown path under /v1, /api or /admin. Without it Starlette hands such requests to the
     UI mounted at /, which answers Gradio's own 404 page."""
 
     def __init__(self, app: FastAPI) -> None:
@@ -91,9 +90,9 @@ def http_routes(routes):
 
 def add_api_fallbacks(app: FastAPI) -> None:
     """After the API's routes, before the UI's mount: every API path with any other method, and the rest of
-    /v1 and /admin, go to ApiFallback (an ASGI endpoint: a Route with methods=None takes every method)."""
+    /v1, /api and /admin, go to ApiFallback (an ASGI endpoint: a Route with methods=None takes every method)."""
     fallback = ApiFallback(app)
-    paths = {r.path for r in fallback.routes} | {"/v1/{rest:path}", "/admin/{rest:path}"}
+    paths = {r.path for r in fallback.routes} | {"/v1/{rest:path}", "/admin/{rest:path}", "/api/{rest:path}"}
     for path in sorted(paths):
         app.router.routes.append(Route(path, fallback, include_in_schema=False))
 
@@ -199,14 +198,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     async def chat_completions(body: ChatCompletionRequest):
         check_model(body)
 
-        def render(engine: AsyncEngine) -> ChatPlan:
-            plan = plan_chat(body, engine.tokenizer)
-            if plan.constraint is not None:
-                compile_constraint(engine, plan.constraint, plan.constraint_field)
-            return plan
-
-        chars = sum(len(m.text()) for m in body.messages) + sum(len(t.model_dump_json()) for t in body.tools or [])
-        return await respond(body, chars, render, body.logprobs_count(), chat=True)
+        return await respond(body, chat_chars(body), partial(render_chat, body), body.logprobs_count(), chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -234,38 +226,19 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     async def respond(body: SamplingFields, chars: int, render: Callable[[AsyncEngine], list[int] | ChatPlan],
                       logprobs: int | None, chat: bool, echo: Callable[[AsyncEngine, list[int]], str] | None = None,
                       constraint: Constraint | None = None):
-        """Admit the request, render and tokenize its prompt off the event loop, queue it, answer. `render` gives
-        the prompt's ids, or for a chat the ChatPlan (app/chat_request.py), which holds the chat's constraint.
-        `echo`: the text each choice starts with (completions' echo), from the engine and the prompt's token ids;
-        `constraint`: the completion's (compiled by `render`)."""
+        """Admit and queue the request (app/generation.py says what `render`, `echo` and `constraint` are), answer
+        in OpenAI's shape."""
         prompt_field = "messages" if chat else "prompt"
-        ticket = await admission.enter()
-        try:
-            engine = ticket.engine
-            check_prompt_chars(engine, chars, prompt_field)
-            rendered = await run_in_threadpool(render, engine)
-            plan = rendered if isinstance(rendered, ChatPlan) else None
-            prompt = plan.prompt if plan is not None else rendered
-            if not prompt:
-                raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
-            # before the request is queued: a client gone during this await leaves nothing running
-            echoed = await run_in_threadpool(echo, engine, prompt) if echo else ""
-            stream, params = submit(engine, prompt, body, default_max_tokens, logprobs, prompt_field,
-                                    plan.constraint if plan else constraint, plan.skip_special_tokens if plan else True)
-        except BaseException:
-            ticket.release()
-            raise
+        admitted = await admit(admission, body, chars, render, logprobs, prompt_field, default_max_tokens, echo,
+                               constraint)
+        engine, stream, params, plan, prompt = (admitted.engine, admitted.stream, admitted.params, admitted.plan,
+                                                admitted.prompt)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            def close() -> None:  # however the response ends: a client that went away stops the request
-                ticket.release()
-                stream.abort()
-
-            return SSEResponse(sse(engine, stream, request_id, created, plan, params.n, include_usage,
-                                   len(prompt), echoed), close)
+            return StreamResponse(sse(engine, stream, request_id, created, plan, params.n, include_usage,
+                                      len(prompt), admitted.echoed), admitted.close)
         try:
             finals: dict[int, RequestOutput] = {}
             token_logprobs: dict[int, list[TokenLogprob]] = {}
@@ -278,8 +251,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         except RequestTimedOut as exc:
             raise exc.api_error() from None
         finally:
-            ticket.release()
-            stream.abort()  # no-op once finished; frees everything if the client went away
+            admitted.close()
         choices = []
         for i in range(params.n):
             out = finals[i]
@@ -289,7 +261,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 choices.append({"index": i, "message": message, "logprobs": lp,
                                 "finish_reason": finish_reason(out, called)})
             else:
-                choices.append({"index": i, "text": echoed + out.text, "logprobs": lp,
+                choices.append({"index": i, "text": admitted.echoed + out.text, "logprobs": lp,
                                 "finish_reason": finish_reason(out)})
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": host.name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
@@ -351,6 +323,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         app.state.chat = ChatService(admission, store, metrics, default_max_tokens, request_timeout_s)
         app.include_router(sessions_router(app.state.chat))
     app.include_router(tokenize_router(admission))
+    app.include_router(ollama_router(admission, metrics, default_max_tokens, request_timeout_s))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
     if store is not None and ui:  # last: the UI mounted at / would shadow later routes
         from kvforge.ui.app import mount_ui

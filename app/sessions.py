@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from kvforge.app.chat_service import AwaitingResults, ChatService, not_found
-from kvforge.app.completion import RequestTimedOut, SSEResponse
+from kvforge.app.completion import RequestTimedOut, StreamResponse
 from kvforge.app.conversations import NotFound
 from kvforge.app.errors import APIError
 from kvforge.app.protocol import SessionCreateRequest, SessionMessageRequest, SessionUpdateRequest
@@ -98,7 +98,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
             waiting = {"type": "awaiting_tool_results", "tool_call_ids": turn.open_calls}
             if not body.stream:
                 return {body.role: posted["message"], "awaiting_tool_results": turn.open_calls}
-            return SSEResponse(iter_events([posted, waiting]), lambda: None)
+            return StreamResponse(iter_events([posted, waiting]), lambda: None)
         reply = turn.events
 
         if not body.stream:
@@ -122,7 +122,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
                 yield event_line({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
             yield "data: [DONE]\n\n"
 
-        return SSEResponse(sse(), turn.abort)
+        return StreamResponse(sse(), turn.abort)
 
     return router
 

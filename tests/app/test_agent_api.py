@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import fields
 from typing import Annotated
 
 import httpx
@@ -15,8 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from kvforge.app.settings import ServeSettings
-from tests.helpers.server_process import ServeProcess
+from tests.helpers.server_process import readme_serve
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -39,10 +37,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:  # no setting reaches the server but the README's command line
-        for name in [f.name for f in fields(ServeSettings)] + ["config"]:
-            env.delenv(f"KVFORGE_{name.upper()}", raising=False)
-        process = ServeProcess("--data-dir", str(tmp_path_factory.mktemp("data")), "--no-ui")
+    process = readme_serve(tmp_path_factory.mktemp("data"), "--no-ui")
     yield process
     process.stop()
 

@@ -1,7 +1,8 @@
 """Schemathesis (a fuzzer we did not write) against the /openapi.json of a real `kvforge serve`: for every
 operation the schema lists, a bounded, reproducible number of generated requests (valid ones and ones
 that break the schema), each sent with the API key. None may get a 5xx, every error response is exactly
-OpenAI's error shape, and responses conform to the schema where it declares one.
+its API's error shape (OpenAI's; Ollama's under /api/), and responses conform to the schema where it
+declares one.
 
 The server runs as a user starts it: the embedded model, the key from KVFORGE_API_KEY, the browser UI
 mounted at / (requests that fall through the API routes reach Gradio, which is part of what is fuzzed).
@@ -37,7 +38,7 @@ from schemathesis.core import NotSet  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
-from tests.helpers.api_checks import assert_openai_error, lax_number  # noqa: E402
+from tests.helpers.api_checks import assert_api_error, lax_number  # noqa: E402
 from tests.helpers.server_process import ServeProcess  # noqa: E402
 
 API_KEY = "fuzz-key-789"
@@ -67,7 +68,7 @@ CONFIG = {
 # - response_schema_conformance: a body validates against the schema of its documented status; today the
 #   200s are declared as "anything" and the 422 as FastAPI's HTTPValidationError (which kvforge never
 #   sends: it answers 400), so this catches little until the schema documents the error responses.
-# - the OpenAI error shape of every response >= 400: our own check, below.
+# - the error shape of every response >= 400 (OpenAI's, Ollama's under /api/): our own check, below.
 # Left out: status_code_conformance and content_type_conformance (the schema documents neither kvforge's
 # 400 / 401 / 404 / 413 / 503 nor /metrics' text/plain and the SSE streams, so they would only report that
 # the schema is incomplete); positive_data_acceptance (a schema-valid request may rightly be refused: an
@@ -143,6 +144,11 @@ def _bound(body) -> None:
     _cap(body, "kv_cache_gb", _KV_GB_CAP, limit=4096)  # the KV pool is allocated up front
     if isinstance(body.get("sampling"), dict):
         _bound(body["sampling"])
+    options = body.get("options")  # Ollama's; num_predict -1 / -2 fill the context
+    if isinstance(options, dict):
+        if options.get("num_predict") in (-1, -2):
+            options["num_predict"] = MAX_TOKENS_CAP
+        _cap(options, "num_predict", MAX_TOKENS_CAP)
 
 
 def _use_existing_session(case, session_ids: list[str]) -> None:
@@ -205,9 +211,9 @@ def test_openapi_operations(case, client, session_ids):
         case.validate_response(response, checks=CHECKS)
         if response.status_code >= 400:
             try:
-                assert_openai_error(response)
+                assert_api_error(response, case.path)
             except AssertionError as exc:
-                raise AssertionError(f"not OpenAI's error shape ({exc}): {_describe(case, response)}") from None
+                raise AssertionError(f"not its API's error shape ({exc}): {_describe(case, response)}") from None
     except (Exception, FailureGroup) as exc:  # FailureGroup: schemathesis' checks, an exception group
         if not os.environ.get("KVFORGE_FUZZ_REPORT"):
             raise

@@ -189,3 +189,29 @@ def test_a_session_stores_the_reasoning_apart_and_renders_the_history(client, se
     prompt = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert third["usage"]["prompt_tokens"] == len(prompt)
 
+
+
+# ---- Ollama's API: think ------------------------------------------------------------------------------------------
+
+
+def test_ollama_think_separates_the_thinking_and_switches_it_off(client, server):
+    """Ollama's `think` reads as the OpenAI route's reasoning split (true, or left out) and enable_thinking (false);
+    /api/show lists the model as thinking."""
+    import ollama
+
+    ollama_client = ollama.Client(host=server.url, timeout=300)
+    assert "thinking" in ollama_client.show(MODEL).capabilities
+    expected = chat(client, max_tokens=12).choices[0].message
+    for think in (True, None):
+        reply = ollama_client.chat(model=MODEL, messages=QUESTION, think=think,
+                                   options={"temperature": 0, "num_predict": 12})
+        assert reply.message.thinking == reasoning_of(expected) and reply.message.content == ""
+    parts = list(ollama_client.chat(model=MODEL, messages=QUESTION, think=True, stream=True,
+                                    options={"temperature": 0, "num_predict": 12}))
+    assert "".join(p.message.thinking or "" for p in parts) == reasoning_of(expected)
+    off = ollama_client.chat(model=MODEL, messages=QUESTION, think=False, options={"temperature": 0, "num_predict": 12})
+    expected = chat(client, max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.message.thinking is None and off.message.content == expected.choices[0].message.content
+    generated = ollama_client.generate(model=MODEL, prompt=QUESTION[0]["content"], think=True,
+                                       options={"temperature": 0, "num_predict": 12})
+    assert generated.thinking == reasoning_of(chat(client, max_tokens=12).choices[0].message)

@@ -23,7 +23,7 @@ from kvforge.app.server import create_app
 from kvforge.app.threaded_server import free_port, serve_in_thread
 from kvforge.core import AsyncEngine
 from kvforge.core.store import Store
-from tests.helpers.api_checks import assert_openai_error
+from tests.helpers.api_checks import assert_api_error
 from tests.helpers.chromium import launch_browser
 from tests.helpers.server_process import ServeProcess
 
@@ -95,7 +95,7 @@ def test_every_route_of_the_app_needs_the_key(in_process_app):
                 continue
             assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
             if method != "HEAD":
-                assert_openai_error(r)
+                assert_api_error(r, path)
             assert r.headers["www-authenticate"] == "Bearer"
             wrong = http.request(method, concrete(path), headers={"Authorization": "Bearer wrong-key"})
             assert wrong.status_code == 401, (method, path, wrong.status_code)

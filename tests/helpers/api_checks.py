@@ -34,3 +34,14 @@ def lax_number(value) -> float | None:
         except ValueError:
             return None
     return None
+
+
+def assert_api_error(response: Any, path: str) -> None:
+    """The error shape of the API `path` belongs to: Ollama's ({"error": non-empty str}, nothing else) under /api/,
+    OpenAI's elsewhere."""
+    if not path.startswith("/api/"):
+        assert_openai_error(response)
+        return
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    assert isinstance(body["error"], str) and body["error"], body

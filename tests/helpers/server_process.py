@@ -61,3 +61,18 @@ class ServeProcess:
                 self.process.kill()
                 self.process.wait(timeout=30)
         self.log.close()
+
+
+def readme_serve(data_dir, *args: str) -> ServeProcess:
+    """`kvforge serve` as README command 1 starts it: no setting from the environment (KVFORGE_*) or a settings
+    file reaches it, only the port, a data dir and `args`."""
+    from dataclasses import fields
+
+    import pytest
+
+    from kvforge.app.settings import ServeSettings
+
+    with pytest.MonkeyPatch.context() as env:
+        for name in [f.name for f in fields(ServeSettings)] + ["config"]:
+            env.delenv(f"KVFORGE_{name.upper()}", raising=False)
+        return ServeProcess("--data-dir", str(data_dir), *args)

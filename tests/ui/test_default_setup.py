@@ -12,13 +12,10 @@ server's configuration is the default one throughout.
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 
-from kvforge.app.settings import ServeSettings
 from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
-from tests.helpers.server_process import ServeProcess
+from tests.helpers.server_process import readme_serve
 from tests.ui.ui_helpers import apply_and_wait, choose, model_card, send, served_quant, set_slider, wait_reply
 
 TIMEOUT_MS = 120_000
@@ -47,10 +44,7 @@ new MutationObserver(mutations => {
 
 @pytest.fixture(scope="module")
 def server(browser, tmp_path_factory):  # after the browser check: a missing browser skips before the model loads
-    with pytest.MonkeyPatch.context() as env:  # no setting reaches the server but the README's command line
-        for name in [f.name for f in fields(ServeSettings)] + ["config"]:
-            env.delenv(f"KVFORGE_{name.upper()}", raising=False)
-        process = ServeProcess("--data-dir", str(tmp_path_factory.mktemp("data")))
+    process = readme_serve(tmp_path_factory.mktemp("data"))
     yield process
     process.stop()
 

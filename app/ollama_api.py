@@ -1,0 +1,333 @@
+"""Ollama's REST API on the same server, for the local tools that speak only Ollama's dialect (Open WebUI's default,
+editor plugins, home automation). A request is translated into the OpenAI-shaped one (app/ollama_protocol.py) and
+runs the same way: the one admission gate, the chat template, tools, constraints (`format`) and reasoning (`think`).
+
+    POST /api/chat       {"model", "messages", "tools", "format", "options", "think", "stream"} -> NDJSON or whole
+    POST /api/generate   {"model", "prompt", "system", "raw", "context", ...} -> NDJSON or whole, with `context`
+    GET  /api/tags       the models directory's models (`kvforge models`' list)
+    POST /api/show       one of them: details, model_info, capabilities (and the template when it is loaded)
+    GET  /api/ps         the loaded model, with its memory
+    GET  /api/version    the Ollama API version these routes follow
+
+Streams are JSON lines; the last has `done: true`, `done_reason` ("stop", "length"; "load" for an empty request,
+which only checks that the model is loaded) and Ollama's timings in nanoseconds, filled from the request's metrics:
+total_duration (arrival to finish), prompt_eval_count / prompt_eval_duration (the prompt's tokens, the time from
+first scheduling to the first token), eval_count / eval_duration (generated tokens, first token to finish),
+load_duration 0 (the model was loaded already). Errors are Ollama's {"error": "..."} with the status, naming the
+Ollama field; an error after the stream began is a last line {"error": "..."}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+
+from kvforge.app.admission import Admission
+from kvforge.app.chat_output import ChoiceReader, whole_message
+from kvforge.app.chat_request import ChatPlan, reasoning_syntax
+from kvforge.app.completion import ContextWindow, RequestTimedOut, StreamResponse, format_logprobs, within
+from kvforge.app.errors import APIError
+from kvforge.app.generation import Admitted, admit, chat_chars, render_chat
+from kvforge.app.metrics import ServerMetrics
+from kvforge.app.model_catalog import ModelEntry, catalog
+from kvforge.app.ollama_protocol import (
+    OLLAMA_NAMES,
+    UNBOUNDED,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaModelRequest,
+    OllamaRequest,
+)
+from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.engine import RequestsFailed
+from kvforge.core.output import RequestOutput
+
+OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients read it for features)
+NDJSON = "application/x-ndjson"
+
+
+class OllamaRoute(APIRoute):
+    """An error about a field names it as Ollama's clients send it (options.num_predict, not max_tokens); its shape
+    is Ollama's, as for every /api/ path (app/errors.py)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except APIError as exc:
+                name = OLLAMA_NAMES.get(exc.param or "")
+                if name is None:
+                    raise
+                message = name + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) \
+                    else exc.message
+                raise APIError(exc.status, message, name, exc.kind, exc.code, exc.headers) from None
+
+        return route
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def nanoseconds(seconds: float | None) -> int:
+    return int(round((seconds or 0) * 1e9))
+
+
+def final_fields(out: RequestOutput, prompt_tokens: int) -> dict[str, Any]:
+    """The last line's done_reason and timings (the module's docstring says what each is)."""
+    m = out.metrics or {}
+    ttft, queued = m.get("ttft") or 0, m.get("queue_time") or 0
+    return {"done": True, "done_reason": "length" if out.finish_reason == "length" else "stop",
+            "total_duration": nanoseconds(m.get("e2e_latency")), "load_duration": 0,
+            "prompt_eval_count": prompt_tokens, "prompt_eval_duration": nanoseconds(max(ttft - queued, 0)),
+            "eval_count": len(out.token_ids), "eval_duration": nanoseconds(max((m.get("e2e_latency") or 0) - ttft, 0))}
+
+
+def shaped(name: str, message: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """A line or whole response around an Ollama message: /api/chat's carries it, /api/generate's its text (and
+    thinking)."""
+    line = {"model": name, "created_at": now()}
+    if chat:
+        line["message"] = message
+    else:
+        line["response"] = message["content"]
+        if message.get("thinking"):
+            line["thinking"] = message["thinking"]
+    return line
+
+
+def last_fields(admitted: Admitted, out: RequestOutput, chat: bool) -> dict[str, Any]:
+    """What the last line adds: done, done_reason, the timings; /api/generate's `context` (prompt and output ids,
+    which a next request may continue from)."""
+    fields = final_fields(out, len(admitted.prompt))
+    if not chat:
+        fields["context"] = admitted.prompt + list(out.token_ids)
+    return fields
+
+
+def ollama_message(delta: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI message or delta (content, reasoning_content, tool_calls) in Ollama's shape."""
+    message: dict[str, Any] = {"role": "assistant", "content": delta.get("content") or ""}
+    if delta.get("reasoning_content"):
+        message["thinking"] = delta["reasoning_content"]
+    if delta.get("tool_calls"):
+        message["tool_calls"] = [{"id": call["id"], "function": {
+            "index": call.get("index", i), "name": call["function"]["name"],
+            "arguments": json.loads(call["function"]["arguments"])}} for i, call in enumerate(delta["tool_calls"])]
+    return message
+
+
+def ollama_logprobs(items, tokenizer) -> list[dict[str, Any]]:
+    def entry(e: dict) -> dict:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+
+    return [entry(e) | {"top_logprobs": [entry(t) for t in e["top_logprobs"]]}
+            for e in format_logprobs(items, True, tokenizer)["content"]]
+
+
+def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_tokens: int,
+                  request_timeout_s: float | None) -> APIRouter:
+    router = APIRouter(route_class=OllamaRoute)
+    host = admission.host
+
+    def served(name: str) -> str:
+        """The served model's name for `name` (Ollama's clients add the tag ":latest"); 404 for another."""
+        admission.check_loaded()
+        base = name.removesuffix(":latest")
+        if base != host.name and not host.swapping:
+            raise APIError(404, f"model {name!r} not found; this server serves {host.name!r}", "model")
+        return name
+
+    def context_window(body: OllamaRequest, prompt_field: str) -> ContextWindow:
+        num_ctx = body.num_ctx()
+        return ContextWindow(num_ctx or UNBOUNDED, "options.num_ctx" if num_ctx else prompt_field)
+
+    def check_think(body: OllamaRequest, engine: AsyncEngine) -> None:
+        if body.think and reasoning_syntax(engine.tokenizer) is None:
+            raise APIError(400, f"think: {host.name!r} does not think (its template and vocabulary have no think "
+                           "markers)", "think")
+
+    def render_ollama_chat(body: OllamaRequest, request, context: list[int] | None, engine: AsyncEngine) -> ChatPlan:
+        check_think(body, engine)
+        plan = render_chat(request, engine)
+        return replace(plan, prompt=context + plan.prompt) if context else plan
+
+    @router.post("/api/chat")
+    async def chat(body: OllamaChatRequest):
+        name = served(body.model)
+        if not body.messages:  # Ollama's way to load a model: it is loaded
+            return {"model": name, "created_at": now(), "message": {"role": "assistant", "content": ""},
+                    "done": True, "done_reason": "load"}
+        request = body.chat_request()
+        render = partial(render_ollama_chat, body, request, None)
+        admitted = await admit(admission, request, chat_chars(request), render, request.logprobs_count(), "messages",
+                               default_max_tokens, window=context_window(body, "messages"))
+        return await respond(admitted, name, body.stream, chat=True)
+
+    @router.post("/api/generate")
+    async def generate(body: OllamaGenerateRequest):
+        name = served(body.model)
+        if not body.prompt and not body.context:
+            return {"model": name, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
+        if body.raw:
+            request = body.completion_request()
+
+            def render(engine: AsyncEngine) -> list[int]:
+                return (body.context or []) + engine.tokenizer.encode(body.prompt)
+
+            logprobs = request.logprobs
+        else:
+            request = body.chat_request()
+            render = partial(render_ollama_chat, body, request, body.context)
+            logprobs = request.logprobs_count()
+        admitted = await admit(admission, request, len(body.prompt) + len(body.system or ""), render, logprobs,
+                               "prompt", default_max_tokens, window=context_window(body, "prompt"))
+        return await respond(admitted, name, body.stream, chat=False)
+
+    async def respond(admitted: Admitted, name: str, stream: bool, chat: bool):
+        """`chat`: /api/chat's shape (a message); else /api/generate's (a response text, and the context)."""
+        if stream:
+            return StreamResponse(lines(admitted, name, chat), admitted.close, NDJSON)
+        final, logprobs = None, []
+        try:
+            async for out in within(admitted.stream, request_timeout_s):
+                if out.delta_logprobs:
+                    logprobs += ollama_logprobs(out.delta_logprobs, admitted.engine.tokenizer)
+                if out.finished:
+                    final = out
+                    metrics.observe_finished(out)
+        except RequestTimedOut as exc:
+            raise exc.api_error() from None
+        finally:
+            admitted.close()
+        if admitted.plan is None:  # a raw prompt: the text as it came
+            message = {"role": "assistant", "content": final.text}
+        else:
+            message = ollama_message(whole_message(admitted.plan, final.text)[0])
+        whole = shaped(name, message, chat)
+        whole.update(last_fields(admitted, final, chat))
+        if logprobs:
+            whole["logprobs"] = logprobs
+        return whole
+
+    async def lines(admitted: Admitted, name: str, chat: bool) -> AsyncIterator[str]:
+        """A streamed response's JSON lines."""
+        reader = ChoiceReader(admitted.plan) if admitted.plan is not None else None
+        try:
+            async for out in within(admitted.stream, request_timeout_s):
+                if reader is None:  # a raw prompt: the text as it comes
+                    deltas = [{"content": out.delta_text}] if out.delta_text else []
+                else:
+                    deltas = reader.feed(out.delta_text) + (reader.finish() if out.finished else [])
+                logprobs = ollama_logprobs(out.delta_logprobs, admitted.engine.tokenizer) if out.delta_logprobs \
+                    else None
+                if logprobs and not deltas:
+                    deltas = [{"content": ""}]
+                for i, delta in enumerate(deltas):
+                    line = shaped(name, ollama_message(delta), chat) | {"done": False}
+                    if logprobs and i == 0:
+                        line["logprobs"] = logprobs
+                    yield json.dumps(line) + "\n"
+                if out.finished:
+                    metrics.observe_finished(out)
+                    last = shaped(name, {"role": "assistant", "content": ""}, chat)
+                    yield json.dumps(last | last_fields(admitted, out, chat)) + "\n"
+        except (RequestsFailed, RequestTimedOut) as exc:  # the status is sent: say it in the stream, as Ollama does
+            yield json.dumps({"error": str(exc)}) + "\n"
+
+    @router.get("/api/version")
+    async def version():
+        return {"version": OLLAMA_API_VERSION}
+
+    def entries() -> list[ModelEntry]:
+        engine = host.engine
+        context = engine.engine.max_model_len if engine is not None else 4096
+        return catalog(host.models_dir, context)
+
+    @router.get("/api/tags")
+    async def tags():
+        return {"models": [tag(e) for e in await run_in_threadpool(entries) if e.error is None]}
+
+    @router.post("/api/show")
+    async def show(body: OllamaModelRequest):
+        base = body.model.removesuffix(":latest")
+        entry = next((e for e in await run_in_threadpool(entries) if e.name == base), None)
+        loaded = host.engine is not None and base == host.name
+        if entry is None and not loaded:
+            raise APIError(404, f"model {body.model!r} not found", "model")
+        engine = host.engine if loaded else None
+        info: dict[str, Any] = {}
+        if entry is not None:
+            info |= {"general.architecture": entry.architecture, "general.parameter_count": entry.parameters}
+        capabilities = ["completion", "tools"]  # tools: a template without tool syntax gets the default rendering
+        result: dict[str, Any] = {"details": details(entry), "model_info": info, "capabilities": capabilities,
+                                  "modified_at": modified_at(entry)}
+        if engine is not None:
+            info["kvforge.context_length"] = engine.engine.max_model_len
+            result["template"] = engine.tokenizer.hf.chat_template
+            if reasoning_syntax(engine.tokenizer) is not None:
+                capabilities.append("thinking")
+        return result
+
+    @router.get("/api/ps")
+    async def ps():
+        if host.engine is None:
+            return {"models": []}
+        engine = host.engine
+        runtime = engine.engine.runtime()
+        entry = next((e for e in await run_in_threadpool(entries) if e.name == host.spec.model or
+                      e.name == host.name), None)
+        size = runtime.weight_bytes + runtime.kv_cache_bytes
+        return {"models": [{"name": host.name, "model": host.name, "size": size,
+                            "size_vram": size if runtime.device.startswith("cuda") else 0,
+                            "digest": digest(entry), "details": details(entry), "expires_at": None,
+                            "context_length": engine.engine.max_model_len}]}
+
+    return router
+
+
+def tag(entry: ModelEntry) -> dict[str, Any]:
+    return {"name": entry.name, "model": entry.name, "modified_at": modified_at(entry), "size": entry.size_bytes,
+            "digest": digest(entry), "details": details(entry)}
+
+
+def details(entry: ModelEntry | None) -> dict[str, Any]:
+    if entry is None:
+        return {}
+    family = (entry.architecture or "").lower().removesuffix("forcausallm") or None
+    return {"parent_model": "", "format": entry.format, "family": family, "families": [family] if family else None,
+            "parameter_size": parameter_size(entry.parameters), "quantization_level": entry.quantization}
+
+
+def parameter_size(parameters: int | None) -> str | None:
+    if not parameters:
+        return None
+    return f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
+
+
+def modified_at(entry: ModelEntry | None) -> str | None:
+    if entry is None or entry.path is None:
+        return None
+    return datetime.fromtimestamp(Path(entry.path).stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+
+
+def digest(entry: ModelEntry | None) -> str | None:
+    """An identity of the entry's file version (path, size, modification time): Ollama's digests name blobs,
+    which a models directory does not have; hashing the content would read gigabytes per listing."""
+    if entry is None or entry.path is None:
+        return None
+    stat = Path(entry.path).stat()
+    return hashlib.sha256(f"{entry.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+

@@ -1,0 +1,252 @@
+"""Ollama's request bodies (its REST API as the `ollama` client sends it, ollama 0.6) and their translation into the
+OpenAI-shaped requests the rest of the server runs (app/protocol.py), so a request means the same through either
+API: the same template, tools, constraints, reasoning and sampling checks. An error found after translation names
+the Ollama field (`options.num_predict`, not `max_tokens`).
+
+No field is silently ignored:
+
+    model, stream, format, tools, think, logprobs, top_logprobs       honoured (stream defaults to true, as Ollama)
+    messages[].role / content / thinking / tool_calls / tool_name      honoured; images refused (text-only model)
+    /api/generate: prompt, system, raw, context                        honoured
+    /api/generate: suffix, template, images                            refused (no fill-in-the-middle, the model's
+                                                                         template is the one used, text-only)
+    keep_alive                                                         refused: the served model stays loaded
+    options: num_ctx, num_predict, temperature, top_p, top_k, min_p,   honoured (repeat_penalty is vLLM's
+      seed, stop, repeat_penalty, presence_penalty, frequency_penalty    repetition_penalty, over the whole text)
+    options: num_gpu, num_thread, num_batch, main_gpu, low_vram, numa, refused: load-time settings (`kvforge serve`
+      use_mmap, use_mlock, vocab_only, logits_all, embedding_only        flags), not a request's
+    options: num_keep, repeat_last_n, typical_p, tfs_z, mirostat,      refused: not implemented
+      mirostat_tau, mirostat_eta, penalize_newline
+
+Left out, options take the server's defaults, the same as the OpenAI API's (not Ollama's built-in 0.8 / 40 / 0.9);
+num_predict -1 or -2 generates to the end of the context window.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from kvforge.app.errors import APIError, validation_message
+from kvforge.app.protocol import FORBID, ChatCompletionRequest, CompletionRequest
+
+# Ollama's option -> the OpenAI-shaped field it sets
+OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+                 "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty", "num_predict": "max_tokens"}
+LOAD_OPTIONS = frozenset({"num_gpu", "num_thread", "num_batch", "main_gpu", "low_vram", "numa", "use_mmap",
+                          "use_mlock", "vocab_only", "logits_all", "embedding_only", "f16_kv"})
+UNSUPPORTED_OPTIONS = frozenset({"num_keep", "repeat_last_n", "typical_p", "tfs_z", "mirostat", "mirostat_tau",
+                                 "mirostat_eta", "penalize_newline"})
+FILL_CONTEXT = 2**31  # num_predict -1 / -2: as many tokens as the context window leaves
+UNBOUNDED = 2**31  # no num_ctx: the model's own context bounds the request
+
+
+def check_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    for name, value in (options or {}).items():
+        if name in LOAD_OPTIONS:
+            raise ValueError(f"{name!r} is a load-time setting: kvforge sets it when it loads the model "
+                             "(`kvforge serve` flags), not per request")
+        if name in UNSUPPORTED_OPTIONS:
+            raise ValueError(f"{name!r} is not supported by this server")
+        if name not in OPTION_FIELDS and name != "num_ctx":
+            raise ValueError(f"unknown option {name!r}")
+        if name == "num_ctx" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"num_ctx must be an integer >= 1, got {value!r}")
+        if name == "num_predict" and (isinstance(value, bool) or not isinstance(value, int) or value == 0
+                                      or value < -2):
+            raise ValueError(f"num_predict must be an integer >= 1, or -1 / -2 (to the end of the context), "
+                             f"got {value!r}")
+    return options
+
+
+class OllamaFunctionCall(BaseModel):
+    model_config = FORBID
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    index: int | None = None  # Ollama's own replies carry it
+
+
+class OllamaToolCall(BaseModel):
+    model_config = FORBID
+    id: str | None = None
+    function: OllamaFunctionCall
+
+
+class OllamaMessage(BaseModel):
+    model_config = FORBID
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    thinking: str | None = None  # assistant: its reasoning
+    images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None  # assistant
+    tool_name: str | None = None  # tool: the function whose result this is
+
+    @field_validator("images")
+    @classmethod
+    def _text_only(cls, images: list[str] | None) -> list[str] | None:
+        if images:
+            raise ValueError("this server serves a text-only model")
+        return images
+
+
+class OllamaRequest(BaseModel):
+    """What /api/chat and /api/generate share."""
+
+    model_config = FORBID
+    model: str = Field(min_length=1)
+    stream: bool = True
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    think: bool | Literal["high", "medium", "low"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    keep_alive: float | str | None = None
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_options(options)
+
+    @field_validator("think")
+    @classmethod
+    def _no_levels(cls, think: Any) -> Any:
+        if isinstance(think, str):
+            raise ValueError("no effort levels here: true or false")
+        return think
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _stays_loaded(cls, keep_alive: Any) -> Any:
+        if keep_alive is not None:
+            raise ValueError("not supported: the served model stays loaded until unloaded over /admin")
+        return keep_alive
+
+    def sampling(self) -> dict[str, Any]:
+        """The OpenAI-shaped sampling fields its options set."""
+        fields = {OPTION_FIELDS[k]: v for k, v in (self.options or {}).items() if k in OPTION_FIELDS}
+        if fields.get("max_tokens") in (-1, -2):
+            fields["max_tokens"] = FILL_CONTEXT
+        return fields
+
+    def num_ctx(self) -> int | None:
+        return (self.options or {}).get("num_ctx")
+
+    def response_format(self) -> dict[str, Any] | None:
+        if not self.format:
+            return None
+        if self.format == "json":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": self.format}}
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return None if self.think is None else {"enable_thinking": self.think}
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": True, "top_logprobs": self.top_logprobs} if self.logprobs else {}
+
+
+class OllamaChatRequest(OllamaRequest):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same request in OpenAI's shape (tool_choice auto, as Ollama reads calls from free replies)."""
+        data = {"model": self.model, "messages": openai_messages(self.messages), "stream": self.stream,
+                "response_format": self.response_format(), "chat_template_kwargs": self.template_kwargs(),
+                **self.sampling(), **self.logprob_fields()}
+        if self.tools:
+            data["tools"] = self.tools
+        return translated(ChatCompletionRequest, data)
+
+
+class OllamaGenerateRequest(OllamaRequest):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    context: list[int] | None = None  # an earlier reply's `context`: its prompt and output, continued from
+    suffix: None = Field(default=None, description="Not supported: no fill-in-the-middle.")
+    template: None = Field(default=None, description="Not supported: the model's own chat template is used.")
+    images: None = Field(default=None, description="Not supported: this server serves a text-only model.")
+
+    @field_validator("suffix", "template", "images", mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info) -> Any:
+        if value not in (None, "", []):
+            reason = cls.model_fields[info.field_name].description.removeprefix("Not supported: ")
+            raise ValueError(f"not supported: {reason.rstrip('.')}")
+        return None
+
+    @field_validator("think")
+    @classmethod
+    def _not_raw(cls, think: Any, info) -> Any:
+        if think and info.data.get("raw"):
+            raise ValueError("a raw prompt is not templated: thinking cannot be switched")
+        return think
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """A templated prompt: the system text and the prompt as a conversation."""
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.prompt}]
+        data = {"model": self.model, "messages": messages, "stream": self.stream,
+                "response_format": self.response_format(), "chat_template_kwargs": self.template_kwargs(),
+                **self.sampling(), **self.logprob_fields()}
+        return translated(ChatCompletionRequest, data)
+
+    def completion_request(self) -> CompletionRequest:
+        """A raw prompt: its text as it is (the sampling fields are all that is checked)."""
+        data = {"model": self.model, "prompt": self.prompt or self.context, "stream": self.stream, **self.sampling()}
+        if self.logprobs:
+            data["logprobs"] = self.top_logprobs or 0
+        return translated(CompletionRequest, data)
+
+
+class OllamaModelRequest(BaseModel):
+    model_config = FORBID
+    model: str = Field(min_length=1)
+    verbose: bool = False
+
+
+def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """Ollama's messages as OpenAI's: calls' arguments as JSON text with an id each, and each tool result tied to
+    the earliest open call of its function (Ollama's results name the function, not the call)."""
+    out: list[dict[str, Any]] = []
+    open_calls: list[tuple[str, str]] = []  # (id, function name) of the last assistant's calls not yet answered
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            entry: dict[str, Any] = {"role": "assistant", "content": message.content}
+            if message.thinking:
+                entry["reasoning_content"] = message.thinking
+            if message.tool_calls:
+                calls = [{"id": call.id or f"call_{i}_{j}", "type": "function",
+                          "function": {"name": call.function.name,
+                                       "arguments": json.dumps(call.function.arguments, ensure_ascii=False)}}
+                         for j, call in enumerate(message.tool_calls)]
+                entry["tool_calls"] = calls
+                open_calls = [(call["id"], call["function"]["name"]) for call in calls]
+        elif message.role == "tool":
+            match = next((c for c in open_calls if message.tool_name in (None, c[1])), None)
+            if match is not None:
+                open_calls.remove(match)
+            entry = {"role": "tool", "content": message.content, "tool_call_id": match[0] if match else f"call_{i}"}
+        else:
+            entry = {"role": message.role, "content": message.content}
+        out.append(entry)
+    return out
+
+
+# OpenAI-shaped field -> the Ollama field an error about it names
+OLLAMA_NAMES = {openai: f"options.{ollama}" for ollama, openai in OPTION_FIELDS.items()} | {
+    "response_format": "format", "chat_template_kwargs": "think", "top_logprobs": "top_logprobs"}
+
+
+def translated(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """`data` validated as `model`; a 400 naming the field when it is not valid (the route says it by its Ollama
+    name, OLLAMA_NAMES)."""
+    try:
+        return model.model_validate({k: v for k, v in data.items() if v is not None})
+    except ValidationError as exc:
+        raise APIError(400, *validation_message(RequestValidationError(exc.errors(), body=data))) from None
