@@ -1,15 +1,29 @@
-"""API errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}; under /api/ in Ollama's,
-{"error": "message"}, which Ollama's clients read."""
+"""API errors in the shape of the API a request was for: OpenAI's, {"error": {"message", "type", "param", "code"}};
+under /api/ Ollama's, {"error": "message"}; under /v1/messages Anthropic's, {"type": "error", "error": {"type",
+"message"}}: each API's clients read their own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 OLLAMA_PATHS = "/api/"  # Ollama's API (app/ollama_api.py)
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's Messages API (app/anthropic_api.py)
+# an HTTP status -> Anthropic's error type
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 class APIError(Exception):
@@ -31,8 +45,10 @@ class ErrorResponse(JSONResponse):
         self.message, self.given_headers = message, headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("path", "").startswith(OLLAMA_PATHS):
-            self.body = self.render({"error": self.message})
+        path = scope.get("path", "")
+        if path.startswith((OLLAMA_PATHS, ANTHROPIC_PATHS)):
+            self.body = self.render({"error": self.message} if path.startswith(OLLAMA_PATHS)
+                                    else anthropic_error(self.status_code, self.message))
             self.init_headers(self.given_headers)  # the new body's Content-Length
         await super().__call__(scope, receive, send)
 
@@ -40,6 +56,31 @@ class ErrorResponse(JSONResponse):
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
                    code: str | None = None, headers: dict[str, str] | None = None) -> ErrorResponse:
     return ErrorResponse(status, message, param, kind, code, headers)
+
+
+def renaming_route(names: dict[str, str]) -> type[APIRoute]:
+    """A route class for another API's dialect, translated into OpenAI-shaped requests: an error about a field
+    names it as that API's clients send it (`names`: OpenAI-shaped field -> theirs, e.g. max_tokens ->
+    options.num_predict)."""
+
+    class RenamingRoute(APIRoute):
+        def get_route_handler(self) -> Callable:
+            handler = super().get_route_handler()
+
+            async def route(request: Request):
+                try:
+                    return await handler(request)
+                except APIError as exc:
+                    name = names.get(exc.param or "")
+                    if name is None:
+                        raise
+                    message = name + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) \
+                        else exc.message
+                    raise APIError(exc.status, message, name, exc.kind, exc.code, exc.headers) from None
+
+            return route
+
+    return RenamingRoute
 
 
 # a union's members each report an error; the one about the value beats the ones about another member's type
@@ -89,3 +130,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     elif best.get("type") == "value_error":  # our validators' own words, without pydantic's "Value error, "
         message = str((best.get("ctx") or {}).get("error", message.removeprefix("Value error, ")))
     return f"{'.'.join(loc) or 'body'}: {message}", (loc[0] if loc else None)
+
+
+def validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """`data` (an OpenAI-shaped request translated from another API's; None values left out) validated as `model`;
+    an APIError 400 naming the field when it is not valid."""
+    try:
+        return model.model_validate({k: v for k, v in data.items() if v is not None})
+    except ValidationError as exc:
+        raise APIError(400, *validation_message(RequestValidationError(exc.errors(), body=data))) from None

@@ -11,11 +11,20 @@ from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.admission import Admission, Ticket
 from kvforge.app.chat_request import ChatPlan, plan_chat
-from kvforge.app.completion import ContextWindow, check_prompt_chars, compile_constraint, submit
+from kvforge.app.completion import (
+    ContextWindow,
+    RequestTimedOut,
+    check_prompt_chars,
+    compile_constraint,
+    submit,
+    within,
+)
 from kvforge.app.errors import APIError
+from kvforge.app.metrics import ServerMetrics
 from kvforge.app.protocol import ChatCompletionRequest, SamplingFields
 from kvforge.core.async_engine import AsyncEngine, RequestStream
 from kvforge.core.constraint import Constraint
+from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.sampling import SamplingParams
 
 
@@ -77,3 +86,23 @@ def render_chat(body: ChatCompletionRequest, engine: AsyncEngine) -> ChatPlan:
 def chat_chars(body: ChatCompletionRequest) -> int:
     """The characters a chat request's prompt is made from (its messages and tools), checked before rendering."""
     return sum(len(m.text()) for m in body.messages) + sum(len(t.model_dump_json()) for t in body.tools or [])
+
+
+async def collect(admitted: Admitted, timeout_s: float | None,
+                  metrics: ServerMetrics) -> tuple[dict[int, RequestOutput], dict[int, list[TokenLogprob]]]:
+    """A whole (not streamed) response's outputs: each sample's final output and its token logprobs, by sample
+    index. The request is closed however this ends; past `timeout_s` it is aborted and APIError 504 raised."""
+    finals: dict[int, RequestOutput] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    try:
+        async for out in within(admitted.stream, timeout_s):
+            if out.delta_logprobs:
+                logprobs.setdefault(out.index, []).extend(out.delta_logprobs)
+            if out.finished:
+                finals[out.index] = out
+                metrics.observe_finished(out)
+    except RequestTimedOut as exc:
+        raise exc.api_error() from None
+    finally:
+        admitted.close()
+    return finals, logprobs

@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.routing import APIRoute
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.admission import Admission
 from kvforge.app.chat_output import ChoiceReader, whole_message
 from kvforge.app.chat_request import ChatPlan, reasoning_syntax
 from kvforge.app.completion import ContextWindow, RequestTimedOut, StreamResponse, format_logprobs, within
-from kvforge.app.errors import APIError
-from kvforge.app.generation import Admitted, admit, chat_chars, render_chat
+from kvforge.app.errors import APIError, renaming_route
+from kvforge.app.generation import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.model_catalog import ModelEntry, catalog
 from kvforge.app.ollama_protocol import (
@@ -54,27 +53,6 @@ from kvforge.core.output import RequestOutput
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients read it for features)
 NDJSON = "application/x-ndjson"
-
-
-class OllamaRoute(APIRoute):
-    """An error about a field names it as Ollama's clients send it (options.num_predict, not max_tokens); its shape
-    is Ollama's, as for every /api/ path (app/errors.py)."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def route(request: Request):
-            try:
-                return await handler(request)
-            except APIError as exc:
-                name = OLLAMA_NAMES.get(exc.param or "")
-                if name is None:
-                    raise
-                message = name + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) \
-                    else exc.message
-                raise APIError(exc.status, message, name, exc.kind, exc.code, exc.headers) from None
-
-        return route
 
 
 def now() -> str:
@@ -139,7 +117,7 @@ def ollama_logprobs(items, tokenizer) -> list[dict[str, Any]]:
 
 def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_tokens: int,
                   request_timeout_s: float | None) -> APIRouter:
-    router = APIRouter(route_class=OllamaRoute)
+    router = APIRouter(route_class=renaming_route(OLLAMA_NAMES))  # errors name Ollama's fields
     host = admission.host
 
     def served(name: str) -> str:
@@ -200,26 +178,16 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
         """`chat`: /api/chat's shape (a message); else /api/generate's (a response text, and the context)."""
         if stream:
             return StreamResponse(lines(admitted, name, chat), admitted.close, NDJSON)
-        final, logprobs = None, []
-        try:
-            async for out in within(admitted.stream, request_timeout_s):
-                if out.delta_logprobs:
-                    logprobs += ollama_logprobs(out.delta_logprobs, admitted.engine.tokenizer)
-                if out.finished:
-                    final = out
-                    metrics.observe_finished(out)
-        except RequestTimedOut as exc:
-            raise exc.api_error() from None
-        finally:
-            admitted.close()
+        finals, token_logprobs = await collect(admitted, request_timeout_s, metrics)
+        final = finals[0]
         if admitted.plan is None:  # a raw prompt: the text as it came
             message = {"role": "assistant", "content": final.text}
         else:
             message = ollama_message(whole_message(admitted.plan, final.text)[0])
         whole = shaped(name, message, chat)
         whole.update(last_fields(admitted, final, chat))
-        if logprobs:
-            whole["logprobs"] = logprobs
+        if token_logprobs.get(0):
+            whole["logprobs"] = ollama_logprobs(token_logprobs[0], admitted.engine.tokenizer)
         return whole
 
     async def lines(admitted: Admitted, name: str, chat: bool) -> AsyncIterator[str]:

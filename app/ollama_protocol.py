@@ -27,10 +27,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, field_validator
 
-from kvforge.app.errors import APIError, validation_message
+from kvforge.app.errors import validated
 from kvforge.app.protocol import FORBID, ChatCompletionRequest, CompletionRequest
 
 # Ollama's option -> the OpenAI-shaped field it sets
@@ -160,7 +159,7 @@ class OllamaChatRequest(OllamaRequest):
                 **self.sampling(), **self.logprob_fields()}
         if self.tools:
             data["tools"] = self.tools
-        return translated(ChatCompletionRequest, data)
+        return validated(ChatCompletionRequest, data)
 
 
 class OllamaGenerateRequest(OllamaRequest):
@@ -194,14 +193,14 @@ class OllamaGenerateRequest(OllamaRequest):
         data = {"model": self.model, "messages": messages, "stream": self.stream,
                 "response_format": self.response_format(), "chat_template_kwargs": self.template_kwargs(),
                 **self.sampling(), **self.logprob_fields()}
-        return translated(ChatCompletionRequest, data)
+        return validated(ChatCompletionRequest, data)
 
     def completion_request(self) -> CompletionRequest:
         """A raw prompt: its text as it is (the sampling fields are all that is checked)."""
         data = {"model": self.model, "prompt": self.prompt or self.context, "stream": self.stream, **self.sampling()}
         if self.logprobs:
             data["logprobs"] = self.top_logprobs or 0
-        return translated(CompletionRequest, data)
+        return validated(CompletionRequest, data)
 
 
 class OllamaModelRequest(BaseModel):
@@ -241,12 +240,3 @@ def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
 # OpenAI-shaped field -> the Ollama field an error about it names
 OLLAMA_NAMES = {openai: f"options.{ollama}" for ollama, openai in OPTION_FIELDS.items()} | {
     "response_format": "format", "chat_template_kwargs": "think", "top_logprobs": "top_logprobs"}
-
-
-def translated(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    """`data` validated as `model`; a 400 naming the field when it is not valid (the route says it by its Ollama
-    name, OLLAMA_NAMES)."""
-    try:
-        return model.model_validate({k: v for k, v in data.items() if v is not None})
-    except ValidationError as exc:
-        raise APIError(400, *validation_message(RequestValidationError(exc.errors(), body=data))) from None

@@ -2,8 +2,9 @@
 
 Routes: /v1/chat/completions, /v1/completions (streamed as server-sent events or whole),
 /v1/sessions (conversations kept server-side, see sessions.py),
-/v1/models, /health, /metrics (Prometheus); Ollama's API under /api (app/ollama_api.py). Errors come in
-OpenAI's shape, {"error": {"message", "type", "param", "code"}} (under /api, Ollama's): 400 naming the bad field,
+/v1/models, /health, /metrics (Prometheus); Ollama's API under /api (app/ollama_api.py), Anthropic's Messages at
+/v1/messages (app/anthropic_api.py). Errors come in OpenAI's shape, {"error": {"message", "type", "param",
+"code"}} (in Ollama's and Anthropic's on their routes): 400 naming the bad field,
 401 for a missing or wrong API key, 404 for an unknown model, 503 when the bounded queue is full. A client that
 disconnects has its request aborted and its KV blocks freed."""
 
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from kvforge.app.access import AccessGuard, AccessPolicy
 from kvforge.app.admission import Admission
+from kvforge.app.anthropic_api import anthropic_router
 from kvforge.app.chat_output import ChoiceReader, whole_message
 from kvforge.app.chat_request import ChatPlan
 from kvforge.app.chat_service import ChatService
@@ -39,7 +41,7 @@ from kvforge.app.completion import (
 )
 from kvforge.app.engine_factory import build_async_engine
 from kvforge.app.errors import APIError, error_response, validation_message
-from kvforge.app.generation import admit, chat_chars, render_chat
+from kvforge.app.generation import admit, chat_chars, collect, render_chat
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
@@ -51,7 +53,7 @@ from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.constraint import Constraint
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.metrics import gpu_memory
-from kvforge.core.output import RequestOutput, TokenLogprob
+from kvforge.core.output import RequestOutput
 from kvforge.core.store import Store
 
 
@@ -239,19 +241,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamResponse(sse(engine, stream, request_id, created, plan, params.n, include_usage,
                                       len(prompt), admitted.echoed), admitted.close)
-        try:
-            finals: dict[int, RequestOutput] = {}
-            token_logprobs: dict[int, list[TokenLogprob]] = {}
-            async for out in within(stream, request_timeout_s):
-                if out.delta_logprobs:
-                    token_logprobs.setdefault(out.index, []).extend(out.delta_logprobs)
-                if out.finished:
-                    finals[out.index] = out
-                    metrics.observe_finished(out)
-        except RequestTimedOut as exc:
-            raise exc.api_error() from None
-        finally:
-            admitted.close()
+        finals, token_logprobs = await collect(admitted, request_timeout_s, metrics)
         choices = []
         for i in range(params.n):
             out = finals[i]
@@ -324,6 +314,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         app.include_router(sessions_router(app.state.chat))
     app.include_router(tokenize_router(admission))
     app.include_router(ollama_router(admission, metrics, default_max_tokens, request_timeout_s))
+    app.include_router(anthropic_router(admission, metrics, default_max_tokens, request_timeout_s))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
     if store is not None and ui:  # last: the UI mounted at / would shadow later routes
         from kvforge.ui.app import mount_ui

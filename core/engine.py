@@ -359,7 +359,7 @@ class LLMEngine:
         out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
                             state.emitted_text(), delta_text, list(delta_tokens),
                             state.pending_logprobs if seq.params.logprobs is not None else None,
-                            finished=True, finish_reason=seq.finish_reason or reason,
+                            finished=True, finish_reason=seq.finish_reason or reason, stop_reason=state.stop_string,
                             num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)
         state.pending_tokens, state.pending_logprobs = [], []
         if seq.index == 0:

@@ -35,6 +35,7 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | None = None  # the stop string that ended it (None: an end-of-sequence token, or not "stop")
     num_cached_tokens: int = 0
     metrics: dict[str, Any] | None = None  # set on the final output
 
@@ -47,6 +48,7 @@ class OutputState:
     sent: int = 0  # characters of `text` already streamed
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)
+    stop_string: str | None = None  # the stop string found, once one is
 
     def __post_init__(self) -> None:
         self.detokenizer = self.tokenizer.detokenizer(self.params.skip_special_tokens)
@@ -62,9 +64,10 @@ class OutputState:
         if not self.params.stop or num_output_tokens < self.params.min_tokens:
             return False
         search_from = max(0, before - self.hold_back)
-        found = [i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0]
+        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
         if found:
-            self.text = self.text[: min(found)]
+            at, self.stop_string = min(found, key=lambda f: f[0])
+            self.text = self.text[:at]
             return True
         return False
 

@@ -14,8 +14,6 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.helpers.server_process import readme_serve
-
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {
@@ -36,10 +34,8 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = readme_serve(tmp_path_factory.mktemp("data"), "--no-ui")
-    yield process
-    process.stop()
+def server(readme_server):  # tests/app/conftest.py
+    return readme_server
 
 
 @pytest.fixture()

@@ -13,17 +13,14 @@ import ollama
 import pytest
 
 from tests.app.test_agent_api import ASK_WEATHER, MODEL, TIME, WEATHER, Person
-from tests.helpers.server_process import readme_serve
 
 GREEDY = {"temperature": 0, "num_predict": 24}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = readme_serve(tmp_path_factory.mktemp("data"), "--no-ui")
-    yield process
-    process.stop()
+def server(readme_server):  # tests/app/conftest.py
+    return readme_server
 
 
 @pytest.fixture(scope="module")

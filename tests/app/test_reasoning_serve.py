@@ -215,3 +215,27 @@ def test_ollama_think_separates_the_thinking_and_switches_it_off(client, server)
     generated = ollama_client.generate(model=MODEL, prompt=QUESTION[0]["content"], think=True,
                                        options={"temperature": 0, "num_predict": 12})
     assert generated.thinking == reasoning_of(chat(client, max_tokens=12).choices[0].message)
+
+
+# ---- Anthropic's Messages API: thinking blocks ---------------------------------------------------------------------
+
+
+def test_anthropic_thinking_blocks(client, server):
+    """A reasoning model's thinking as a thinking block, whole and streamed (Anthropic's API has no logit_bias, so
+    the block never closes here: all of the reply is thinking); thinking disabled is the template's enable_thinking
+    false."""
+    import anthropic
+
+    messages_client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    expected = chat(client, max_tokens=12).choices[0].message
+    fields = dict(model=MODEL, max_tokens=12, messages=QUESTION, thinking={"type": "adaptive"},
+                  extra_body={"temperature": 0})
+    message = messages_client.messages.create(**fields)
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", reasoning_of(expected))]
+    assert message.stop_reason == "max_tokens"
+    with messages_client.messages.stream(**fields) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
+    off = messages_client.messages.create(**(fields | {"thinking": {"type": "disabled"}}))
+    expected = chat(client, max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text == expected.choices[0].message.content

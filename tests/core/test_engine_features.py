@@ -44,10 +44,10 @@ def test_stop_string_across_token_boundaries(embedded_llm):
     assert len(covering) >= 2, (stop, covering)
     completing = next(i for i, e in enumerate(ends) if e >= cut + len(stop))  # tokens needed to see it
 
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, stop=["\u2603", stop]))
     outs = drain(engine)[request_id]
     final = outs[-1]
-    assert final.finished and final.finish_reason == "stop"
+    assert final.finished and final.finish_reason == "stop" and final.stop_reason == stop  # the one that matched
     assert final.text == original.text[:cut]
     assert final.token_ids == original.token_ids[:completing]
     streamed = ""

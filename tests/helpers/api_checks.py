@@ -38,10 +38,14 @@ def lax_number(value) -> float | None:
 
 def assert_api_error(response: Any, path: str) -> None:
     """The error shape of the API `path` belongs to: Ollama's ({"error": non-empty str}, nothing else) under /api/,
-    OpenAI's elsewhere."""
-    if not path.startswith("/api/"):
-        assert_openai_error(response)
-        return
+    Anthropic's ({"type": "error", "error": {"type", "message"}}) under /v1/messages, OpenAI's elsewhere."""
     body = response.json()
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    assert isinstance(body["error"], str) and body["error"], body
+    if path.startswith("/api/"):
+        assert isinstance(body, dict) and set(body) == {"error"}, body
+        assert isinstance(body["error"], str) and body["error"], body
+    elif path.startswith("/v1/messages"):
+        assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"}, body
+        assert all(isinstance(v, str) and v for v in body["error"].values()), body
+    else:
+        assert_openai_error(response)

@@ -1,0 +1,137 @@
+"""Anthropic's Messages API through a real `kvforge serve` started as README command 1 starts it (the embedded model
+in its default configuration), driven by the official `anthropic` client. A request means the same as through
+OpenAI's API: greedy replies, forced tool calls and token counts are compared with /v1/chat/completions' and
+/v1/tokenize's for the same conversation. (The anthropic client of 2026 has no sampling fields: `temperature`
+goes in extra_body, as older clients sent it.)"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.app.test_agent_api import MODEL, WEATHER, Person
+
+GREEDY = {"temperature": 0}
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER_TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
+                "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def server(readme_server):  # tests/app/conftest.py
+    return readme_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def openai_chat(server, **body) -> dict:
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, **body}, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_create_and_stream_equal_the_openai_reply(client, server):
+    system = "You answer in one short sentence."
+    expected = openai_chat(server, messages=[{"role": "system", "content": system}, *ASK], temperature=0,
+                           max_tokens=24)
+    message = client.messages.create(model=MODEL, max_tokens=24, system=system, messages=ASK, extra_body=GREEDY)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == expected["choices"][0]["message"]["content"]
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected["choices"][0]["finish_reason"]]
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == expected["usage"]["prompt_tokens"]
+    assert usage.cache_read_input_tokens > 0  # the OpenAI request before it left the prompt in the prefix cache
+    assert usage.output_tokens == expected["usage"]["completion_tokens"]
+
+    with client.messages.stream(model=MODEL, max_tokens=24, system=system, messages=ASK, extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == message.content[0].text and final.content[0].text == text
+    assert final.stop_reason == message.stop_reason and final.usage.output_tokens == message.usage.output_tokens
+
+
+def test_stop_sequences_say_which_one_stopped_it(client):
+    whole = client.messages.create(model=MODEL, max_tokens=24, messages=ASK, extra_body=GREEDY).content[0].text
+    word = whole.split()[2]
+    message = client.messages.create(model=MODEL, max_tokens=24, messages=ASK, stop_sequences=["\u2603", word],
+                                     extra_body=GREEDY)
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == word
+    assert message.content[0].text == whole[:whole.index(word)]
+
+
+def test_forced_tool_use_round_trip(client, server):
+    """tool_choice any -> a tool_use block whose input validates (the grammar), the same call as OpenAI's
+    `required`; its tool_result -> an answer in words."""
+    message = client.messages.create(model=MODEL, max_tokens=100, messages=[
+        {"role": "user", "content": "What is the weather like in Paris today?"}], tools=[WEATHER_TOOL],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    assert message.stop_reason == "tool_use" and [b.type for b in message.content] == ["tool_use"]
+    call = message.content[0]
+    jsonschema.validate(call.input, WEATHER_TOOL["input_schema"])
+    expected = openai_chat(server, messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
+                           tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0,
+                           max_tokens=100)["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert (call.name, call.input) == (expected["name"], json.loads(expected["arguments"]))
+    with client.messages.stream(model=MODEL, max_tokens=100, messages=[
+            {"role": "user", "content": "What is the weather like in Paris today?"}], tools=[WEATHER_TOOL],
+            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed.content] == [("tool_use", call.name, call.input)]
+
+    answer = client.messages.create(model=MODEL, max_tokens=30, tools=[WEATHER_TOOL], tool_choice={"type": "none"},
+                                    extra_body=GREEDY, messages=[
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": json.dumps({"temperature": 21, "sky": "sunny"})}]}])
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].text
+
+
+def test_output_format_and_count_tokens(client, server):
+    message = client.messages.create(
+        model=MODEL, max_tokens=120, messages=[{"role": "user", "content": "Invent a person."}], extra_body=GREEDY,
+        output_config={"format": {"type": "json_schema", "schema": Person.model_json_schema()}})
+    jsonschema.validate(json.loads(message.content[0].text), Person.model_json_schema())
+    assert message.stop_reason == "end_turn"
+
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=ASK, tools=[WEATHER_TOOL])
+    conversation = [{"role": "system", "content": "Be brief."}, *ASK]
+    tokenized = httpx.post(f"{server.url}/v1/tokenize", json={
+        "messages": conversation, "tools": [WEATHER], "add_generation_prompt": True}, timeout=60).json()
+    assert counted.input_tokens == tokenized["count"]
+
+
+@pytest.mark.parametrize(("fields", "status", "named"), [
+    ({"model": "claude-no-such-model"}, 404, "claude-no-such-model"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"temperature": 1.5}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]},
+     400, "text-only"),
+    ({"messages": [*ASK, {"role": "assistant", "content": "Paris is"}]}, 400, "prefill"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "server tool"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 10}}, 400, "budget_tokens"),
+    ({"output_config": {"effort": "high"}}, 400, "effort"),
+    ({"stop_sequences": [""]}, 400, "stop_sequences"),
+    ({"unknown_field": 1}, 400, "unknown_field"),
+])
+def test_bad_requests_get_anthropic_errors_naming_the_field(server, fields, status, named):
+    body = {"model": MODEL, "max_tokens": 8, "messages": ASK, **fields}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert set(error) == {"type", "error"} and error["type"] == "error" and set(error["error"]) == {"type", "message"}
+    assert error["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert named in error["error"]["message"]
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as raised:  # the client reads it as Anthropic's
+        client.post("/v1/messages", body=body, cast_to=dict)
+    assert raised.value.status_code == status and raised.value.body == error
