@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible REST API over one AsyncEngine.
 
-Routes: /v1/chat/completions, /v1/completions (streamed as server-sent events or whole),
+Routes: /v1/chat/completions, /v1/completions, /v1/responses (app/responses_api.py; streamed as server-sent
+events or whole),
 /v1/sessions (conversations kept server-side, see sessions.py),
 /v1/models, /health, /metrics (Prometheus); Ollama's API under /api (app/ollama_api.py), Anthropic's Messages at
 /v1/messages (app/anthropic_api.py). Errors come in OpenAI's shape, {"error": {"message", "type", "param",
@@ -47,6 +48,7 @@ from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
 from kvforge.app.ollama_api import ollama_router
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
+from kvforge.app.responses_api import responses_router
 from kvforge.app.sessions import sessions_router
 from kvforge.app.tokenize_routes import tokenize_router
 from kvforge.core.async_engine import AsyncEngine
@@ -315,6 +317,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     app.include_router(tokenize_router(admission))
     app.include_router(ollama_router(admission, metrics, default_max_tokens, request_timeout_s))
     app.include_router(anthropic_router(admission, metrics, default_max_tokens, request_timeout_s))
+    app.include_router(responses_router(admission, metrics, default_max_tokens, request_timeout_s))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
     if store is not None and ui:  # last: the UI mounted at / would shadow later routes
         from kvforge.ui.app import mount_ui

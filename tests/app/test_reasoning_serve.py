@@ -239,3 +239,25 @@ def test_anthropic_thinking_blocks(client, server):
     off = messages_client.messages.create(**(fields | {"thinking": {"type": "disabled"}}))
     expected = chat(client, max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert [b.type for b in off.content] == ["text"] and off.content[0].text == expected.choices[0].message.content
+
+
+# ---- OpenAI's Responses API: a reasoning item -----------------------------------------------------------------------
+
+
+def test_responses_reasoning_item(client):
+    """A reasoning model's thinking is a reasoning item (reasoning_text content), whole and streamed (the Responses
+    API has no logit_bias: the block stays open, the reply is cut, all thinking); an input's reasoning item goes
+    back to the template as the assistant's reasoning_content, as the chat route renders it."""
+    fields = dict(model=MODEL, input=QUESTION[0]["content"], temperature=0, max_output_tokens=12)
+    expected = reasoning_of(chat(client, max_tokens=12).choices[0].message)
+    response = client.responses.create(**fields)
+    assert response.status == "incomplete" and [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == expected
+    events = list(client.responses.create(**fields, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == expected
+    follow_up = {"role": "user", "content": "And 3 + 4?"}
+    history = [QUESTION[0], *[item.model_dump(exclude_none=True) for item in response.output], follow_up]
+    again = client.responses.create(model=MODEL, input=history, temperature=0, max_output_tokens=1)
+    rendered = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=1, messages=[
+        QUESTION[0], {"role": "assistant", "content": "", "reasoning_content": expected}, follow_up])
+    assert again.usage.input_tokens == rendered.usage.prompt_tokens
