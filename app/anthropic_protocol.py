@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvforge.app.errors import validated
-from kvforge.app.protocol import FORBID, ChatCompletionRequest
+from kvforge.app.protocol import FORBID, TEXT_ONLY, ChatCompletionRequest, refuse_kinds
 
 
 class CacheControl(BaseModel):
@@ -77,7 +77,7 @@ class ThinkingBlock(BaseModel):
 
 
 ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
-REFUSED_BLOCKS = {"image": "this server serves a text-only model", "document": "this server serves a text-only model",
+REFUSED_BLOCKS = {"image": TEXT_ONLY, "document": TEXT_ONLY,
                   "search_result": "no search results here", "redacted_thinking": "nothing here redacts thinking",
                   "server_tool_use": "no server tools here", "web_search_tool_result": "no server tools here"}
 
@@ -90,11 +90,7 @@ class AnthropicMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, content: Any) -> Any:
-        for i, block in enumerate(content if isinstance(content, list) else ()):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and kind in REFUSED_BLOCKS:
-                raise ValueError(f"content block {i} is {kind!r}: {REFUSED_BLOCKS[kind]}")
-        return content
+        return refuse_kinds(content, REFUSED_BLOCKS, "content block")
 
     @model_validator(mode="after")
     def _blocks_of_its_role(self) -> AnthropicMessage:

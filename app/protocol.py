@@ -69,7 +69,18 @@ MAX_SYSTEM_PROMPT_CHARS = 100_000  # a conversation's stored system prompt
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's, for function and response-format names
 FORBID = ConfigDict(extra="forbid")
 STRICT_NUMBERS = ConfigDict(extra="forbid", allow_inf_nan=False)
-MEDIA_PARTS = ("image_url", "input_audio", "file")
+TEXT_ONLY = "this server serves a text-only model"
+MEDIA_PARTS = {kind: TEXT_ONLY for kind in ("image_url", "input_audio", "file")}
+
+
+def refuse_kinds(items: Any, refused_kinds: dict[str, str], what: str = "content part") -> Any:
+    """A clear refusal, before the list is validated, of a content list's items of a kind this server does not take
+    (an image to a text-only model): ValueError "content part 2 is 'image_url': <why>"; else `items` unchanged."""
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind in refused_kinds:
+            raise ValueError(f"{what} {i} is {kind!r}: {refused_kinds[kind]}")
+    return items
 
 
 def refused(reason: str) -> Any:
@@ -175,11 +186,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        for i, part in enumerate(content if isinstance(content, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_PARTS:
-                raise ValueError(f"content part {i} is {kind!r}: this server serves a text-only model")
-        return content
+        return refuse_kinds(content, MEDIA_PARTS)
 
     @model_validator(mode="after")
     def _fields_of_its_role(self) -> ChatMessage:

@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvforge.app.errors import validated
-from kvforge.app.protocol import FORBID, ChatCompletionRequest, refuse_given, refused
+from kvforge.app.protocol import FORBID, TEXT_ONLY, ChatCompletionRequest, refuse_given, refuse_kinds, refused
 
-MEDIA = ("input_image", "input_file", "input_audio")
+MEDIA = {kind: TEXT_ONLY for kind in ("input_image", "input_file", "input_audio")}
 
 
 class TextPart(BaseModel):
@@ -54,11 +54,7 @@ class MessageItem(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content: Any) -> Any:
-        for i, part in enumerate(content if isinstance(content, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind in MEDIA:
-                raise ValueError(f"content part {i} is {kind!r}: this server serves a text-only model")
-        return content
+        return refuse_kinds(content, MEDIA)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.content() for p in self.content)
