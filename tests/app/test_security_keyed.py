@@ -156,6 +156,27 @@ def test_the_key_file_is_enforced_and_the_key_is_not_on_the_command_line(server)
     assert "warning" not in server.output()
 
 
+def test_the_other_dialects_official_clients_need_the_key(server):
+    """Anthropic's client sends it as x-api-key, Ollama's as a bearer from OLLAMA_API_KEY (or headers=); without it
+    each raises its own 401 error."""
+    import anthropic
+    import ollama
+
+    ask = [{"role": "user", "content": "Hi"}]
+    keyed = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    assert keyed.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2, messages=ask).usage.output_tokens
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model="SmolLM2-135M-Instruct", max_tokens=2, messages=ask)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OLLAMA_API_KEY", KEY)
+        assert ollama.Client(host=server.url, timeout=120).chat(
+            model="SmolLM2-135M-Instruct", messages=ask, options={"num_predict": 2}).eval_count
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama.Client(host=server.url).list()
+    assert refused.value.status_code == 401 and "API key" in refused.value.error
+
+
 @pytest.fixture(scope="module")
 def private_conversation(server):
     created = httpx.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=30,
