@@ -49,6 +49,7 @@ from kvforge.app.ollama_protocol import (
 )
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.engine import RequestsFailed
+from kvforge.core.loader import EMBEDDED_MODEL
 from kvforge.core.output import RequestOutput
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients read it for features)
@@ -255,8 +256,9 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
             return {"models": []}
         engine = host.engine
         runtime = engine.engine.runtime()
-        entry = next((e for e in await run_in_threadpool(entries) if e.name == host.spec.model or
-                      e.name == host.name), None)
+        # the catalog names an entry by its file or directory (the embedded one by its name): the served name may differ
+        listed = EMBEDDED_MODEL if host.spec.model is None else Path(host.spec.model).name
+        entry = next((e for e in await run_in_threadpool(entries) if e.name == listed), None)
         size = runtime.weight_bytes + runtime.kv_cache_bytes
         return {"models": [{"name": host.name, "model": host.name, "size": size,
                             "size_vram": size if runtime.device.startswith("cuda") else 0,

@@ -137,6 +137,8 @@ def test_tags_show_ps_version(client, server):
     assert "<|im_start|>" in shown.template
     running = client.ps().models
     assert [m.model for m in running] == [MODEL] and running[0].size > 0 and running[0].context_length > 0
+    listed = next(m for m in client.list().models if m.model == MODEL)
+    assert running[0].digest == listed.digest and running[0].details == listed.details == shown.details
     assert httpx.get(f"{server.url}/api/version", timeout=30).json()["version"]
 
 
