@@ -47,6 +47,7 @@ from kvforge.app.ollama_protocol import (
     OllamaModelRequest,
     OllamaRequest,
 )
+from kvforge.app.protocol import ChatCompletionRequest
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.loader import EMBEDDED_MODEL
@@ -138,7 +139,8 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
             raise APIError(400, f"think: {host.name!r} does not think (its template and vocabulary have no think "
                            "markers)", "think")
 
-    def render_ollama_chat(body: OllamaRequest, request, context: list[int] | None, engine: AsyncEngine) -> ChatPlan:
+    def render_ollama_chat(body: OllamaRequest, request: ChatCompletionRequest, context: list[int] | None,
+                           engine: AsyncEngine) -> ChatPlan:
         check_think(body, engine)
         plan = render_chat(request, engine)
         return replace(plan, prompt=context + plan.prompt) if context else plan

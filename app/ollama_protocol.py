@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from kvforge.app.errors import validated
+from kvforge.app.errors import APIError, validated
 from kvforge.app.protocol import FORBID, ChatCompletionRequest, CompletionRequest
 
 # Ollama's option -> the OpenAI-shaped field it sets
@@ -179,12 +179,6 @@ class OllamaGenerateRequest(OllamaRequest):
             raise ValueError(f"not supported: {reason.rstrip('.')}")
         return None
 
-    @field_validator("think")
-    @classmethod
-    def _not_raw(cls, think: Any, info) -> Any:
-        if think and info.data.get("raw"):
-            raise ValueError("a raw prompt is not templated: thinking cannot be switched")
-        return think
 
     def chat_request(self) -> ChatCompletionRequest:
         """A templated prompt: the system text and the prompt as a conversation."""
@@ -197,6 +191,8 @@ class OllamaGenerateRequest(OllamaRequest):
 
     def completion_request(self) -> CompletionRequest:
         """A raw prompt: its text as it is (the sampling fields are all that is checked)."""
+        if self.think is not None:
+            raise APIError(400, "think: a raw prompt is not templated, so thinking cannot be switched", "think")
         data = {"model": self.model, "prompt": self.prompt or self.context, "stream": self.stream, **self.sampling()}
         if self.logprobs:
             data["logprobs"] = self.top_logprobs or 0

@@ -106,6 +106,12 @@ def test_tool_calls_and_a_round_trip_equal_the_openai_replies(client, server):
     assert answer.message.content == (expected["message"]["content"] or "")
 
 
+def test_a_raw_prompt_cannot_switch_thinking(server):
+    response = httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "prompt": "Hi", "raw": True,
+                                                             "think": False, "stream": False}, timeout=60)
+    assert response.status_code == 400 and "think: a raw prompt" in response.json()["error"]
+
+
 def test_num_ctx_bounds_the_request(client):
     first = client.chat(model=MODEL, messages=ASK, options=GREEDY)
     window = first.prompt_eval_count + 5
