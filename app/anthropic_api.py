@@ -142,7 +142,7 @@ def anthropic_router(admission: Admission, metrics: ServerMetrics, default_max_t
                         "id": message_id, "type": "message", "role": "assistant", "content": [], "model": host.name,
                         "stop_reason": None, "stop_sequence": None,
                         "usage": input_usage(len(admitted.prompt), out.num_cached_tokens) | {"output_tokens": 0}})
-                for delta in reader.feed(out.delta_text) + (reader.finish() if out.finished else []):
+                for delta in reader.read(out):
                     for line in blocks.add(delta):
                         yield line
                 if out.finished:

@@ -12,6 +12,7 @@ from kvforge.app.chat_request import ChatPlan
 from kvforge.app.declared_response import REASONING_FIELDS, DeclaredResponseReader
 from kvforge.app.reasoning import ReasoningStream
 from kvforge.app.tool_calls import ToolCall, ToolCallStream, openai_tool_call
+from kvforge.core.output import RequestOutput
 
 
 class ChoiceReader:
@@ -39,6 +40,15 @@ class ChoiceReader:
 
     def finish(self) -> list[dict[str, Any]]:
         return self._read("", final=True)
+
+    def read(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The deltas of one of the engine's streamed outputs: its new text, and with the last (finished) one
+        what was held back."""
+        return self.feed(out.delta_text) + (self.finish() if out.finished else [])
+
+    def read_whole(self, text: str) -> list[dict[str, Any]]:
+        """The deltas of a finished choice's whole text, read at once."""
+        return self.feed(text) + self.finish()
 
     def _read(self, text: str, final: bool) -> list[dict[str, Any]]:
         if self._declared is not None:
@@ -70,7 +80,7 @@ class ChoiceReader:
 def whole_message(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
     """The assistant message of a finished choice and whether it called tools."""
     reader = ChoiceReader(plan)
-    deltas = reader.feed(text) + reader.finish()
+    deltas = reader.read_whole(text)
     content = "".join(d.get("content", "") for d in deltas)
     thinking = "".join(d.get("reasoning_content", "") for d in deltas)
     calls = [{k: v for k, v in call.items() if k != "index"} for d in deltas for call in d.get("tool_calls", [])]

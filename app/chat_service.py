@@ -32,16 +32,15 @@ from kvforge.app.chat_output import ChoiceReader, whole_message
 from kvforge.app.chat_request import ChatPlan, plan_conversation
 from kvforge.app.completion import (
     RequestTimedOut,
-    check_prompt_chars,
     compile_constraint,
     finish_reason,
-    submit,
     timings,
     usage,
     within,
 )
 from kvforge.app.conversations import Conversation, Conversations, Message, NotFound
 from kvforge.app.errors import APIError
+from kvforge.app.generation import admit
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.protocol import ChatMessage, SamplingFields, ToolFields
 from kvforge.core.async_engine import RequestStream
@@ -152,12 +151,10 @@ class Turn:
         try:
             async for out in within(self.stream, self.service.request_timeout_s):
                 last = out
-                deltas = reader.feed(out.delta_text) if out.delta_text else []
                 if out.finished:
                     final = out
                     self.service.metrics.observe_finished(out)
-                    deltas += reader.finish()
-                for delta in deltas:
+                for delta in reader.read(out):
                     yield {"type": "delta", **delta}
         except RequestTimedOut:
             ended = "timeout"
@@ -219,24 +216,16 @@ class ChatService:
                 message = await self._store(session_id, conv, posted)
                 return AwaitingResults(message, [c for c in open_calls if c != tool_call_id])
         fields = SamplingFields.model_validate({**(conv.settings or {}).get("sampling", {}), **(overrides or {})})
-        ticket = await self.admission.enter()
+        messages = chat_messages(conv, posted)
+        admitted = await admit(self.admission, fields, sum(len(m.text()) for m in messages),
+                               lambda engine: self._plan(engine, messages, tools), None, "content",
+                               self.default_max_tokens)
         try:
-            engine = ticket.engine
-            messages = chat_messages(conv, posted)
-            check_prompt_chars(engine, sum(len(m.text()) for m in messages), "content")
-            plan = await run_in_threadpool(self._plan, engine, messages, tools)
-            stream, _ = submit(engine, plan.prompt, fields, self.default_max_tokens, None, "content",
-                               plan.constraint, plan.skip_special_tokens)
+            message = await self._store(session_id, conv, posted, prompt_tokens=len(admitted.prompt))
         except BaseException:
-            ticket.release()
+            admitted.close()
             raise
-        try:
-            message = await self._store(session_id, conv, posted, prompt_tokens=len(plan.prompt))
-        except BaseException:
-            ticket.release()
-            stream.abort()
-            raise
-        return Turn(self, session_id, message, len(plan.prompt), stream, ticket, plan)
+        return Turn(self, session_id, message, len(admitted.prompt), admitted.stream, admitted.ticket, admitted.plan)
 
     @staticmethod
     def _plan(engine, messages: list[ChatMessage], tools: ToolFields) -> ChatPlan:

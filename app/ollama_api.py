@@ -201,7 +201,7 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
                 if reader is None:  # a raw prompt: the text as it comes
                     deltas = [{"content": out.delta_text}] if out.delta_text else []
                 else:
-                    deltas = reader.feed(out.delta_text) + (reader.finish() if out.finished else [])
+                    deltas = reader.read(out)
                 logprobs = ollama_logprobs(out.delta_logprobs, admitted.engine.tokenizer) if out.delta_logprobs \
                     else None
                 if logprobs and not deltas:

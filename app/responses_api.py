@@ -157,7 +157,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
             return StreamResponse(events(body, admitted, response_id, created), admitted.close)
         out = (await collect(admitted, request_timeout_s, metrics))[0][0]
         reader, items = ChoiceReader(admitted.plan), OutputItems()
-        for delta in reader.feed(out.text) + reader.finish():
+        for delta in reader.read_whole(out.text):
             items.add(delta)
         items.close(status_of(out))
         return envelope(body, response_id, created, status_of(out), items.items, out, len(admitted.prompt))
@@ -178,7 +178,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
         reader, items = ChoiceReader(admitted.plan), OutputItems()
         try:
             async for out in within(admitted.stream, request_timeout_s):
-                for delta in reader.feed(out.delta_text) + (reader.finish() if out.finished else []):
+                for delta in reader.read(out):
                     for event in items.add(delta):
                         yield sse(event)
                 if out.finished:

@@ -279,7 +279,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 lp = format_logprobs(out.delta_logprobs, chat, engine.tokenizer) if out.delta_logprobs else None
                 if chat:
                     reader = readers.setdefault(out.index, ChoiceReader(plan))
-                    deltas = reader.feed(out.delta_text) + (reader.finish() if out.finished else [])
+                    deltas = reader.read(out)
                     if out.index not in started:  # the role goes out with the first token (a true TTFT), not
                         started.add(out.index)    # before prefill
                         deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
