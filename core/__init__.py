@@ -5,8 +5,9 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine
 from kvforge.core.llm import LLM, CompletionOutput
 from kvforge.core.output import RequestOutput
+from kvforge.core.pooling import PoolingParams
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "RequestStream", "EngineConfig", "SamplingParams",
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "RequestStream", "EngineConfig", "SamplingParams", "PoolingParams",
            "CompletionOutput", "RequestOutput", "RequestRejected"]

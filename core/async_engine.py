@@ -24,6 +24,7 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine, RequestsFailed
 from kvforge.core.metrics import EngineStats
 from kvforge.core.output import RequestOutput
+from kvforge.core.pooling import PoolingParams
 from kvforge.core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
         self._thread.start()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None) -> RequestStream:
-        """Validate and queue a request; returns its stream. Must be called from a running event loop.
-        Raises ValueError (RequestRejected included) for a request that cannot run."""
+        """Validate and queue a request (PoolingParams: an embedding request, core/pooling.py); returns its stream.
+        Must be called from a running event loop. Raises ValueError (RequestRejected included) for a request that
+        cannot run."""
         if self._stopped:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()

@@ -28,6 +28,7 @@ from kvforge.core.loader import load_config, resolve_model, safetensors_files
 from kvforge.core.metrics import EngineStats, RateMeter, available_memory_bytes, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import DraftTarget, resolve_quant
+from kvforge.core.pooling import PoolingParams, pooled_embedding
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
 from kvforge.core.runner_api import Runner
@@ -171,13 +172,21 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None) -> str:
+        """Queue a generation request, or with PoolingParams an embedding request (its one final output holds
+        the embedding)."""
         params = params or SamplingParams()
         prompt_ids = self.validate_prompt(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals))
+            self.scheduler.add(seq)
+            self._requests[request_id] = [seq]
+            self._totals["prompt_tokens_total"] += len(prompt_ids)
+            return request_id
         base_seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         arrival = next(self._arrivals)
@@ -196,7 +205,7 @@ class LLMEngine:
         self._totals["prompt_tokens_total"] += len(prompt_ids)
         return request_id
 
-    def validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def validate_prompt(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> list[int]:
         """Token ids of the prompt, or ValueError (RequestRejected included) before anything is queued."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.hf_config.vocab_size
@@ -228,7 +237,7 @@ class LLMEngine:
                 n = min(chunk, len(token_ids) - 1 - start)
                 if not self.kv.allocate(seq, n):
                     raise ValueError("the text does not fit in the free KV pool")
-                logits = self.runner.forward(self.runner.layout([ScheduledSeq(seq, n)], all_logits=True))
+                logits = self.runner.forward(self.runner.layout([ScheduledSeq(seq, n)], all_logits=True)).logits
                 chunks.append(torch.log_softmax(logits, -1).gather(1, targets[start:start + n].to(logits.device)))
                 seq.num_computed_tokens += n
         finally:
@@ -265,10 +274,13 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         try:
-            logits = self.runner.execute(plan.scheduled)
+            out = self.runner.execute(plan.scheduled)
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(plan.scheduled, exc) from exc
-        sampled = self._sample(plan, logits) if plan.sampled else None
+        pooling = (item.seq for item in plan.scheduled if item.seq.pools)
+        for seq, hidden_sum in zip(pooling, out.hidden_sums, strict=True):
+            seq.hidden_sum = hidden_sum if seq.hidden_sum is None else seq.hidden_sum + hidden_sum
+        sampled = self._sample(plan, out.logits) if plan.sampled else None
         updates, copies = self.scheduler.update_from_output(plan, sampled, self._detokenize)
         self.runner.copy_blocks(copies)
         self._prompt_rate.add(plan.num_prompt_tokens)
@@ -315,7 +327,11 @@ class LLMEngine:
         """One output per sequence that got tokens (its final one when it finished)."""
         outputs, generated = [], 0
         for i, update in enumerate(updates):
-            seq, state = update.seq, self._output_states[update.seq.key]
+            seq = update.seq
+            if seq.pools:  # finished: its prompt is pooled
+                outputs.append(self._final_output(seq, [], update.finish_reason))
+                continue
+            state = self._output_states[seq.key]
             generated += update.num_new_tokens
             if seq.params.logprobs is not None:
                 tokens = sampled.token_ids[i][:update.num_new_tokens]
@@ -351,6 +367,8 @@ class LLMEngine:
                                                    f"{tokens} tokens); the request was stopped: {exc}")
 
     def _final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None) -> RequestOutput:
+        if seq.pools:
+            return self._embedding_output(seq, reason)
         state = self._output_states[seq.key]
         delta_text = state.take_delta(finished=True)
         metrics = request_metrics(seq)
@@ -366,6 +384,16 @@ class LLMEngine:
             self._totals["cached_tokens_total"] += seq.num_cached_tokens or 0
         self._totals["requests_finished"] += seq.index == 0
         return out
+
+    def _embedding_output(self, seq: Sequence, reason: str | None) -> RequestOutput:
+        """An embedding request's one output: its embedding when its whole prompt was pooled (not when aborted)."""
+        embedding = None
+        if seq.finish_reason == "stop":
+            embedding = pooled_embedding(seq.hidden_sum, seq.num_tokens, seq.params.normalize)
+        self._totals["requests_finished"] += 1
+        return RequestOutput(seq.request_id, 0, seq.prompt_token_ids, [], "", "", [], finished=True,
+                             finish_reason=seq.finish_reason or reason, metrics=request_metrics(seq),
+                             embedding=embedding)
 
     def _forget_if_done(self, request_id: str) -> None:
         samples = self._requests.get(request_id, [])

@@ -8,6 +8,7 @@ from typing import Any
 from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine
 from kvforge.core.output import RequestOutput, TokenLogprob
+from kvforge.core.pooling import PoolingParams
 from kvforge.core.sampling import SamplingParams
 
 
@@ -59,6 +60,26 @@ class LLM:
             samples = [_completion(final[(request_id, i)], logprobs.get((request_id, i)), p) for i in range(p.n)]
             results.append(samples[0] if p.n == 1 else samples)
         return results
+
+    def embed(self, prompts: str | list[str] | list[list[int]], normalize: bool = True) -> list[list[float]]:
+        """One embedding per prompt (core/pooling.py: the mean last hidden state, L2-normalised), batched through the
+        engine like generation."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(self.engine.add_request(prompt, PoolingParams(normalize)))
+        except Exception:
+            for request_id in ids:  # all or nothing, as generate()
+                self.engine.abort(request_id)
+            raise
+        embeddings: dict[str, list[float]] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.embedding is not None:
+                    embeddings[out.request_id] = out.embedding
+        return [embeddings[request_id] for request_id in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None):

@@ -38,6 +38,7 @@ class RequestOutput:
     stop_reason: str | None = None  # the stop string that ended it (None: an end-of-sequence token, or not "stop")
     num_cached_tokens: int = 0
     metrics: dict[str, Any] | None = None  # set on the final output
+    embedding: list[float] | None = None  # an embedding request's (core/pooling.py), on its final output
 
 
 @dataclass

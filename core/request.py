@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from kvforge.core.constraint import GrammarState
+from kvforge.core.pooling import PoolingParams
 from kvforge.core.sampling import SamplingParams
 
 
@@ -22,7 +23,7 @@ class Status(Enum):
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     generator: torch.Generator | None = None  # per-sequence RNG: same seed, same tokens, any batch
     index: int = 0  # which of the request's n samples
     arrival: int = 0  # global arrival order: FCFS admission, latest-first preemption
@@ -43,6 +44,7 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0  # steps that verified at least one draft
+    hidden_sum: torch.Tensor | None = None  # an embedding request's: fp32 sum of its computed positions' hidden states
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # timings (time.monotonic)
@@ -62,6 +64,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def pools(self) -> bool:
+        """An embedding request: prefilled, never sampled (core/pooling.py)."""
+        return isinstance(self.params, PoolingParams)
 
     def clear_drafts(self) -> None:
         self.spec_token_ids, self.spec_draft_probs = [], None

@@ -4,7 +4,7 @@ plan's order. Under tensor parallelism rank 0 lays out and every rank runs the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,11 +45,22 @@ class StepInputs:
     # rows [first, last), context length, block table of the whole context
     prefills: list[tuple[int, int, int, list[int]]]
     logits_rows: list[int]  # rows whose logits the step returns
+    pool_rows: list[tuple[int, int]] = field(default_factory=list)  # rows [first, last) of each embedding request
+
 
     def decode_rows(self) -> tuple[list[list[int]], list[int]]:
         """Each decode row's block table and context length, in row order (the groups laid end to end)."""
         return ([table for group in self.decode_groups for table in group[2]],
                 [length for group in self.decode_groups for length in group[3]])
+
+
+@dataclass
+class StepOutput:
+    """What one forward returns: the fp32 logits of `StepInputs.logits_rows`, and for each embedding request in the
+    step (`StepInputs.pool_rows`, in batch order) the fp32 sum of its rows' last hidden states."""
+
+    logits: torch.Tensor
+    hidden_sums: list[torch.Tensor] = field(default_factory=list)
 
 
 def check_device(device: torch.device) -> torch.device:
@@ -186,9 +197,11 @@ class ModelRunner:
             row += item.num_new_tokens
             last_row[id(item)] = row
         for item in batch:
+            end = last_row[id(item)]
             if item.samples:
-                end = last_row[id(item)]
                 inputs.logits_rows.extend(range(end - item.num_logits_rows, end))
+            elif item.seq.pools:
+                inputs.pool_rows.append((end - item.num_new_tokens, end))
         return inputs
 
     def _context(self, inputs: StepInputs) -> StepContext:
@@ -247,23 +260,28 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_batch, capture)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward over the flat batch; the fp32 logits of `inputs.logits_rows`."""
-        rows = inputs.logits_rows
+    def forward(self, inputs: StepInputs) -> StepOutput:
+        """One forward over the flat batch: the fp32 logits of `inputs.logits_rows` and the embedding requests'
+        hidden-state sums."""
         if self.graphs is not None and not inputs.prefills and self.graphs.fits(len(inputs.input_ids)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, *inputs.decode_rows())
-            return self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
+            return self._output(hidden, inputs)
         context = self._context(inputs)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         set_context(context)
         try:
-            hidden = self.model(input_ids, context.positions)
-            return self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
+            return self._output(self.model(input_ids, context.positions), inputs)
         finally:
             set_context(None)
 
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step: the logits rows of the items that sample, in batch order (see `layout`)."""
+    def _output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
+        rows = inputs.logits_rows
+        logits = self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
+        return StepOutput(logits, [hidden[first:last].float().sum(0).cpu() for first, last in inputs.pool_rows])
+
+    def execute(self, batch: list[ScheduledSeq]) -> StepOutput:
+        """Run one step: the logits rows of the items that sample, in batch order (see `layout`), and the
+        embedding requests' hidden-state sums."""
         return self.forward(self.layout(batch))
 
     def read_block(self, block: int) -> torch.Tensor:

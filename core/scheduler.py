@@ -46,7 +46,8 @@ class ScheduledSeq:
 
     def __post_init__(self) -> None:
         seq = self.seq
-        self.samples = seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + len(seq.spec_token_ids)
+        self.samples = (not seq.pools
+                        and seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + len(seq.spec_token_ids))
 
     @property
     def num_logits_rows(self) -> int:
@@ -203,8 +204,11 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv.match_prefix(seq)
-            n = self.kv.admit(seq, hits, budget, on_disk=self.kv.match_persisted(seq, len(hits)))
+            if seq.pools:  # every position's hidden state is pooled: nothing is taken from the cache
+                n = self.kv.admit(seq, [], budget)
+            else:
+                hits = self.kv.match_prefix(seq)
+                n = self.kv.admit(seq, hits, budget, on_disk=self.kv.match_persisted(seq, len(hits)))
             if n == 0:
                 break  # not enough KV right now; it stays first in line (FCFS, no overtaking)
             if seq.num_cached_tokens is None:
@@ -220,6 +224,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.clear_drafts()
         seq.num_computed_tokens = 0
+        seq.hidden_sum = None  # recomputed from the start
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -230,13 +235,19 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, sampled: StepTokens | None,
                            stop_string: StopStringCheck) -> tuple[list[SeqUpdate], list[tuple[int, int]]]:
         """Apply a step that ran `plan` and sampled `sampled` (one entry per `plan.sampling_rows`).
-        Returns each sampled sequence's update, in that order, and the KV blocks (source, destination) the
+        Returns each sampled sequence's update, in that order, then those of the embedding requests whose prompt
+        is now computed (finished), and the KV blocks (source, destination) the
         runner must copy for the samples forked in this step."""
+        pooled = []
         for item in plan.scheduled:  # draft positions count as computed only once accepted (below)
-            item.seq.num_computed_tokens += item.num_new_tokens - len(item.seq.spec_token_ids)
-            self.kv.cache_computed_blocks(item.seq)
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens - len(seq.spec_token_ids)
+            self.kv.cache_computed_blocks(seq)
+            if seq.pools and seq.num_computed_tokens == seq.num_tokens:  # its whole prompt is pooled
+                self.finish(seq, "stop")
+                pooled.append(SeqUpdate(seq, 0, "stop"))
         if sampled is None:
-            return [], []
+            return pooled, []
         entries = plan.sampling_rows
         # Fork every sample before any token is processed: a parent that finishes on its first token (max_tokens
         # 1, EOS, a stop string) frees its blocks below, and its samples share or copy them.
@@ -259,7 +270,7 @@ class Scheduler:
             if len(tokens) > 1 and not seq.is_finished:
                 self.kv.cache_computed_blocks(seq)
             updates.append(update)
-        return updates, copies
+        return updates + pooled, copies
 
     def _append(self, seq: Sequence, tokens: list[int], stop_string: StopStringCheck) -> SeqUpdate:
         """Append the step's tokens (several when drafts were accepted) up to the first stop."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from kvforge.core.config import EngineConfig
 from kvforge.core.distributed import heads_of_rank, tensor_parallel
-from kvforge.core.runner import ModelRunner, StepInputs
+from kvforge.core.runner import ModelRunner, StepInputs, StepOutput
 from kvforge.core.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -143,10 +143,10 @@ class ParallelRunner:
     def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs:
         return self.local.layout(batch, all_logits)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs) -> StepOutput:
         return self._call("forward", inputs)
 
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq]) -> StepOutput:
         return self.forward(self.layout(batch))
 
     def allocate_kv(self, num_blocks: int) -> None:

@@ -92,8 +92,9 @@ class KVCacheManager:
         return min(seq.num_tokens - seq.num_computed_tokens, budget)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register every full block whose K/V is now computed, so later requests can reuse it."""
-        if not self.pool.enable_caching:
+        """Register every full block whose K/V is now computed, so later requests can reuse it. An embedding
+        request's blocks are not: its input is neither kept nor persisted (and it never reads the cache)."""
+        if not self.pool.enable_caching or seq.pools:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         size, tokens = self.block_size, seq.token_ids

@@ -73,7 +73,7 @@ def test_profiling_forward_runs_on_the_model(embedded_llm):
     runner = ModelRunner(engine.config, engine.model_path, engine.hf_config, progress=False)
     inputs, blocks = profile_inputs(96, 4, 40, 16)
     runner.allocate_kv(blocks)
-    logits = runner.forward(inputs)
+    logits = runner.forward(inputs).logits
     assert logits.shape == (4, engine.hf_config.vocab_size) and bool(torch.isfinite(logits).all())
     assert int((runner.kv_cache != 0).flatten(3).any(-1).sum()) > 0
 

@@ -35,12 +35,16 @@ def _children() -> list[psutil.Process]:
     return psutil.Process().children(recursive=True)
 
 
-def _tokens(path, prompts, rounds: int = 1, **config) -> tuple[list[list[list[int]]], dict]:
+def _tokens(path, prompts, rounds: int = 1, embeddings: list | None = None,
+            **config) -> tuple[list[list[list[int]]], dict]:
     """Greedy tokens of `prompts` for each round, and the engine's final stats; the engine is closed. fp32 unless
-    `config` says otherwise: the ranks' tokens must equal one rank's exactly, whatever kernels each runs."""
+    `config` says otherwise: the ranks' tokens must equal one rank's exactly, whatever kernels each runs.
+    `embeddings`: a list the prompts' embeddings are added to."""
     llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **{"dtype": "float32", **config})
     try:
         results = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
+        if embeddings is not None:
+            embeddings.extend(llm.embed(prompts))
         stats = llm.engine.stats()
         assert stats.kv_blocks_used == 0
         return results, stats
@@ -112,11 +116,15 @@ TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv
 
 @pytest.mark.parametrize("arch", TP_ARCHS)
 def test_tp2_equals_tp1_on_tiny_models(tmp_path_factory, embedded_path, arch):
+    """Embeddings too: rank 0 pools the hidden states every rank holds whole (to fp32 rounding of the sums)."""
     path, prompts = _tiny(tmp_path_factory, embedded_path, arch)
-    (tp1,), _ = _tokens(path, prompts)
-    (tp2, cached), stats = _tokens(path, prompts, rounds=2, tp_size=2, max_num_batched_tokens=32)  # chunked
+    embeddings: list[list[list[float]]] = [[], []]
+    (tp1,), _ = _tokens(path, prompts, embeddings=embeddings[0])
+    (tp2, cached), stats = _tokens(path, prompts, rounds=2, tp_size=2, max_num_batched_tokens=32,  # chunked
+                                   embeddings=embeddings[1])
     assert tp2 == tp1 and cached == tp1
     assert stats.cached_tokens_total > 0
+    assert torch.allclose(torch.tensor(embeddings[1]), torch.tensor(embeddings[0]), atol=1e-5)
 
 
 def test_estimate_of_the_largest_rank_share_matches_rank_0(embedded_path):

@@ -1,0 +1,103 @@
+"""Embedding requests through the engine (core/pooling.py): the mean of the last hidden states, L2-normalised, equal
+to HF transformers' `last_hidden_state` pooled the same way, whatever shares the batch, however the prompt is
+chunked, cached or preempted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.core import LLM, PoolingParams, SamplingParams
+
+LONG = " ".join(f"Paragraph {i} describes the harbour, its boats and the weather that morning." for i in range(12))
+TEXTS = ["The capital of France is Paris.", "x", "把下面的句子翻译成英文：今天天气很好。", LONG]
+
+
+@pytest.fixture(scope="module")
+def hf_embeddings(embedded_path, embedded_llm):
+    """HF transformers' mean-pooled, normalised last hidden state of each of TEXTS (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32).eval().model
+    rows = []
+    with torch.no_grad():
+        for text in TEXTS:
+            ids = torch.tensor([embedded_llm.tokenizer.encode(text)])
+            rows.append(torch.nn.functional.normalize(model(ids).last_hidden_state[0].mean(0), dim=-1))
+    return torch.stack(rows)
+
+
+def _close(ours: list[list[float]], theirs: torch.Tensor) -> None:
+    ours = torch.tensor(ours)
+    assert ours.shape == theirs.shape
+    assert torch.allclose(ours.norm(dim=-1), torch.ones(len(ours)), atol=1e-5)
+    assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
+
+
+def test_embeddings_equal_hf_in_one_batch_beside_generation(embedded_llm, hf_embeddings):
+    engine = embedded_llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    alone = embedded_llm.generate(TEXTS[0], greedy)[0].token_ids  # also caches the first text's blocks
+    ids = [engine.add_request(text, PoolingParams()) for text in TEXTS]
+    generating = engine.add_request(TEXTS[0], greedy)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    _close([finals[i].embedding for i in ids], hf_embeddings)
+    assert finals[generating].token_ids == alone
+    assert all(finals[i].token_ids == [] and finals[i].finish_reason == "stop" for i in ids)
+    assert finals[ids[0]].num_cached_tokens == 0  # never started from the cache: every position is pooled
+    assert engine.block_pool.num_used == 0
+
+
+def test_chunked_and_preempted_embeddings_are_unchanged(embedded_path, hf_embeddings):
+    """A KV pool too small for everything at once: a generation from a long prompt arrives first and grows, the
+    embedding requests after it (one of the same prompt: it must not start from the generation's cached blocks)
+    are prefilled in chunks of up to 32 tokens, preempted (latest arrival first) and recomputed; each embedding
+    still equals HF's."""
+    small = LLM(str(embedded_path), progress=False, dtype="float32", num_kv_blocks=14, block_size=16,
+                max_num_batched_tokens=32)
+    engine = small.engine
+    try:
+        engine.add_request(LONG, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        ids = [engine.add_request(text, PoolingParams()) for text in (LONG, TEXTS[0])]
+        finals = {}
+        while engine.has_unfinished():
+            finals |= {out.request_id: out for out in engine.step() if out.finished}
+        assert engine.stats().preemptions_total > 0
+        _close([finals[i].embedding for i in ids], hf_embeddings[[3, 0]])
+        assert engine.block_pool.num_used == 0
+    finally:
+        engine.close()
+
+
+def test_an_aborted_embedding_request_frees_its_blocks_and_has_no_embedding(embedded_llm, monkeypatch):
+    engine = embedded_llm.engine
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 16)  # aborted between two chunks
+    request_id = engine.add_request(LONG, PoolingParams())
+    engine.step()
+    assert engine.block_pool.num_used > 0
+    (out,) = engine.abort(request_id)
+    assert out.finished and out.finish_reason == "abort" and out.embedding is None
+    assert engine.block_pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_unnormalised_embedding_is_the_plain_mean_and_no_input_is_kept(embedded_llm):
+    cached = embedded_llm.engine.block_pool.num_cached_free
+    (plain,) = embedded_llm.embed(TEXTS[0], normalize=False)
+    assert embedded_llm.embed(LONG + " Unseen.") and embedded_llm.engine.block_pool.num_cached_free == cached
+    (unit,) = embedded_llm.embed(TEXTS[0])
+    plain = torch.tensor(plain)
+    assert plain.norm() > 1.5  # the final norm's scale, not a unit vector
+    assert torch.allclose(plain / plain.norm(), torch.tensor(unit), atol=1e-6)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_it_runs(embedded_llm):
+    from kvforge.core import RequestRejected
+
+    too_long = [1] * (embedded_llm.engine.max_model_len + 1)
+    with pytest.raises(RequestRejected, match="maximum context length"):
+        embedded_llm.embed([too_long])
+    assert not embedded_llm.engine.has_unfinished()
