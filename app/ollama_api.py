@@ -6,6 +6,7 @@ runs the same way: the one admission gate, the chat template, tools, constraints
     POST /api/generate   {"model", "prompt", "system", "raw", "context", ...} -> NDJSON or whole, with `context`
     GET  /api/tags       the models directory's models (`kvforge models`' list)
     POST /api/show       one of them: details, model_info, capabilities (and the template when it is loaded)
+    POST /api/embed      {"model", "input", "truncate", "options": {"num_ctx"}, "dimensions"} -> {"embeddings", ...}
     GET  /api/ps         the loaded model, with its memory
     GET  /api/version    the Ollama API version these routes follow
 
@@ -30,11 +31,13 @@ from typing import Any
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvforge.app.admission import Admission
 from kvforge.app.chat_output import ChoiceReader, whole_message
 from kvforge.app.chat_request import ChatPlan, reasoning_syntax
 from kvforge.app.completion import ContextWindow, RequestTimedOut, StreamResponse, format_logprobs, within
+from kvforge.app.embeddings import embed
 from kvforge.app.errors import APIError, renaming_route
 from kvforge.app.generation import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.metrics import ServerMetrics
@@ -43,6 +46,7 @@ from kvforge.app.ollama_protocol import (
     OLLAMA_NAMES,
     UNBOUNDED,
     OllamaChatRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaModelRequest,
     OllamaRequest,
@@ -55,6 +59,20 @@ from kvforge.core.output import RequestOutput
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients read it for features)
 NDJSON = "application/x-ndjson"
+
+
+class OllamaJSONBodies:
+    """Ollama reads every request body as JSON whatever its Content-Type, and its documentation's curl examples send
+    none (curl then says form data): requests to /api/ are read as JSON too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/api/"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 def now() -> str:
@@ -251,6 +269,17 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
             if reasoning_syntax(engine.tokenizer) is not None:
                 capabilities.append("thinking")
         return result
+
+    @router.post("/api/embed")
+    async def embed_texts(body: OllamaEmbedRequest) -> dict[str, Any]:
+        served(body.model)
+        num_ctx = body.num_ctx()
+        result = await embed(admission, body.inputs(), "input", request_timeout_s, truncate=body.truncate,
+                             window=ContextWindow(num_ctx, "options.num_ctx") if num_ctx else None,
+                             dimensions=body.dimensions)
+        took = max((out.metrics or {}).get("e2e_latency") or 0 for out in result.outputs)
+        return {"model": body.model, "embeddings": result.embeddings, "total_duration": nanoseconds(took),
+                "load_duration": 0, "prompt_eval_count": result.prompt_tokens}
 
     @router.get("/api/ps")
     async def ps():

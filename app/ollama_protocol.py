@@ -11,6 +11,7 @@ No field is silently ignored:
     /api/generate: suffix, template, images                            refused (no fill-in-the-middle, the model's
                                                                          template is the one used, text-only)
     keep_alive                                                         refused: the served model stays loaded
+    /api/embed: input, truncate, options.num_ctx, dimensions           honoured (dimensions: the model's own only)
     options: num_ctx, num_predict, temperature, top_p, top_k, min_p,   honoured (repeat_penalty is vLLM's
       seed, stop, repeat_penalty, presence_penalty, frequency_penalty    repetition_penalty, over the whole text)
     options: num_gpu, num_thread, num_batch, main_gpu, low_vram, numa, refused: load-time settings (`kvforge serve`
@@ -30,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from kvforge.app.errors import APIError, validated
-from kvforge.app.protocol import FORBID, ChatCompletionRequest, CompletionRequest
+from kvforge.app.protocol import FORBID, MAX_EMBEDDING_INPUTS, ChatCompletionRequest, CompletionRequest
 
 # Ollama's option -> the OpenAI-shaped field it sets
 OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -92,6 +93,12 @@ class OllamaMessage(BaseModel):
         return images
 
 
+def check_keep_alive(keep_alive: Any) -> Any:
+    if keep_alive is not None:
+        raise ValueError("not supported: the served model stays loaded until unloaded over /admin")
+    return keep_alive
+
+
 class OllamaRequest(BaseModel):
     """What /api/chat and /api/generate share."""
 
@@ -120,9 +127,7 @@ class OllamaRequest(BaseModel):
     @field_validator("keep_alive")
     @classmethod
     def _stays_loaded(cls, keep_alive: Any) -> Any:
-        if keep_alive is not None:
-            raise ValueError("not supported: the served model stays loaded until unloaded over /admin")
-        return keep_alive
+        return check_keep_alive(keep_alive)
 
     def sampling(self) -> dict[str, Any]:
         """The OpenAI-shaped sampling fields its options set."""
@@ -197,6 +202,38 @@ class OllamaGenerateRequest(OllamaRequest):
         if self.logprobs:
             data["logprobs"] = self.top_logprobs or 0
         return validated(CompletionRequest, data)
+
+
+class OllamaEmbedRequest(BaseModel):
+    """POST /api/embed: texts embedded by the served model. `truncate` (default true, as Ollama) cuts an input to the
+    context's first tokens instead of refusing it; of the options only num_ctx (that context) means anything here."""
+
+    model_config = FORBID
+    model: str = Field(min_length=1)
+    input: str | list[str] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    truncate: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+    dimensions: int | None = Field(None, ge=1)
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, options: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in check_options(options) or {}:
+            if name != "num_ctx":
+                raise ValueError(f"{name!r} is not used by embeddings (only num_ctx is)")
+        return options
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _stays_loaded(cls, keep_alive: Any) -> Any:
+        return check_keep_alive(keep_alive)
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
+
+    def num_ctx(self) -> int | None:
+        return (self.options or {}).get("num_ctx")
 
 
 class OllamaModelRequest(BaseModel):

@@ -619,6 +619,28 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: one text or a batch (texts, or token-id lists), embedded by the served model."""
+
+    model_config = FORBID
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | Annotated[
+        list[TokenId], Field(min_length=1)] | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # accepted when it is the model's size: shortening is not supported
+    user: str | None = None  # metadata
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a batch: one text, or one token-id list, is a batch of one."""
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        return self.input
+
+
 # --- admin and sessions ---------------------------------------------------------------------------------
 
 

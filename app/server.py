@@ -40,13 +40,14 @@ from kvforge.app.completion import (
     usage,
     within,
 )
+from kvforge.app.embeddings_api import embeddings_router
 from kvforge.app.engine_factory import build_async_engine
 from kvforge.app.errors import APIError, error_response, validation_message
 from kvforge.app.generation import admit, chat_chars, collect, render_chat
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
-from kvforge.app.ollama_api import ollama_router
+from kvforge.app.ollama_api import OllamaJSONBodies, ollama_router
 from kvforge.app.protocol import ChatCompletionRequest, CompletionRequest, LoadModelRequest, SamplingFields
 from kvforge.app.responses_api import responses_router
 from kvforge.app.sessions import sessions_router
@@ -318,6 +319,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     app.include_router(ollama_router(admission, metrics, default_max_tokens, request_timeout_s))
     app.include_router(anthropic_router(admission, metrics, default_max_tokens, request_timeout_s))
     app.include_router(responses_router(admission, metrics, default_max_tokens, request_timeout_s))
+    app.include_router(embeddings_router(admission, request_timeout_s))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
     if store is not None and ui:  # last: the UI mounted at / would shadow later routes
         from kvforge.ui.app import mount_ui
@@ -326,6 +328,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         app.state.sampler = DashboardSampler(host, metrics).start()
         app = mount_ui(app, app.state.chat, app.state.sampler)
     # outermost first: Host / Origin / key, then the body cap (add_middleware puts each new one outside)
+    app.add_middleware(OllamaJSONBodies)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(AccessGuard, policy=access)
     return app

@@ -146,7 +146,7 @@ class DraftModelProposer(Proposer):
                     index[id(mirror)] = i
             if not batch:
                 break
-            logits = self.runner.execute(batch)  # every item runs to its end: one row each, in batch order
+            logits = self.runner.execute(batch).logits  # every item runs to its end: one row each, in batch order
             for item in batch:
                 item.seq.num_computed_tokens += item.num_new_tokens
             order = [index[id(item.seq)] for item in batch]

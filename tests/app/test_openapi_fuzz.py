@@ -46,6 +46,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_EXAMPLES = 12  # per operation in the fuzzing phase (valid and invalid together); the coverage phase adds its own
 MAX_TOKENS_CAP = 4  # tokens a generated request may ask for (also --default-max-tokens)
 N_CAP = 2  # sequences per request; values above the schema's own limit (64) are kept to be refused
+N_INPUTS_CAP = 4  # inputs of an embeddings request (the schema allows 2048)
 _KV_GB_CAP = 0.25  # GiB of KV a fuzzed model load may ask for (the schema allows up to 4096)
 SESSIONS = 6  # conversations created up front, so that session ids in paths sometimes exist
 
@@ -133,8 +134,8 @@ def _cap(body: dict, key: str, cap: float, limit: float = math.inf) -> None:
 
 
 def _bound(body) -> None:
-    """Clamp what would make one request expensive (generation length and width, a model load's tensor-
-    parallel ranks and KV budget), in place. Session bodies carry sampling defaults for later replies."""
+    """Clamp what would make one request expensive (generation length and width, an embeddings batch, a model
+    load's tensor-parallel ranks and KV budget), in place. Session bodies carry sampling defaults for later replies."""
     if not isinstance(body, dict):
         return
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
@@ -144,6 +145,8 @@ def _bound(body) -> None:
     _cap(body, "kv_cache_gb", _KV_GB_CAP, limit=4096)  # the KV pool is allocated up front
     if isinstance(body.get("sampling"), dict):
         _bound(body["sampling"])
+    if isinstance(body.get("input"), list) and len(body["input"]) > N_INPUTS_CAP:  # embeddings: one request each
+        body["input"] = body["input"][:N_INPUTS_CAP]
     options = body.get("options")  # Ollama's; num_predict -1 / -2 fill the context
     if isinstance(options, dict):
         if options.get("num_predict") in (-1, -2):

@@ -170,8 +170,9 @@ def test_the_other_dialects_official_clients_need_the_key(server):
             model="SmolLM2-135M-Instruct", max_tokens=2, messages=ask)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OLLAMA_API_KEY", KEY)
-        assert ollama.Client(host=server.url, timeout=120).chat(
-            model="SmolLM2-135M-Instruct", messages=ask, options={"num_predict": 2}).eval_count
+        keyed_ollama = ollama.Client(host=server.url, timeout=120)
+        assert keyed_ollama.chat(model="SmolLM2-135M-Instruct", messages=ask, options={"num_predict": 2}).eval_count
+        assert keyed_ollama.embed(model="SmolLM2-135M-Instruct", input="Hi").embeddings
     with pytest.raises(ollama.ResponseError) as refused:
         ollama.Client(host=server.url).list()
     assert refused.value.status_code == 401 and "API key" in refused.value.error

@@ -1,0 +1,108 @@
+"""Embeddings for every dialect (OpenAI's /v1/embeddings, Ollama's /api/embed): each input is an embedding request
+through the engine (core/pooling.py: the served model's last hidden states, mean-pooled and L2-normalised), all of
+a request's inputs queued together so that they share the engine's batches. One admission ticket covers the request;
+the inputs are tokenized off the event loop; an input too long for the context is refused before anything runs
+(or, asked for, truncated to the context's first tokens, as Ollama's `truncate`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
+
+from kvforge.app.admission import Admission
+from kvforge.app.completion import ContextWindow, RequestTimedOut, check_prompt_chars, within
+from kvforge.app.errors import APIError
+from kvforge.core.async_engine import AsyncEngine, RequestStream
+from kvforge.core.output import RequestOutput
+from kvforge.core.pooling import PoolingParams
+from kvforge.core.scheduler import RequestRejected
+
+
+@dataclass
+class Embedded:
+    """A request's embeddings, in input order, with their outputs (token counts and timings)."""
+
+    embeddings: list[list[float]]
+    outputs: list[RequestOutput]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(out.prompt_token_ids) for out in self.outputs)
+
+
+def tokenize_inputs(engine: AsyncEngine, inputs: list[str] | list[list[int]], field: str, truncate: bool,
+                    window: ContextWindow | None = None) -> list[list[int]]:
+    """Each input's token ids (a list of ids is taken as it is); APIError 400 naming `field` (and the input's index
+    when there are several) for an empty one, one the tokenizer cannot take, or, unless `truncate`, one too long
+    for the model's context or the `window` asked for."""
+    context, vocab = engine.engine.max_model_len, engine.engine.hf_config.vocab_size
+    if window is not None and window.tokens < context:
+        context = window.tokens
+    prompts = []
+    for i, item in enumerate(inputs):
+        where = field if len(inputs) == 1 else f"{field}[{i}]"
+        if isinstance(item, str):
+            if not truncate:
+                check_prompt_chars(engine, len(item), where)
+            try:
+                ids = engine.tokenizer.encode(item)
+            except Exception as exc:  # text the tokenizer cannot take (e.g. a lone UTF-16 surrogate)
+                raise APIError(400, f"{where}: cannot tokenize ({type(exc).__name__})", field) from None
+        else:
+            ids = list(item)
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"{where}: token ids must be in [0, {vocab})", field)
+        if not ids:
+            raise APIError(400, f"{where} must not be empty", field)
+        if truncate:
+            ids = ids[:context]
+        elif window is not None and len(ids) > context:
+            raise APIError(400, f"{where}: its {len(ids)} tokens do not fit the context of {context} tokens set by "
+                           f"{window.field}", window.field, code="context_length_exceeded")
+        prompts.append(ids)
+    return prompts
+
+
+async def embed(admission: Admission, inputs: list[str] | list[list[int]], field: str, timeout_s: float | None,
+                truncate: bool = False, window: ContextWindow | None = None, dimensions: int | None = None) -> Embedded:
+    """Every input's embedding, queued together; aborted (blocks freed) if the client leaves or `timeout_s` passes
+    (APIError 504). `field`: the request field the inputs came from, named in errors; `truncate`: inputs cut to the
+    context (the model's, or a smaller `window`) instead of refused; `dimensions`: the size the client asks for,
+    refused unless it is the model's (shortening embeddings is not supported)."""
+    if not inputs:
+        raise APIError(400, f"{field} must not be empty", field)
+    ticket = await admission.enter()
+    streams: list[RequestStream] = []
+    try:
+        engine = ticket.engine
+        size = engine.engine.hf_config.hidden_size
+        if dimensions is not None and dimensions != size:
+            raise APIError(400, f"dimensions: this model embeds in {size} dimensions; shortening embeddings is not "
+                           "supported", "dimensions")
+        prompts = await run_in_threadpool(tokenize_inputs, engine, inputs, field, truncate, window)
+        for i, prompt in enumerate(prompts):
+            try:
+                streams.append(engine.add_request(prompt, PoolingParams()))
+            except RequestRejected as exc:
+                where = field if len(prompts) == 1 else f"{field}[{i}]"
+                raise APIError(400, f"{where}: {exc}", field, code="context_length_exceeded") from None
+        outputs = await asyncio.gather(*(_final(stream, timeout_s) for stream in streams))
+    except RequestTimedOut as exc:
+        raise exc.api_error() from None
+    finally:
+        for stream in streams:
+            stream.abort()  # a no-op for those that finished
+        ticket.release()
+    return Embedded([out.embedding for out in outputs], outputs)
+
+
+async def _final(stream: RequestStream, timeout_s: float | None) -> RequestOutput:
+    async for out in within(stream, timeout_s):
+        if out.finished:
+            if out.embedding is None:  # aborted (the server is shutting down)
+                raise APIError(503, "the request was stopped before its embedding was computed", None,
+                               "server_error", "aborted")
+            return out
+    raise APIError(503, "the request ended without an embedding", None, "server_error", "aborted")

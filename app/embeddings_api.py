@@ -1,0 +1,38 @@
+"""OpenAI's embeddings API: POST /v1/embeddings {"model", "input", "encoding_format", "dimensions"} ->
+{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage"}. The served model
+embeds (app/embeddings.py: mean-pooled, L2-normalised last hidden states); "base64" is the float32 vector's
+little-endian bytes, what the openai SDK asks for by default."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi import APIRouter
+
+from kvforge.app.admission import Admission
+from kvforge.app.embeddings import embed
+from kvforge.app.protocol import EmbeddingRequest
+
+
+def embeddings_router(admission: Admission, request_timeout_s: float | None) -> APIRouter:
+    router = APIRouter()
+    host = admission.host
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict:
+        admission.check_model(body.model)
+        result = await embed(admission, body.inputs(), "input", request_timeout_s, dimensions=body.dimensions)
+        data = [{"object": "embedding", "index": i, "embedding": encoded(vector, body.encoding_format)}
+                for i, vector in enumerate(result.embeddings)]
+        tokens = result.prompt_tokens
+        return {"object": "list", "data": data, "model": host.name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return router
+
+
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
