@@ -7,6 +7,7 @@ runs the same way: the one admission gate, the chat template, tools, constraints
     GET  /api/tags       the models directory's models (`kvforge models`' list)
     POST /api/show       one of them: details, model_info, capabilities (and the template when it is loaded)
     POST /api/embed      {"model", "input", "truncate", "options": {"num_ctx"}, "dimensions"} -> {"embeddings", ...}
+    POST /api/pull       {"model": "owner/name[:QUANT]", "stream"} -> progress lines (app/pull.py), into --models-dir
     GET  /api/ps         the loaded model, with its memory
     GET  /api/version    the Ollama API version these routes follow
 
@@ -20,6 +21,7 @@ Ollama field; an error after the stream began is a last line {"error": "..."}.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -49,9 +51,11 @@ from kvforge.app.ollama_protocol import (
     OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaModelRequest,
+    OllamaPullRequest,
     OllamaRequest,
 )
 from kvforge.app.protocol import ChatCompletionRequest
+from kvforge.app.pull import PullError, PullProgress, parse_name, pull
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.loader import EMBEDDED_MODEL
@@ -260,7 +264,8 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
         info: dict[str, Any] = {}
         if entry is not None:
             info |= {"general.architecture": entry.architecture, "general.parameter_count": entry.parameters}
-        capabilities = ["completion", "tools"]  # tools: a template without tool syntax gets the default rendering
+        # tools: a template without tool syntax gets the default rendering; embedding: /api/embed pools its states
+        capabilities = ["completion", "tools", "embedding"]
         result: dict[str, Any] = {"details": details(entry), "model_info": info, "capabilities": capabilities,
                                   "modified_at": modified_at(entry)}
         if engine is not None:
@@ -280,6 +285,44 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
         took = max((out.metrics or {}).get("e2e_latency") or 0 for out in result.outputs)
         return {"model": body.model, "embeddings": result.embeddings, "total_duration": nanoseconds(took),
                 "load_duration": 0, "prompt_eval_count": result.prompt_tokens}
+
+    @router.post("/api/pull")
+    async def pull_model(body: OllamaPullRequest):
+        if host.models_dir is None:
+            raise APIError(400, "model: this server has no models directory to pull into (--models-dir)", "model")
+        try:
+            parse_name(body.model)
+        except PullError as exc:
+            raise APIError(400, f"model: {exc}", "model") from None
+        loop, progress = asyncio.get_running_loop(), asyncio.Queue()
+
+        def report(step: PullProgress) -> None:
+            loop.call_soon_threadsafe(progress.put_nowait, step)
+
+        task = asyncio.ensure_future(asyncio.to_thread(pull, body.model, host.models_dir, None, report))
+        if not body.stream:
+            try:
+                await task
+            except PullError as exc:
+                raise APIError(400, f"model: {exc}", "model") from None
+            return {"status": "success"}
+
+        async def lines() -> AsyncIterator[str]:
+            while not (task.done() and progress.empty()):
+                getter = asyncio.ensure_future(progress.get())
+                await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                step = getter.result()
+                line = {"status": step.status, "digest": step.digest, "total": step.total, "completed": step.completed}
+                yield json.dumps({k: v for k, v in line.items() if v is not None}) + "\n"
+            if task.exception() is not None:
+                error = task.exception()
+                message = f"model: {error}" if isinstance(error, PullError) else f"{type(error).__name__}: {error}"
+                yield json.dumps({"error": message}) + "\n"
+
+        return StreamResponse(lines(), lambda: None, NDJSON)
 
     @router.get("/api/ps")
     async def ps():

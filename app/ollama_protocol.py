@@ -12,6 +12,7 @@ No field is silently ignored:
                                                                          template is the one used, text-only)
     keep_alive                                                         refused: the served model stays loaded
     /api/embed: input, truncate, options.num_ctx, dimensions           honoured (dimensions: the model's own only)
+    /api/pull: model, stream                                           honoured (Hub ids; insecure refused)
     options: num_ctx, num_predict, temperature, top_p, top_k, min_p,   honoured (repeat_penalty is vLLM's
       seed, stop, repeat_penalty, presence_penalty, frequency_penalty    repetition_penalty, over the whole text)
     options: num_gpu, num_thread, num_batch, main_gpu, low_vram, numa, refused: load-time settings (`kvforge serve`
@@ -234,6 +235,15 @@ class OllamaEmbedRequest(BaseModel):
 
     def num_ctx(self) -> int | None:
         return (self.options or {}).get("num_ctx")
+
+
+class OllamaPullRequest(BaseModel):
+    """POST /api/pull: a Hugging Face Hub model into the models directory (app/pull.py names what it takes)."""
+
+    model_config = FORBID
+    model: str = Field(min_length=1, max_length=300)
+    stream: bool = True
+    insecure: Literal[False] = False  # Ollama's plain-HTTP registries; the Hub is reached over HTTPS only
 
 
 class OllamaModelRequest(BaseModel):

@@ -1,4 +1,4 @@
-"""The `kvforge` command line: serve, generate, chat, bench, cache, quantize, plugins.
+"""The `kvforge` command line: serve, generate, chat, bench, cache, quantize, models, pull, plugins.
 
 parser.py builds the argparse tree; serve.py, repl.py (generate / chat) and plugins.py run the verbs."""
 

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvforge.app.model_catalog import add_parser as add_models
 
     add_models(sub)
+    from kvforge.app.pull import add_parser as add_pull
+
+    add_pull(sub)
 
     plugins = sub.add_parser("plugins", help="list installed quantization and decoding plugins")
     plugins.set_defaults(func=cmd_plugins)
