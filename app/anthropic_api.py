@@ -114,20 +114,19 @@ class BlockStream:
 def anthropic_router(admission: Admission, metrics: ServerMetrics, default_max_tokens: int,
                      request_timeout_s: float | None) -> APIRouter:
     router = APIRouter(route_class=renaming_route(ANTHROPIC_NAMES))  # errors name Anthropic's fields
-    host = admission.host
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest):
         admission.check_model(body.model)
         request = body.chat_request()
         admitted = await admit(admission, request, chat_chars(request), partial(render_chat, request), None,
-                               "messages", default_max_tokens)
+                               "messages", default_max_tokens, model=body.model)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
             return StreamResponse(events(admitted, message_id), admitted.close)
         final = (await collect(admitted, request_timeout_s, metrics))[0][0]
         message, called = whole_message(admitted.plan, final.text)
-        return {"id": message_id, "type": "message", "role": "assistant", "model": host.name,
+        return {"id": message_id, "type": "message", "role": "assistant", "model": admitted.model,
                 "content": content_blocks(message), **stop_fields(final, called),
                 "usage": input_usage(len(admitted.prompt), final.num_cached_tokens) | {
                     "output_tokens": len(final.token_ids)}}
@@ -139,8 +138,8 @@ def anthropic_router(admission: Admission, metrics: ServerMetrics, default_max_t
                 if not started:  # with the first token: the prompt's cache use is known, and TTFT is true
                     started = True
                     yield event("message_start", message={
-                        "id": message_id, "type": "message", "role": "assistant", "content": [], "model": host.name,
-                        "stop_reason": None, "stop_sequence": None,
+                        "id": message_id, "type": "message", "role": "assistant", "content": [],
+                        "model": admitted.model, "stop_reason": None, "stop_sequence": None,
                         "usage": input_usage(len(admitted.prompt), out.num_cached_tokens) | {"output_tokens": 0}})
                 for delta in reader.read(out):
                     for line in blocks.add(delta):
@@ -160,7 +159,7 @@ def anthropic_router(admission: Admission, metrics: ServerMetrics, default_max_t
     async def count_tokens(body: ConversationFields):
         admission.check_model(body.model)
         request = body.chat_request()
-        ticket = await admission.enter()
+        ticket = await admission.enter(body.model)
         try:
             check_prompt_chars(ticket.engine, chat_chars(request), "messages")
             plan: ChatPlan = await run_in_threadpool(plan_chat, request, ticket.engine.tokenizer)

@@ -26,6 +26,7 @@ class Embedded:
 
     embeddings: list[list[float]]
     outputs: list[RequestOutput]
+    model: str  # the name of the model that embedded them
 
     @property
     def prompt_tokens(self) -> int:
@@ -66,14 +67,16 @@ def tokenize_inputs(engine: AsyncEngine, inputs: list[str] | list[list[int]], fi
 
 
 async def embed(admission: Admission, inputs: list[str] | list[list[int]], field: str, timeout_s: float | None,
-                truncate: bool = False, window: ContextWindow | None = None, dimensions: int | None = None) -> Embedded:
+                truncate: bool = False, window: ContextWindow | None = None, dimensions: int | None = None,
+                model: str | None = None, keep_alive_s: float | None = None) -> Embedded:
     """Every input's embedding, queued together; aborted (blocks freed) if the client leaves or `timeout_s` passes
     (APIError 504). `field`: the request field the inputs came from, named in errors; `truncate`: inputs cut to the
     context (the model's, or a smaller `window`) instead of refused; `dimensions`: the size the client asks for,
-    refused unless it is the model's (shortening embeddings is not supported)."""
+    refused unless it is the model's (shortening embeddings is not supported); `model`: the model it names (None: the
+    server's own), loaded on demand, kept `keep_alive_s` after (Ollama's)."""
     if not inputs:
         raise APIError(400, f"{field} must not be empty", field)
-    ticket = await admission.enter()
+    ticket = await admission.enter(model, keep_alive_s)
     streams: list[RequestStream] = []
     try:
         engine = ticket.engine
@@ -95,7 +98,7 @@ async def embed(admission: Admission, inputs: list[str] | list[list[int]], field
         for stream in streams:
             stream.abort()  # a no-op for those that finished
         ticket.release()
-    return Embedded([out.embedding for out in outputs], outputs)
+    return Embedded([out.embedding for out in outputs], outputs, ticket.model)
 
 
 async def _final(stream: RequestStream, timeout_s: float | None) -> RequestOutput:

@@ -17,16 +17,16 @@ from kvforge.app.protocol import EmbeddingRequest
 
 def embeddings_router(admission: Admission, request_timeout_s: float | None) -> APIRouter:
     router = APIRouter()
-    host = admission.host
 
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict:
         admission.check_model(body.model)
-        result = await embed(admission, body.inputs(), "input", request_timeout_s, dimensions=body.dimensions)
+        result = await embed(admission, body.inputs(), "input", request_timeout_s, dimensions=body.dimensions,
+                             model=body.model)
         data = [{"object": "embedding", "index": i, "embedding": encoded(vector, body.encoding_format)}
                 for i, vector in enumerate(result.embeddings)]
         tokens = result.prompt_tokens
-        return {"object": "list", "data": data, "model": host.name,
+        return {"object": "list", "data": data, "model": result.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return router

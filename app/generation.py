@@ -40,6 +40,11 @@ class Admitted:
     plan: ChatPlan | None  # a chat's (how its output is read); None for a plain completion
     echoed: str = ""  # the text each choice starts with (completions' echo)
 
+    @property
+    def model(self) -> str:
+        """The name of the model it runs on: what its response names."""
+        return self.ticket.model
+
     def close(self) -> None:
         """However the response ends, once: the admission place released and the request aborted (a no-op once
         it finished; a client that went away frees its KV blocks)."""
@@ -50,12 +55,14 @@ class Admitted:
 async def admit(admission: Admission, body: SamplingFields, chars: int,
                 render: Callable[[AsyncEngine], list[int] | ChatPlan], logprobs: int | None, prompt_field: str,
                 default_max_tokens: int, echo: Callable[[AsyncEngine, list[int]], str] | None = None,
-                constraint: Constraint | None = None, window: ContextWindow | None = None) -> Admitted:
+                constraint: Constraint | None = None, window: ContextWindow | None = None, model: str | None = None,
+                keep_alive_s: float | None = None) -> Admitted:
     """Admit the request, render its prompt off the event loop, queue it. `chars`: the prompt's characters, checked
     before rendering; `render` gives the prompt's ids, or a chat's ChatPlan (which holds its constraint; `render`
     compiles it); `echo`: the text each choice starts with, from the engine and the prompt's ids; `constraint`: a
-    completion's (compiled by `render`); `window`: a context the request asks for, smaller than the model's."""
-    ticket = await admission.enter()
+    completion's (compiled by `render`); `window`: a context the request asks for, smaller than the model's;
+    `model`: the model it names (None: the server's own), loaded on demand, kept `keep_alive_s` after (Ollama's)."""
+    ticket = await admission.enter(model, keep_alive_s)
     try:
         engine = ticket.engine
         check_prompt_chars(engine, chars, prompt_field)

@@ -58,7 +58,6 @@ from kvforge.app.protocol import ChatCompletionRequest
 from kvforge.app.pull import PullError, PullProgress, parse_name, pull
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.engine import RequestsFailed
-from kvforge.core.loader import EMBEDDED_MODEL
 from kvforge.core.output import RequestOutput
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients read it for features)
@@ -145,12 +144,20 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
     host = admission.host
 
     def served(name: str) -> str:
-        """The served model's name for `name` (Ollama's clients add the tag ":latest"); 404 for another."""
-        admission.check_loaded()
-        base = name.removesuffix(":latest")
-        if base != host.name and not host.swapping:
-            raise APIError(404, f"model {name!r} not found; this server serves {host.name!r}", "model")
+        """`name` as the response names it (Ollama's clients add the tag ":latest"); 404 for no model here."""
+        admission.check_model(name)
         return name
+
+    async def load_or_unload(body: OllamaRequest | OllamaEmbedRequest) -> str:
+        """An empty request: Ollama's way to load a model (or, with keep_alive 0, to unload one loaded on demand);
+        the done_reason."""
+        keep_alive = body.keep_alive_s()
+        entry = host.entry_for(body.model)
+        if keep_alive == 0 and entry is not None and await host.unload_on_demand(entry):
+            return "unload"
+        ticket = await admission.enter(body.model, keep_alive)
+        ticket.release()
+        return "load"
 
     def context_window(body: OllamaRequest, prompt_field: str) -> ContextWindow:
         num_ctx = body.num_ctx()
@@ -158,7 +165,7 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
 
     def check_think(body: OllamaRequest, engine: AsyncEngine) -> None:
         if body.think and reasoning_syntax(engine.tokenizer) is None:
-            raise APIError(400, f"think: {host.name!r} does not think (its template and vocabulary have no think "
+            raise APIError(400, f"think: {body.model!r} does not think (its template and vocabulary have no think "
                            "markers)", "think")
 
     def render_ollama_chat(body: OllamaRequest, request: ChatCompletionRequest, context: list[int] | None,
@@ -170,20 +177,22 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
     @router.post("/api/chat")
     async def chat(body: OllamaChatRequest):
         name = served(body.model)
-        if not body.messages:  # Ollama's way to load a model: it is loaded
+        if not body.messages:
             return {"model": name, "created_at": now(), "message": {"role": "assistant", "content": ""},
-                    "done": True, "done_reason": "load"}
+                    "done": True, "done_reason": await load_or_unload(body)}
         request = body.chat_request()
         render = partial(render_ollama_chat, body, request, None)
         admitted = await admit(admission, request, chat_chars(request), render, request.logprobs_count(), "messages",
-                               default_max_tokens, window=context_window(body, "messages"))
+                               default_max_tokens, window=context_window(body, "messages"), model=body.model,
+                               keep_alive_s=body.keep_alive_s())
         return await respond(admitted, name, body.stream, chat=True)
 
     @router.post("/api/generate")
     async def generate(body: OllamaGenerateRequest):
         name = served(body.model)
         if not body.prompt and not body.context:
-            return {"model": name, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
+            return {"model": name, "created_at": now(), "response": "", "done": True,
+                    "done_reason": await load_or_unload(body)}
         if body.raw:
             request = body.completion_request()
 
@@ -196,7 +205,8 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
             render = partial(render_ollama_chat, body, request, body.context)
             logprobs = request.logprobs_count()
         admitted = await admit(admission, request, len(body.prompt) + len(body.system or ""), render, logprobs,
-                               "prompt", default_max_tokens, window=context_window(body, "prompt"))
+                               "prompt", default_max_tokens, window=context_window(body, "prompt"), model=body.model,
+                               keep_alive_s=body.keep_alive_s())
         return await respond(admitted, name, body.stream, chat=False)
 
     async def respond(admitted: Admitted, name: str, stream: bool, chat: bool):
@@ -281,7 +291,7 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
         num_ctx = body.num_ctx()
         result = await embed(admission, body.inputs(), "input", request_timeout_s, truncate=body.truncate,
                              window=ContextWindow(num_ctx, "options.num_ctx") if num_ctx else None,
-                             dimensions=body.dimensions)
+                             dimensions=body.dimensions, model=body.model, keep_alive_s=body.keep_alive_s())
         took = max((out.metrics or {}).get("e2e_latency") or 0 for out in result.outputs)
         return {"model": body.model, "embeddings": result.embeddings, "total_duration": nanoseconds(took),
                 "load_duration": 0, "prompt_eval_count": result.prompt_tokens}
@@ -326,18 +336,19 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
 
     @router.get("/api/ps")
     async def ps():
-        if host.engine is None:
-            return {"models": []}
-        engine = host.engine
-        runtime = engine.engine.runtime()
-        # the catalog names an entry by its file or directory (the embedded one by its name): the served name may differ
-        listed = EMBEDDED_MODEL if host.spec.model is None else Path(host.spec.model).name
-        entry = next((e for e in await run_in_threadpool(entries) if e.name == listed), None)
-        size = runtime.weight_bytes + runtime.kv_cache_bytes
-        return {"models": [{"name": host.name, "model": host.name, "size": size,
-                            "size_vram": size if runtime.device.startswith("cuda") else 0,
-                            "digest": digest(entry), "details": details(entry), "expires_at": None,
-                            "context_length": engine.engine.max_model_len}]}
+        """Every loaded model: the server's own (it stays loaded: no expiry) and those loaded on demand."""
+        catalogued = {e.name: e for e in await run_in_threadpool(entries)}
+        models = []
+        for name, engine, size, resident in host.loaded():
+            entry = catalogued.get(resident.name if resident is not None else host.default_entry)
+            expires = resident.expires_at() if resident is not None else None
+            models.append({"name": name, "model": name, "size": size,
+                           "size_vram": size if engine.engine.runtime().device.startswith("cuda") else 0,
+                           "digest": digest(entry), "details": details(entry),
+                           "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z")
+                           if expires is not None else None,
+                           "context_length": engine.engine.max_model_len})
+        return {"models": models}
 
     return router
 

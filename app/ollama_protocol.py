@@ -10,7 +10,8 @@ No field is silently ignored:
     /api/generate: prompt, system, raw, context                        honoured
     /api/generate: suffix, template, images                            refused (no fill-in-the-middle, the model's
                                                                          template is the one used, text-only)
-    keep_alive                                                         refused: the served model stays loaded
+    keep_alive                                                         honoured for models loaded on demand (the
+                                                                         server's own model stays loaded)
     /api/embed: input, truncate, options.num_ctx, dimensions           honoured (dimensions: the model's own only)
     /api/pull: model, stream                                           honoured (Hub ids; insecure refused)
     options: num_ctx, num_predict, temperature, top_p, top_k, min_p,   honoured (repeat_penalty is vLLM's
@@ -32,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from kvforge.app.errors import APIError, validated
+from kvforge.app.models import parse_keep_alive
 from kvforge.app.protocol import FORBID, MAX_EMBEDDING_INPUTS, ChatCompletionRequest, CompletionRequest
 
 # Ollama's option -> the OpenAI-shaped field it sets
@@ -95,8 +97,7 @@ class OllamaMessage(BaseModel):
 
 
 def check_keep_alive(keep_alive: Any) -> Any:
-    if keep_alive is not None:
-        raise ValueError("not supported: the served model stays loaded until unloaded over /admin")
+    parse_keep_alive(keep_alive)  # a ValueError names what it takes
     return keep_alive
 
 
@@ -129,6 +130,9 @@ class OllamaRequest(BaseModel):
     @classmethod
     def _stays_loaded(cls, keep_alive: Any) -> Any:
         return check_keep_alive(keep_alive)
+
+    def keep_alive_s(self) -> float | None:
+        return parse_keep_alive(self.keep_alive)
 
     def sampling(self) -> dict[str, Any]:
         """The OpenAI-shaped sampling fields its options set."""
@@ -232,6 +236,9 @@ class OllamaEmbedRequest(BaseModel):
 
     def inputs(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else self.input
+
+    def keep_alive_s(self) -> float | None:
+        return parse_keep_alive(self.keep_alive)
 
     def num_ctx(self) -> int | None:
         return (self.options or {}).get("num_ctx")

@@ -118,11 +118,11 @@ class OutputItems:
 def responses_router(admission: Admission, metrics: ServerMetrics, default_max_tokens: int,
                      request_timeout_s: float | None) -> APIRouter:
     router = APIRouter(route_class=renaming_route(RESPONSES_NAMES))  # errors name the Responses fields
-    host = admission.host
 
-    def envelope(body: ResponsesRequest, response_id: str, created: float, status: str,
-                 output: list[dict[str, Any]], out: RequestOutput | None, prompt_tokens: int) -> dict[str, Any]:
+    def envelope(body: ResponsesRequest, admitted: Admitted, response_id: str, created: float, status: str,
+                 output: list[dict[str, Any]], out: RequestOutput | None) -> dict[str, Any]:
         """The response object around its output: the request's settings echoed, as OpenAI's does."""
+        prompt_tokens = len(admitted.prompt)
         request_format = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and \
             body.text.format else {"type": "text"}
         usage = None
@@ -135,7 +135,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
         return {"id": response_id, "object": "response", "created_at": created, "status": status,
                 "completed_at": time.time() if status != "in_progress" else None, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": host.name,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": admitted.model,
                 "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "temperature": body.temperature, "top_p": body.top_p,
                 "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else (choice or "auto"),
@@ -151,7 +151,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
         admission.check_model(body.model)
         request = body.chat_request()
         admitted = await admit(admission, request, chat_chars(request), partial(render_chat, request), None,
-                               "input", default_max_tokens)
+                               "input", default_max_tokens, model=body.model)
         response_id, created = new_id("resp"), time.time()
         if body.stream:
             return StreamResponse(events(body, admitted, response_id, created), admitted.close)
@@ -160,7 +160,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
         for delta in reader.read_whole(out.text):
             items.add(delta)
         items.close(status_of(out))
-        return envelope(body, response_id, created, status_of(out), items.items, out, len(admitted.prompt))
+        return envelope(body, admitted, response_id, created, status_of(out), items.items, out)
 
     async def events(body: ResponsesRequest, admitted: Admitted, response_id: str,
                      created: float) -> AsyncIterator[str]:
@@ -172,7 +172,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
             number += 1
             return line
 
-        started = envelope(body, response_id, created, "in_progress", [], None, len(admitted.prompt))
+        started = envelope(body, admitted, response_id, created, "in_progress", [], None)
         yield sse({"type": "response.created", "response": started})
         yield sse({"type": "response.in_progress", "response": started})
         reader, items = ChoiceReader(admitted.plan), OutputItems()
@@ -185,8 +185,7 @@ def responses_router(admission: Admission, metrics: ServerMetrics, default_max_t
                     metrics.observe_finished(out)
                     for event in items.close(status_of(out)):
                         yield sse(event)
-                    done = envelope(body, response_id, created, status_of(out), items.items, out,
-                                    len(admitted.prompt))
+                    done = envelope(body, admitted, response_id, created, status_of(out), items.items, out)
                     yield sse({"type": f"response.{status_of(out)}", "response": done})
         except (RequestsFailed, RequestTimedOut) as exc:  # the status is sent: say it in the stream
             code = "request_timeout" if isinstance(exc, RequestTimedOut) else "request_failed"

@@ -154,10 +154,11 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def model_card() -> dict:
-        core = host.current().engine
+    def model_card(name: str | None = None, engine: AsyncEngine | None = None) -> dict:
+        """A loaded model's card (the server's own when none is given): how it runs and the memory it takes."""
+        name, core = (name, engine.engine) if engine is not None else (host.name, host.current().engine)
         runtime = core.runtime()
-        return {"id": host.name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge", "loaded": True,
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "tp": core.config.tp_size, "max_model_len": core.max_model_len,
@@ -167,7 +168,13 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()] if host.engine is not None else []}
+        """The loaded models (the server's own first), then the others a request may name (loaded on demand)."""
+        loaded = host.loaded()
+        cards = [model_card(name, engine) for name, engine, _, _ in loaded]
+        names = {name for name, _, _, _ in loaded} | {host.spec.name, host.default_entry}
+        cards += [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge", "loaded": False}
+                  for name in host.available() if name not in names]
+        return {"object": "list", "data": cards}
 
     @app.get("/admin/models")
     async def admin_models():
@@ -235,7 +242,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         in OpenAI's shape."""
         prompt_field = "messages" if chat else "prompt"
         admitted = await admit(admission, body, chars, render, logprobs, prompt_field, default_max_tokens, echo,
-                               constraint)
+                               constraint, model=body.model)
         engine, stream, params, plan, prompt = (admitted.engine, admitted.stream, admitted.params, admitted.plan,
                                                 admitted.prompt)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -243,7 +250,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamResponse(sse(engine, stream, request_id, created, plan, params.n, include_usage,
-                                      len(prompt), admitted.echoed), admitted.close)
+                                      len(prompt), admitted.model, admitted.echoed), admitted.close)
         finals, token_logprobs = await collect(admitted, request_timeout_s, metrics)
         choices = []
         for i in range(params.n):
@@ -257,18 +264,18 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 choices.append({"index": i, "text": admitted.echoed + out.text, "logprobs": lp,
                                 "finish_reason": finish_reason(out)})
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": host.name, "choices": choices, "usage": usage(finals.values(), len(prompt)),
+                "model": admitted.model, "choices": choices, "usage": usage(finals.values(), len(prompt)),
                 "timings": timings(finals[0])}
 
     async def sse(engine: AsyncEngine, stream, request_id: str, created: int, plan: ChatPlan | None, n: int,
-                  include_usage: bool, prompt_tokens: int, echo: str = "") -> AsyncIterator[str]:
+                  include_usage: bool, prompt_tokens: int, model: str, echo: str = "") -> AsyncIterator[str]:
         """`plan`: a chat's (its choices' text is read into content, reasoning and tool-call deltas); None for
         completions."""
         chat = plan is not None
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
-            payload = {"id": request_id, "object": kind, "created": created, "model": host.name,
+            payload = {"id": request_id, "object": kind, "created": created, "model": model,
                        "choices": choices, **extra}
             return f"data: {json.dumps(payload)}\n\n"
 

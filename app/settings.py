@@ -19,6 +19,7 @@ import argparse
 import json
 import operator
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -69,6 +70,21 @@ def at_least(low: int) -> Callable[[str, Any], None]:
         if value < low:
             raise ValueError(f"setting {name}: must be >= {low}, got {value}")
     return check
+
+
+def keep_alive_seconds(value: str | float) -> float:
+    """--keep-alive in seconds (math.inf: until room is needed); ValueError naming the setting."""
+    from kvforge.app.models import parse_keep_alive
+
+    try:
+        return parse_keep_alive(float(value) if re.fullmatch(r"-?\d+(\.\d+)?", str(value)) else value)
+    except ValueError as exc:
+        raise ValueError(f"setting keep_alive: {exc}") from None
+
+
+def positive(name: str, value: float | None) -> None:
+    if value is not None and not (0 < value < float("inf")):
+        raise ValueError(f"setting {name}: must be a number > 0, got {value}")
 
 
 def seconds(name: str, value: float | None) -> None:
@@ -137,7 +153,19 @@ class ServeSettings:
     max_pending: int = setting(256, "requests in flight before 503 ({default})", int, check=at_least(1))
     default_max_tokens: int = setting(512, "when a request sets none ({default})", int)
     log_level: str = setting("info", "uvicorn log level ({default})")
-    models_dir: str | None = setting(None, "models the admin API may load (paths stay inside it)")
+    models_dir: str | None = setting(None, "models the admin API, the UI and requests naming them may load (paths "
+                                     "stay inside it)")
+    max_loaded_models: int = setting(3, "models resident at once, the server's own included: a request naming "
+                                     "another model of --models-dir loads it, unloading the least recently used idle "
+                                     "one beyond this (default: {default})", int, check=at_least(1))
+    models_memory_gb: float | None = setting(None, "GiB the resident models' weights and KV pools may take together "
+                                             "(default: no limit but --max-loaded-models)", float, check=positive)
+    keep_alive: str = setting("5m", "how long a model loaded on demand stays loaded once idle: seconds or a duration "
+                              "such as 30s, 5m, 1h; negative: until room is needed (default: {default}; a request's "
+                              "Ollama keep_alive overrides it)", check=lambda name, value: keep_alive_seconds(value))
+    model_aliases: str | None = setting(None, "names requests may use for models of --models-dir, as JSON, e.g. "
+                                        "'{\"qwen\": \"Qwen2.5-0.5B-Instruct-Q4_K_M.gguf\"}' (a TOML table works "
+                                        "too)")
     # what an engine is built from (flags of generate and chat too); ModelSpec takes the model-defining ones
     model: str | None = engine_setting(engine_default("model"), "HF model directory, .gguf file or hub id (default: "
                                        "the embedded SmolLM2-135M-Instruct)")

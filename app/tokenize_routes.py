@@ -29,7 +29,7 @@ def tokenize_router(admission: Admission) -> APIRouter:
         admission.check_model(body.model)
         if body.prompt is None and body.messages is None:
             raise APIError(400, "prompt: give a prompt (text) or messages (a conversation)", "prompt")
-        ticket = await admission.enter()
+        ticket = await admission.enter(body.model)
         try:
             engine = ticket.engine
             chars = len(body.prompt) if body.messages is None else sum(len(m.text()) for m in body.messages)
@@ -43,7 +43,7 @@ def tokenize_router(admission: Admission) -> APIRouter:
     @router.post("/v1/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         admission.check_model(body.model)
-        ticket = await admission.enter()
+        ticket = await admission.enter(body.model)
         try:
             text = await run_in_threadpool(detokenize_ids, ticket.engine.tokenizer, body.tokens)
         finally:

@@ -7,29 +7,34 @@ group -- so rank 0 can run a replicated draft model, or build the next model whi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-_layout = (1, 0)  # (size, rank) for the layers being built
+# (size, rank) for the layers being built, per thread: a server may build one model while another is being built
+_building = threading.local()
 
 
 @contextmanager
 def tensor_parallel(size: int, rank: int) -> Iterator[None]:
-    global _layout
-    previous, _layout = _layout, (size, rank)
+    previous, _building.layout = _layout(), (size, rank)
     try:
         yield
     finally:
-        _layout = previous
+        _building.layout = previous
+
+
+def _layout() -> tuple[int, int]:
+    return getattr(_building, "layout", (1, 0))
 
 
 def tp_size() -> int:
-    return _layout[0]
+    return _layout()[0]
 
 
 def tp_rank() -> int:
-    return _layout[1]
+    return _layout()[1]
 
 
 @dataclass(frozen=True)

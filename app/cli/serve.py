@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvforge.app.settings import GIB, ServeSettings, resolve
+from kvforge.app.settings import GIB, ServeSettings, json_options, keep_alive_seconds, resolve
 
 
 def is_loopback(host: str) -> bool:
@@ -76,7 +76,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     spec = spec_from_settings(settings, served_model_name(settings))
     first = build_off_main_thread(lambda: factory(spec))
-    host = ModelHost(factory, spec, first, Path(settings.models_dir).expanduser() if settings.models_dir else None)
+    host = ModelHost(factory, spec, first, Path(settings.models_dir).expanduser() if settings.models_dir else None,
+                     max_loaded_models=settings.max_loaded_models,
+                     models_memory_bytes=int(settings.models_memory_gb * GIB) if settings.models_memory_gb else None,
+                     keep_alive_s=keep_alive_seconds(settings.keep_alive),
+                     aliases=json_options(settings.model_aliases, "--model-aliases"),
+                     kv_bytes=int(settings.kv_cache_gb * GIB) if settings.kv_cache_gb else None)
     access = AccessPolicy(settings.api_key, settings.host, split_list(settings.allowed_hosts),
                           split_list(settings.allowed_origins))
     app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
@@ -86,8 +91,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # SIGTERM / Ctrl-C: end every open stream now (each gets its final chunk), then shut down
-            if host.engine is not None:
-                host.engine.abort_all()
+            for _, engine, _, _ in host.loaded():
+                engine.abort_all()
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None) -> None:

@@ -7,23 +7,23 @@ build the model`) and keep it, so two models in one process may use different ke
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_backend = "torch"
+_building = threading.local()  # per thread: a server may build one model while another is being built
 
 
 @contextmanager
 def kernel_backend(name: str) -> Iterator[None]:
     if name not in ("torch", "triton"):
         raise ValueError(f"kernel backend must be 'torch' or 'triton', got {name!r}")
-    global _backend
-    previous, _backend = _backend, name
+    previous, _building.backend = getattr(_building, "backend", "torch"), name
     try:
         yield
     finally:
-        _backend = previous
+        _building.backend = previous
 
 
 def use_triton() -> bool:
-    return _backend == "triton"
+    return getattr(_building, "backend", "torch") == "triton"
