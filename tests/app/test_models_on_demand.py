@@ -6,8 +6,6 @@ keep-alives unload idle ones; driven by the official openai and ollama clients."
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import shutil
 import socket
 import time
 
@@ -16,28 +14,13 @@ import ollama
 import openai
 import pytest
 
+from tests.app.conftest import TINY_MODELS
 from tests.app.test_agent_api import MODEL
-from tests.helpers.server_process import ServeProcess
-from tests.helpers.tiny_models import save_tiny_model, tiny_configs
-
-TINY = ("tiny-a", "tiny-b", "tiny-c")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, embedded_path):
-    models = tmp_path_factory.mktemp("models")
-    config = tiny_configs()["qwen2"]
-    config.max_position_embeddings = 4096  # long enough generations to hold a model busy until the test lets go
-    for seed, name in enumerate(TINY):
-        save_tiny_model("qwen2", models / name, embedded_path, seed=seed, config=config)
-        shutil.copy(embedded_path / "chat_template.jinja", models / name)
-    (models / "broken").mkdir()
-    (models / "broken" / "config.json").write_text('{"model_type": "llama"}')
-    process = ServeProcess("--no-ui", "--models-dir", str(models), "--data-dir", str(tmp_path_factory.mktemp("d")),
-                           "--max-loaded-models", "3", "--kv-cache-gb", "0.1", "--keep-alive", "10m",
-                           "--model-aliases", json.dumps({"fast": "tiny-c"}))
-    yield process
-    process.stop()
+def server(models_server):  # tests/app/conftest.py
+    return models_server
 
 
 def loaded(server) -> dict[str, dict]:
@@ -54,7 +37,7 @@ def complete(server, model: str, **body) -> dict:
 def test_a_request_naming_a_model_loads_it_and_the_lists_say_so(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)
     listed = {m.id: m for m in client.models.list().data}
-    assert set(listed) >= {MODEL, *TINY, "broken"} and listed[MODEL].loaded and not listed["tiny-a"].loaded
+    assert set(listed) >= {MODEL, *TINY_MODELS, "broken"} and listed[MODEL].loaded and not listed["tiny-a"].loaded
     first = client.completions.create(model="tiny-a", prompt="Hello", max_tokens=6, temperature=0)
     assert first.model == "tiny-a" and first.usage.completion_tokens == 6
     again = complete(server, "tiny-a:latest")  # Ollama's tag: the same model
@@ -70,7 +53,7 @@ def test_a_request_naming_a_model_loads_it_and_the_lists_say_so(server):
     assert chat.model == "tiny-b" and chat.usage.completion_tokens == 3
     assert len(client.embeddings.create(model="tiny-a", input="Hi").data[0].embedding) == 64
     tags = [m.model for m in ollama.Client(host=server.url).list().models]
-    assert set(tags) >= {MODEL, *TINY}
+    assert set(tags) >= {MODEL, *TINY_MODELS}
 
 
 def test_a_request_waits_while_every_resident_model_is_busy(server):

@@ -1,7 +1,7 @@
 """`kvforge pull` and Ollama's /api/pull: the real `huggingface_hub` client downloading into the models directory.
 The Hub itself is out of reach from the test machines, so the downloads come from a local Hub endpoint
-(tests/helpers/local_hub.py, through HF_ENDPOINT) serving a tiny random checkpoint and two GGUF files; offline is
-tested as it is (a closed port, the same error as no DNS)."""
+(tests/helpers/local_hub.py, through HF_ENDPOINT; tests/app/conftest.py `hub`) serving a tiny random checkpoint
+and two GGUF files; offline is tested as it is (a closed port, the same error as no DNS)."""
 
 from __future__ import annotations
 
@@ -13,36 +13,12 @@ import httpx
 import ollama
 import pytest
 
-from tests.helpers.local_hub import LocalHub
-from tests.helpers.server_process import ServeProcess
-from tests.helpers.tiny_models import save_tiny_model
-
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory, embedded_path):
-    repos = tmp_path_factory.mktemp("hub")
-    save_tiny_model("llama3", repos / "tiny", embedded_path, seed=3)
-    (repos / "tiny" / "pytorch_model.bin").write_bytes(b"a pickle checkpoint: never fetched")
-    (repos / "tiny" / "onnx").mkdir()
-    (repos / "tiny" / "onnx" / "model.json").write_text("{}")
-    (repos / "gguf").mkdir()
-    for quant in ("Q4_K_M", "Q8_0"):
-        (repos / "gguf" / f"tiny-{quant}.gguf").write_bytes(b"GGUF" + quant.encode() * 64)
-    served = LocalHub({"kvforge-tests/tiny-llama": repos / "tiny", "kvforge-tests/tiny-GGUF": repos / "gguf"})
-    yield served
-    served.close()
-
-
-@pytest.fixture(scope="module")
-def server(hub, tmp_path_factory):
-    models = tmp_path_factory.mktemp("models")
-    process = ServeProcess("--no-ui", "--models-dir", str(models), "--data-dir", str(tmp_path_factory.mktemp("d")),
-                           env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url})
-    process.models = models
-    yield process
-    process.stop()
+def server(models_server):  # tests/app/conftest.py: HF_ENDPOINT is the local Hub
+    return models_server
 
 
 def test_pull_streams_progress_then_the_checkpoint_is_listed_and_loads(server):
@@ -55,11 +31,10 @@ def test_pull_streams_progress_then_the_checkpoint_is_listed_and_loads(server):
     fetched = sorted(p.name for p in (server.models / "tiny-llama").iterdir())
     assert "model.safetensors" in fetched and "config.json" in fetched and "tokenizer.json" in fetched
     assert "pytorch_model.bin" not in fetched and "onnx" not in fetched  # no pickle, no subfolders
-    assert [p.name for p in server.models.iterdir()] == ["tiny-llama"]  # the staging folder is gone
+    assert not [p for p in server.models.iterdir() if p.name.startswith(".pull")]  # the staging folder is gone
     assert "tiny-llama" in [m.model for m in client.list().models]
-    loaded = httpx.post(f"{server.url}/admin/models/load", json={"model": "tiny-llama"}, timeout=300)
-    assert loaded.status_code == 200, loaded.text
-    reply = client.generate(model="tiny-llama", prompt="Hi", raw=True, options={"num_predict": 3})
+    # served by name at once (loaded on demand; unloaded again when idle: keep_alive 0)
+    reply = client.generate(model="tiny-llama", prompt="Hi", raw=True, options={"num_predict": 3}, keep_alive=0)
     assert reply.eval_count == 3
 
 
