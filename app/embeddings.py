@@ -1,8 +1,9 @@
 """Embeddings for every dialect (OpenAI's /v1/embeddings, Ollama's /api/embed): each input is an embedding request
-through the engine (core/pooling.py: the served model's last hidden states, mean-pooled and L2-normalised), all of
-a request's inputs queued together so that they share the engine's batches. One admission ticket covers the request;
-the inputs are tokenized off the event loop; an input too long for the context is refused before anything runs
-(or, asked for, truncated to the context's first tokens, as Ollama's `truncate`)."""
+through the engine (core/pooling.py: the model's last hidden states pooled as its sentence-transformers config says,
+by default mean-pooled and L2-normalised), all of a request's inputs queued together so that they share the engine's
+batches. The model is the one the request names, or the server's --embedding-model, or the server's own. One
+admission ticket covers the request; the inputs are tokenized off the event loop; an input too long for the context
+is refused before anything runs (or, asked for, truncated to the context's first tokens, as Ollama's `truncate`)."""
 
 from __future__ import annotations
 
@@ -73,9 +74,16 @@ async def embed(admission: Admission, inputs: list[str] | list[list[int]], field
     (APIError 504). `field`: the request field the inputs came from, named in errors; `truncate`: inputs cut to the
     context (the model's, or a smaller `window`) instead of refused; `dimensions`: the size the client asks for,
     refused unless it is the model's (shortening embeddings is not supported); `model`: the model it names (None: the
-    server's own), loaded on demand, kept `keep_alive_s` after (Ollama's)."""
+    server's own, or its --embedding-model), loaded on demand, kept `keep_alive_s` after (Ollama's)."""
     if not inputs:
         raise APIError(400, f"{field} must not be empty", field)
+    host = admission.host
+    if host.embedding_model is not None:
+        try:
+            if host.entry_for(model) is None:  # no model, or the server's own: the dedicated embedding model's turn
+                model = host.embedding_model
+        except LookupError:
+            pass  # enter() answers 404
     ticket = await admission.enter(model, keep_alive_s)
     streams: list[RequestStream] = []
     try:

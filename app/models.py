@@ -163,10 +163,11 @@ class ModelHost:
                  engine: AsyncEngine | None = None, models_dir: Path | None = None, *,
                  max_loaded_models: int = DEFAULT_MAX_LOADED_MODELS, models_memory_bytes: int | None = None,
                  keep_alive_s: float = DEFAULT_KEEP_ALIVE_S, aliases: dict[str, str] | None = None,
-                 kv_bytes: int | None = None) -> None:
+                 kv_bytes: int | None = None, embedding_model: str | None = None) -> None:
         """`max_loaded_models`, `models_memory_bytes` (None: no byte limit), `keep_alive_s`: the limits of the models
         loaded on demand (see the module's docstring); `aliases`: request names -> models-directory entries;
-        `kv_bytes`: the KV pool an engine gets (for the memory estimate before a load)."""
+        `kv_bytes`: the KV pool an engine gets (for the memory estimate before a load); `embedding_model`: the entry
+        that embeds for requests naming no model or the server's own (None: the server's own model does)."""
         self.factory, self.spec, self.engine = factory, spec, engine
         self.default_tp = spec.tp  # the server's --tp: what a load that names no tp uses
         self.models_dir = models_dir.resolve() if models_dir else None
@@ -180,6 +181,9 @@ class ModelHost:
         from kvforge.core.config import CPU_KV_CACHE_BYTES
 
         self.kv_bytes = kv_bytes or CPU_KV_CACHE_BYTES
+        self.embedding_model = embedding_model
+        if embedding_model is not None and self.aliases.get(embedding_model, embedding_model) not in self.available():
+            raise ValueError(f"embedding model {embedding_model!r} is not in the models directory ({self.models_dir})")
         self.on_demand: dict[str, Resident] = {}  # by name
         self._loading: dict[str, tuple[asyncio.Future, int]] = {}  # name -> (its load, its estimated bytes)
         self._changed = asyncio.Event()  # set (and replaced) whenever a model is released, loaded or unloaded

@@ -163,6 +163,9 @@ class ServeSettings:
     keep_alive: str = setting("5m", "how long a model loaded on demand stays loaded once idle: seconds or a duration "
                               "such as 30s, 5m, 1h; negative: until room is needed (default: {default}; a request's "
                               "Ollama keep_alive overrides it)", check=lambda name, value: keep_alive_seconds(value))
+    embedding_model: str | None = setting(None, "a model of --models-dir that answers the embedding requests naming no "
+                                          "model or the server's own (loaded on demand; default: the server's own "
+                                          "model embeds)")
     model_aliases: str | None = setting(None, "names requests may use for models of --models-dir, as JSON, e.g. "
                                         "'{\"qwen\": \"Qwen2.5-0.5B-Instruct-Q4_K_M.gguf\"}' (a TOML table works "
                                         "too)")

@@ -28,7 +28,7 @@ from kvforge.core.loader import load_config, resolve_model, safetensors_files
 from kvforge.core.metrics import EngineStats, RateMeter, available_memory_bytes, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import DraftTarget, resolve_quant
-from kvforge.core.pooling import PoolingParams, pooled_embedding
+from kvforge.core.pooling import PoolingParams, model_pooling
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
 from kvforge.core.runner_api import Runner
@@ -82,6 +82,7 @@ class LLMEngine:
                                              self.model_path)
         self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
+        self.pooling = model_pooling(self.model_path)  # how embedding requests are pooled (core/pooling.py)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.hf_config.vocab_size, self.tokenizer.eos_token_ids)
         if self.config.num_threads:  # process-wide: set here, by the engine that owns the process, not per runner
             torch.set_num_threads(self.config.num_threads)
@@ -278,8 +279,8 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(plan.scheduled, exc) from exc
         pooling = (item.seq for item in plan.scheduled if item.seq.pools)
-        for seq, hidden_sum in zip(pooling, out.hidden_sums, strict=True):
-            seq.hidden_sum = hidden_sum if seq.hidden_sum is None else seq.hidden_sum + hidden_sum
+        for seq, chunk in zip(pooling, out.pooled, strict=True):
+            seq.pooled = chunk if seq.pooled is None else seq.pooled.then(chunk)
         sampled = self._sample(plan, out.logits) if plan.sampled else None
         updates, copies = self.scheduler.update_from_output(plan, sampled, self._detokenize)
         self.runner.copy_blocks(copies)
@@ -389,7 +390,8 @@ class LLMEngine:
         """An embedding request's one output: its embedding when its whole prompt was pooled (not when aborted)."""
         embedding = None
         if seq.finish_reason == "stop":
-            embedding = pooled_embedding(seq.hidden_sum, seq.num_tokens, seq.params.normalize)
+            normalize = self.pooling.normalize if seq.params.normalize is None else seq.params.normalize
+            embedding = seq.pooled.embedding(seq.num_tokens, self.pooling.mode, normalize)
         self._totals["requests_finished"] += 1
         return RequestOutput(seq.request_id, 0, seq.prompt_token_ids, [], "", "", [], finished=True,
                              finish_reason=seq.finish_reason or reason, metrics=request_metrics(seq),

@@ -61,9 +61,9 @@ class LLM:
             results.append(samples[0] if p.n == 1 else samples)
         return results
 
-    def embed(self, prompts: str | list[str] | list[list[int]], normalize: bool = True) -> list[list[float]]:
-        """One embedding per prompt (core/pooling.py: the mean last hidden state, L2-normalised), batched through the
-        engine like generation."""
+    def embed(self, prompts: str | list[str] | list[list[int]], normalize: bool | None = None) -> list[list[float]]:
+        """One embedding per prompt (core/pooling.py: pooled as the model says, by default the mean of its last hidden
+        states, L2-normalised; `normalize` overrides), batched through the engine like generation."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = []

@@ -164,7 +164,12 @@ def _write_dense(gguf: Path, out: Path) -> None:
 def load_config(path: Path):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    from kvforge.core.models.registry import is_base_model
+
+    config = AutoConfig.from_pretrained(path)
+    if is_base_model(config):  # no head in the checkpoint (an embedding model's): the embedding table serves as one
+        config.tie_word_embeddings = True
+    return config
 
 
 def build_model(config, dtype: torch.dtype, quant: QuantConfig, context_len: int | None = None) -> nn.Module:
@@ -204,10 +209,13 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
     loaded: set[str] = set()
     total = sum(1 for _ in _tensor_names(path))
     tensors = iterate_tensors(path) if transform is None else transform(iterate_tensors(path))
+    nested = any(n.startswith("model.") for n in params)
     for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor",
                              disable=not progress, leave=False):
         if "rotary_emb.inv_freq" in name:
             continue
+        if nested and not name.startswith(("model.", "lm_head.")):  # a bare model's (core/models/registry.py)
+            name = f"model.{name}"
         targets = [(name, None)]
         for checkpoint_part, (fused_part, shard_id) in packed.items():
             if f".{checkpoint_part}." in name:

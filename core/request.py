@@ -9,7 +9,7 @@ from enum import Enum
 import torch
 
 from kvforge.core.constraint import GrammarState
-from kvforge.core.pooling import PoolingParams
+from kvforge.core.pooling import PooledHidden, PoolingParams
 from kvforge.core.sampling import SamplingParams
 
 
@@ -44,7 +44,7 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0  # steps that verified at least one draft
-    hidden_sum: torch.Tensor | None = None  # an embedding request's: fp32 sum of its computed positions' hidden states
+    pooled: PooledHidden | None = None  # an embedding request's hidden states of its computed positions
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # timings (time.monotonic)

@@ -27,6 +27,7 @@ from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
+from kvforge.core.pooling import PooledHidden
 from kvforge.core.quant_config import QuantConfig
 from kvforge.core.scheduler import ScheduledSeq
 
@@ -57,10 +58,10 @@ class StepInputs:
 @dataclass
 class StepOutput:
     """What one forward returns: the fp32 logits of `StepInputs.logits_rows`, and for each embedding request in the
-    step (`StepInputs.pool_rows`, in batch order) the fp32 sum of its rows' last hidden states."""
+    step (`StepInputs.pool_rows`, in batch order) its chunk's last hidden states, pooled (core/pooling.py)."""
 
     logits: torch.Tensor
-    hidden_sums: list[torch.Tensor] = field(default_factory=list)
+    pooled: list[PooledHidden] = field(default_factory=list)
 
 
 def check_device(device: torch.device) -> torch.device:
@@ -262,7 +263,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> StepOutput:
         """One forward over the flat batch: the fp32 logits of `inputs.logits_rows` and the embedding requests'
-        hidden-state sums."""
+        pooled hidden states."""
         if self.graphs is not None and not inputs.prefills and self.graphs.fits(len(inputs.input_ids)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, *inputs.decode_rows())
             return self._output(hidden, inputs)
@@ -277,11 +278,11 @@ class ModelRunner:
     def _output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
         rows = inputs.logits_rows
         logits = self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
-        return StepOutput(logits, [hidden[first:last].float().sum(0).cpu() for first, last in inputs.pool_rows])
+        return StepOutput(logits, [PooledHidden.of_rows(hidden[first:last]) for first, last in inputs.pool_rows])
 
     def execute(self, batch: list[ScheduledSeq]) -> StepOutput:
         """Run one step: the logits rows of the items that sample, in batch order (see `layout`), and the
-        embedding requests' hidden-state sums."""
+        embedding requests' pooled hidden states."""
         return self.forward(self.layout(batch))
 
     def read_block(self, block: int) -> torch.Tensor:

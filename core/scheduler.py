@@ -224,7 +224,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.clear_drafts()
         seq.num_computed_tokens = 0
-        seq.hidden_sum = None  # recomputed from the start
+        seq.pooled = None  # recomputed from the start
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -81,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      models_memory_bytes=int(settings.models_memory_gb * GIB) if settings.models_memory_gb else None,
                      keep_alive_s=keep_alive_seconds(settings.keep_alive),
                      aliases=json_options(settings.model_aliases, "--model-aliases"),
-                     kv_bytes=int(settings.kv_cache_gb * GIB) if settings.kv_cache_gb else None)
+                     kv_bytes=int(settings.kv_cache_gb * GIB) if settings.kv_cache_gb else None,
+                     embedding_model=settings.embedding_model)
     access = AccessPolicy(settings.api_key, settings.host, split_list(settings.allowed_hosts),
                           split_list(settings.allowed_origins))
     app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,

@@ -16,11 +16,23 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
 }
+# checkpoints of the bare model without its language-model head, as embedding models ship (Qwen3-Embedding,
+# gte-Qwen2, e5-mistral): served with the head tied to the embedding table (see core/loader.py build_model)
+BASE_MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaModel": LlamaForCausalLM, "MistralModel": LlamaForCausalLM, "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
+}
+
+
+def is_base_model(config) -> bool:
+    """A checkpoint of the bare model (no language-model head): `architectures` names only base classes."""
+    names = getattr(config, "architectures", None) or []
+    return bool(names) and all(name in BASE_MODEL_CLASSES for name in names)
 
 
 def model_class_for(config) -> type[nn.Module]:
     for arch in getattr(config, "architectures", None) or []:
-        if arch in MODEL_CLASSES:
-            return MODEL_CLASSES[arch]
+        if arch in MODEL_CLASSES or arch in BASE_MODEL_CLASSES:
+            return MODEL_CLASSES.get(arch) or BASE_MODEL_CLASSES[arch]
     names = getattr(config, "architectures", None) or [config.model_type]
     raise ValueError(f"unsupported architecture {', '.join(names)}; supported: {', '.join(MODEL_CLASSES)}")

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.local_hub import LocalHub
 from tests.helpers.server_process import ServeProcess, readme_serve
-from tests.helpers.tiny_models import save_tiny_model, tiny_configs
+from tests.helpers.tiny_models import save_tiny_embedding_model, save_tiny_model, tiny_configs
 
 TINY_MODELS = ("tiny-a", "tiny-b", "tiny-c")  # in the models directory of `models_server`
 
@@ -45,8 +45,9 @@ def hub(tmp_path_factory, embedded_path):
 @pytest.fixture(scope="package")
 def models_server(tmp_path_factory, embedded_path, hub):
     """`kvforge serve` on the embedded model with a models directory of three tiny random checkpoints (4096 tokens of
-    context: long generations hold a model busy) and a broken one, at most three models resident, the alias "fast"
-    for tiny-c, and HF_ENDPOINT at the local Hub. `.models` is the directory."""
+    context: long generations hold a model busy), a broken one and a sentence-transformers embedding checkpoint
+    (tiny-embed, the --embedding-model), at most three models resident, the alias "fast" for tiny-c, and HF_ENDPOINT
+    at the local Hub. `.models` is the directory."""
     models = tmp_path_factory.mktemp("models")
     config = tiny_configs()["qwen2"]
     config.max_position_embeddings = 4096
@@ -55,9 +56,10 @@ def models_server(tmp_path_factory, embedded_path, hub):
         shutil.copy(embedded_path / "chat_template.jinja", models / name)
     (models / "broken").mkdir()
     (models / "broken" / "config.json").write_text('{"model_type": "llama"}')
+    save_tiny_embedding_model(models / "tiny-embed", embedded_path, seed=5)
     process = ServeProcess("--no-ui", "--models-dir", str(models), "--data-dir", str(tmp_path_factory.mktemp("d")),
                            "--max-loaded-models", "3", "--kv-cache-gb", "0.1", "--keep-alive", "10m",
-                           "--model-aliases", json.dumps({"fast": "tiny-c"}),
+                           "--model-aliases", json.dumps({"fast": "tiny-c"}), "--embedding-model", "tiny-embed",
                            env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url})
     process.models = models
     yield process

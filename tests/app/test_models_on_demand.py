@@ -10,6 +10,7 @@ import socket
 import time
 
 import httpx
+import numpy as np
 import ollama
 import openai
 import pytest
@@ -115,3 +116,17 @@ def test_models_that_cannot_be_loaded_are_clear_errors(server):
         ollama.Client(host=server.url).generate(model="tiny-a", prompt="x", keep_alive="soon")
     assert refused.value.status_code == 400 and "keep_alive" in refused.value.error
     assert complete(server, "tiny-c")["model"] == "tiny-c"  # a failed load leaves the others serving
+
+
+def test_the_embedding_model_embeds_for_requests_naming_the_servers_own(server):
+    """--embedding-model tiny-embed: embeddings asked of the server's own model (or of no model) come from it, loaded
+    on demand and pooled as its sentence-transformers config says; chat stays with the server's own model."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)
+    default = client.embeddings.create(model=MODEL, input=["Hello there", "x"], encoding_format="float")
+    named = client.embeddings.create(model="tiny-embed", input=["Hello there", "x"], encoding_format="float")
+    assert default.model == named.model == "tiny-embed" and len(default.data[0].embedding) == 64
+    assert np.allclose([d.embedding for d in default.data], [d.embedding for d in named.data], atol=1e-5)
+    no_model = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}, timeout=120).json()
+    assert no_model["model"] == "tiny-embed"
+    assert np.allclose(no_model["data"][0]["embedding"], named.data[1].embedding, atol=1e-5)
+    assert complete(server, MODEL)["model"] == MODEL

@@ -101,3 +101,25 @@ def test_a_prompt_longer_than_the_context_is_refused_before_it_runs(embedded_llm
     with pytest.raises(RequestRejected, match="maximum context length"):
         embedded_llm.embed([too_long])
     assert not embedded_llm.engine.has_unfinished()
+
+
+def test_a_sentence_transformers_checkpoint_pools_as_its_config_says(tmp_path, embedded_path):
+    """A bare Qwen3 model (no head, as Qwen3-Embedding ships) with last-token pooling and a Normalize module: the
+    embedding is its last token's hidden state, normalised, as HF transformers computes it; a pooling this engine
+    does not do is refused when the model loads."""
+    from tests.helpers.tiny_models import save_tiny_embedding_model
+
+    hf = save_tiny_embedding_model(tmp_path / "embed", embedded_path, seed=5)
+    llm = LLM(str(tmp_path / "embed"), progress=False, dtype="float32", kv_cache_bytes=16 << 20)
+    try:
+        assert llm.engine.pooling.mode == "last" and llm.engine.pooling.normalize
+        ours = llm.embed(TEXTS)
+        with torch.no_grad():
+            theirs = torch.stack([torch.nn.functional.normalize(hf(torch.tensor([llm.engine.tokenizer.encode(t)]))
+                                                                .last_hidden_state[0, -1], dim=-1) for t in TEXTS])
+        _close(ours, theirs)
+    finally:
+        llm.engine.close()
+    save_tiny_embedding_model(tmp_path / "max", embedded_path, seed=5, pooling="pooling_mode_max_tokens")
+    with pytest.raises(ValueError, match="pooling pooling_mode_max_tokens is not supported"):
+        LLM(str(tmp_path / "max"), progress=False, dtype="float32", kv_cache_bytes=16 << 20)

@@ -5,6 +5,7 @@ and saved with the embedded model's tokenizer."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -79,3 +80,28 @@ def save_tiny_model(name: str, path: Path, embedded_path: Path, seed: int, confi
 def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+
+
+def save_tiny_embedding_model(path: Path, embedded_path: Path, seed: int, pooling: str = "pooling_mode_lasttoken",
+                              normalize: bool = True):
+    """A sentence-transformers embedding checkpoint as Qwen3-Embedding ships one: the bare Qwen3 model (no head,
+    `architectures: ["Qwen3Model"]`, random weights, seeded), modules.json and 1_Pooling/config.json with `pooling`
+    (and a Normalize module when `normalize`), the embedded tokenizer. Returns the HF model (fp32, eval)."""
+    from transformers import AutoModel
+
+    config = tiny_configs()["qwen3"]
+    config.vocab_size = 49152
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_path / file, path / file)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": config.hidden_size, pooling: True, "include_prompt": True}))
+    return model
