@@ -379,16 +379,25 @@ class ModelHost:
         stamp = resident.last_used
 
         def expire() -> None:
-            if self.on_demand.get(resident.name) is resident and not resident.in_flight and resident.last_used == stamp:
+            if resident.last_used == stamp:  # not used since (_unload checks that it is still resident and idle)
                 asyncio.ensure_future(self._unload(resident))
 
         asyncio.get_running_loop().call_later(resident.keep_alive_s, expire)
 
-    async def _unload(self, resident: Resident) -> None:
-        if self.on_demand.get(resident.name) is resident:
-            del self.on_demand[resident.name]  # first: nobody acquires it from here on
-            self._memory.pop(id(resident.engine), None)
-            await asyncio.to_thread(resident.engine.close)
+    def _detach(self, resident: Resident) -> bool:
+        """Take an idle resident model out of the table (nobody acquires it from here on); False when it is gone
+        already or in use again."""
+        if self.on_demand.get(resident.name) is not resident or resident.in_flight:
+            return False
+        del self.on_demand[resident.name]
+        self._memory.pop(id(resident.engine), None)
+        return True
+
+    async def _unload(self, *residents: Resident) -> None:
+        """Unload idle resident models: all taken out of the table at once, then closed off the event loop."""
+        detached = [r for r in residents if self._detach(r)]
+        if detached:
+            await asyncio.gather(*(asyncio.to_thread(r.engine.close) for r in detached))
             self._notify()
 
     async def _resident(self, entry: str) -> Resident:
@@ -457,6 +466,5 @@ class ModelHost:
         if count + 1 > self.max_loaded_models or used + need > budget:
             await self._wait_for_change()  # a request finishing, a load ending, a model unloaded
             return False
-        for victim in victims:
-            await self._unload(victim)
+        await self._unload(*victims)
         return True
