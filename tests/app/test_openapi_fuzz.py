@@ -43,7 +43,7 @@ from tests.helpers.server_process import ServeProcess  # noqa: E402
 
 API_KEY = "fuzz-key-789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MAX_EXAMPLES = 12  # per operation in the fuzzing phase (valid and invalid together); the coverage phase adds its own
+MAX_EXAMPLES = 6  # per operation in the fuzzing phase (valid and invalid together); the coverage phase adds its own
 MAX_TOKENS_CAP = 4  # tokens a generated request may ask for (also --default-max-tokens)
 N_CAP = 2  # sequences per request; values above the schema's own limit (64) are kept to be refused
 N_INPUTS_CAP = 4  # inputs of an embeddings request (the schema allows 2048)
