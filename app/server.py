@@ -221,7 +221,10 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
         def render(engine: AsyncEngine) -> list[int]:
             if constraint is not None:
                 compile_constraint(engine, constraint, "structured_outputs")
-            if isinstance(body.prompt, list):
+            if isinstance(body.prompt, list):  # checked before echo decodes it (a huge id overflows the tokenizer)
+                vocab = engine.engine.hf_config.vocab_size
+                if any(t >= vocab for t in body.prompt):
+                    raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
                 return body.prompt
             try:
                 return engine.tokenizer.encode(body.prompt)

@@ -212,11 +212,12 @@ def object_schemas(draw, depth=0):
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, derandomize=True,  # the same schemas every run: CI cannot flake on one
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=object_schemas(), seed=st.integers(0, 2**31))
 def test_generated_schemas_always_validate(embedded_llm, schema, seed):
     """Every finished constrained output validates against its (generated) schema: sampled, several at once."""
-    params = SamplingParams(temperature=1.0, seed=seed, n=4, max_tokens=120,
+    params = SamplingParams(temperature=1.0, seed=seed, n=4, max_tokens=200,
                             constraint=Constraint.json_schema(schema))
     prompt = [{"role": "user", "content": f"Answer with JSON for this schema: {json.dumps(schema)}"}]
     samples = embedded_llm.chat(prompt, params)[0]
