@@ -105,6 +105,9 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(2048, "tokens in one step (decode tokens + prefill chunks)", ge=1)
     seed: int = knob(0, "seeds requests that give no seed of their own")
     num_threads: int | None = knob(None, "torch intra-op threads on CPU; None: torch's default")
+    sampling_defaults: dict[str, Any] = knob(
+        default_factory=dict, help="the model's sampling defaults, over its own (core/generation_defaults.py): "
+        "SamplingParams fields a request that leaves them out gets")
 
     def __post_init__(self) -> None:
         for f in fields(self):

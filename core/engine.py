@@ -20,6 +20,7 @@ import torch
 
 from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
 from kvforge.core.constraint import Constraint, GrammarCompiler
+from kvforge.core.generation_defaults import GenerationDefaults, model_generation_defaults
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
@@ -83,6 +84,9 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, quant=quant, quant_options=quant_options)
         self.tokenizer = Tokenizer(self.model_path)
         self.pooling = model_pooling(self.model_path)  # how embedding requests are pooled (core/pooling.py)
+        # what a request leaving a sampling field out gets (core/generation_defaults.py); the user's over the model's
+        self.generation_defaults = GenerationDefaults(self.config.sampling_defaults, "settings").over(
+            model_generation_defaults(self.model_path, [self.config.model]))
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.hf_config.vocab_size, self.tokenizer.eos_token_ids)
         if self.config.num_threads:  # process-wide: set here, by the engine that owns the process, not per runner
             torch.set_num_threads(self.config.num_threads)

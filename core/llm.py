@@ -31,12 +31,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config), progress=progress)
         self.tokenizer = self.engine.tokenizer
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What generate / chat use without params: the model's sampling defaults (core/generation_defaults.py)."""
+        return self.engine.generation_defaults.params()
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None):
         """One CompletionOutput per prompt; a list of n of them for requests with n > 1."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = []

@@ -10,6 +10,7 @@ import torch
 
 from kvforge.core.constraint import GrammarState
 from kvforge.core.pooling import PooledHidden, PoolingParams
+from kvforge.core.repetition import RepetitionGuard
 from kvforge.core.sampling import SamplingParams
 
 
@@ -45,8 +46,9 @@ class Sequence:
     num_accepted: int = 0
     num_verify_steps: int = 0  # steps that verified at least one draft
     pooled: PooledHidden | None = None  # an embedding request's hidden states of its computed positions
+    repetition: RepetitionGuard | None = None  # its loop detector, when params.repetition_guard asks for one
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "repetition" | "abort"
     # timings (time.monotonic)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

@@ -96,6 +96,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (after penalties)
     constraint: Constraint | None = None  # the output must match it (core/constraint.py)
+    repetition_guard: bool = False  # end an output stuck in a loop: finish_reason "repetition" (core/repetition.py)
 
     def __post_init__(self) -> None:  # the numeric fields' bounds: BOUNDS
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -117,6 +118,7 @@ class SamplingParams:
              f"a map of at most {MAX_LOGIT_BIAS_TOKENS} token ids to numbers in [{LOGIT_BIAS_RANGE[0]:g}, "
              f"{LOGIT_BIAS_RANGE[1]:g}]"),
             ("constraint", self.constraint is None or isinstance(self.constraint, Constraint), "a Constraint"),
+            ("repetition_guard", isinstance(self.repetition_guard, bool), "true or false"),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvforge.core.kv.manager import KVCacheManager
+from kvforge.core.repetition import RepetitionGuard
 from kvforge.core.request import Sequence, Status
 
 if TYPE_CHECKING:
@@ -289,10 +290,20 @@ class Scheduler:
                 reason = "stop"
             elif generated >= params.max_tokens:
                 reason = "length"
+            elif params.repetition_guard and self._looping(seq, token):
+                reason = "repetition"
             if reason is not None:
                 self.finish(seq, reason)
                 return SeqUpdate(seq, count, reason)
         return SeqUpdate(seq, len(tokens))
+
+    @staticmethod
+    def _looping(seq: Sequence, token: int) -> bool:
+        if seq.repetition is None:  # first token, or after a preemption or fork: start from the whole output
+            seq.repetition = RepetitionGuard()
+            for earlier in seq.output_token_ids[:-1]:
+                seq.repetition.looping(earlier)
+        return seq.repetition.looping(token)
 
     def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         child.num_cached_tokens = parent.num_cached_tokens
