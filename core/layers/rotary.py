@@ -29,6 +29,12 @@ def rotary_dim_of(config, head_dim: int) -> int:
 
 
 def _inverse_frequencies(config, head_dim: int, context_len: int | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies (fp32, on the CPU whatever device the model is being built on) and the scaling."""
+    with torch.device("cpu"):  # transformers' init functions mix their own CPU tensors with default-device ones
+        return _inverse_frequencies_cpu(config, head_dim, context_len)
+
+
+def _inverse_frequencies_cpu(config, head_dim: int, context_len: int | None) -> tuple[torch.Tensor, float]:
     params = _rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -52,6 +58,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, context_len: int | None = None) -> None:
         super().__init__()
         inv_freq, self.scaling = _inverse_frequencies(config, head_dim, context_len)
+        # computed on the CPU: the buffer goes where the model is being built (the runner's `with
+        # torch.device(...)`), else a scaled rope's CPU frequencies met CUDA positions in the first forward
+        inv_freq = inv_freq.to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
