@@ -11,20 +11,23 @@ from kvforge.plugins.quant.gguf_blocks import DECODERS, FOUR_BIT
 from tests.helpers.gguf_layers import T, gguf_layer
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WITH_OFFSETS = (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K)  # the types with a minimum per group
 
 
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_type_through_the_dequantize_gemm(qtype, dtype):
-    layer, weight = gguf_layer(qtype, dtype, "triton", rows=48, cols=256)
+    with torch.device(DEVICE):  # built where it runs, as the runner builds a model (the kernel's tensors with it)
+        layer, weight = gguf_layer(qtype, dtype, "triton", rows=48, cols=256)
     args = layer.triton
     assert layer.weight is None and layer.int4 is None and layer.int8 is None
     assert args["bits"] == (4 if qtype in FOUR_BIT else 8)
     assert (args["offsets"] is not None) == (qtype in WITH_OFFSETS)
+    assert args["qweight"].device.type == DEVICE
     x = torch.randn(5, 256)
     expected = x.double() @ weight.double().T
-    got = layer(x.to(dtype)).double()
+    got = layer(x.to(dtype).to(DEVICE)).double().cpu()
     if dtype == torch.float32:  # fp32 products: only the order of the sums differs
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     else:  # W rounded to bf16 for the dot, the output rounded once
