@@ -35,6 +35,9 @@ def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default
            window: ContextWindow | None = None) -> tuple[RequestStream, SamplingParams]:
     """Queue the request (held to `constraint`, compiled beforehand off the event loop); APIError 400 naming the
     field for bad sampling values or a prompt that cannot fit (`prompt_field` names where the prompt came from)."""
+    defaults = engine.engine.generation_defaults.values
+    body = body.over_defaults(defaults)
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
     try:
         params = body.sampling_params(default_max_tokens, logprobs)
     except ValueError as exc:
@@ -127,9 +130,10 @@ async def within(stream: RequestStream, timeout_s: float | None) -> AsyncIterato
 
 
 def finish_reason(out: RequestOutput, called_tools: bool = False) -> str:
-    """OpenAI's finish_reason: "length", "tool_calls" (a reply that ended by calling tools) or "stop"."""
-    if out.finish_reason == "length":
-        return "length"
+    """OpenAI's finish_reason: "length", "tool_calls" (a reply that ended by calling tools) or "stop"; and ours,
+    "repetition" (the repetition guard ended a reply stuck in a loop)."""
+    if out.finish_reason in ("length", "repetition"):
+        return out.finish_reason
     return "tool_calls" if called_tools else "stop"
 
 

@@ -9,13 +9,15 @@ switches). Without settings, what the spec leaves open is EngineConfig's default
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from kvforge.app.models import ModelSpec, check_decoding
-from kvforge.app.settings import GIB, ServeSettings, check_tp, json_options
+from kvforge.app.settings import GIB, ServeSettings, check_tp, json_options, model_sampling_table
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import EngineConfig
 from kvforge.core.kv.index import KVIndex
+from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
 
 
 def torchrun_world_size() -> int:
@@ -45,9 +47,19 @@ def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **over
     check_decoding(decoding, spec.decoding_options)
     check_tp(tp)
     sized = {"kv_cache_bytes": int(kv_gb * GIB)} if kv_gb else {}
+    sampling = model_sampling(spec, settings)
     return EngineConfig(**{**knobs, "model": spec.model, "dtype": spec.dtype, "quant": quant,
                            "quant_options": spec.quant_options, "decoding": decoding,
-                           "decoding_options": spec.decoding_options, "tp_size": tp, **sized, **overrides})
+                           "decoding_options": spec.decoding_options, "tp_size": tp, **sized,
+                           **({"sampling_defaults": sampling} if sampling else {}), **overrides})
+
+
+def model_sampling(spec: ModelSpec, settings: ServeSettings | None) -> dict[str, Any]:
+    """The settings' sampling defaults for the spec's model (--model-sampling), by the name it is served under or
+    its models-directory entry (file or directory name; the embedded model's name)."""
+    table = model_sampling_table(settings.model_sampling) if settings is not None else {}
+    entry = EMBEDDED_MODEL if spec.model in EMBEDDED_ALIASES else Path(spec.model).name
+    return dict(table.get(spec.name) or table.get(entry) or {})
 
 
 def build_engine(spec: ModelSpec, settings: ServeSettings | None = None, *, progress: bool = True,

@@ -21,7 +21,8 @@ No field is silently ignored:
     options: num_keep, repeat_last_n, typical_p, tfs_z, mirostat,      refused: not implemented
       mirostat_tau, mirostat_eta, penalize_newline
 
-Left out, options take the server's defaults, the same as the OpenAI API's (not Ollama's built-in 0.8 / 40 / 0.9);
+Left out, options take the served model's defaults, the same as the OpenAI API's (core/generation_defaults.py:
+its generation_config.json or its family's recommendation; not Ollama's built-in 0.8 / 40 / 0.9);
 num_predict -1 or -2 generates to the end of the context window.
 """
 

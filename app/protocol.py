@@ -32,7 +32,11 @@ POST /v1/chat/completions, field by field (OpenAI's CompletionCreateParams, open
     verbosity                                        refused: no verbosity control
     moderation                                       refused: no moderation model
     extras (vLLM's names): top_k, min_p, repetition_penalty, min_tokens, ignore_eos, chat_template_kwargs,
-      structured_outputs (one of json / regex / choice / grammar; not with response_format)
+      structured_outputs (one of json / regex / choice / grammar; not with response_format); ours:
+      repetition_guard (end a reply stuck in a loop: finish_reason "repetition"; core/repetition.py)
+
+A sampling field left out takes the served model's default (core/generation_defaults.py: its
+generation_config.json, its family's recommendation, or the settings file's), else SamplingParams'.
 
 POST /v1/completions (openai's completion_create_params):
 
@@ -434,6 +438,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = sampling_field("repetition_penalty")
     min_tokens: int = sampling_field("min_tokens")
     ignore_eos: bool = False
+    repetition_guard: bool = False  # our extra: end a reply stuck in a loop, finish_reason "repetition"
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -449,7 +454,14 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed,
             max_tokens=self.requested_max_tokens() or default_max_tokens, min_tokens=self.min_tokens,
-            stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.logit_bias)
+            stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=self.logit_bias,
+            repetition_guard=self.repetition_guard)
+
+    def over_defaults(self, defaults: dict[str, Any]) -> SamplingFields:
+        """These fields over a model's sampling defaults (core/generation_defaults.py): a field this request left
+        out takes the model's default; its max_tokens only through requested_max_tokens (see submit)."""
+        missing = {k: v for k, v in defaults.items() if k not in self.model_fields_set and k != "max_tokens"}
+        return self.model_copy(update=missing) if missing else self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

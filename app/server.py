@@ -162,6 +162,9 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "tp": core.config.tp_size, "max_model_len": core.max_model_len,
+                # what a request leaving these fields out gets (core/generation_defaults.py), and from where
+                "sampling_defaults": core.generation_defaults.values,
+                "sampling_defaults_source": core.generation_defaults.source,
                 "device": runtime.device, "kernels": runtime.kernels, "cuda_graphs": runtime.cuda_graphs,
                 "memory": {"weights_bytes": runtime.weight_bytes, "kv_cache_bytes": runtime.kv_cache_bytes,
                            "gpus": gpu_memory()}}

@@ -169,6 +169,11 @@ class ServeSettings:
     model_aliases: str | None = setting(None, "names requests may use for models of --models-dir, as JSON, e.g. "
                                         "'{\"qwen\": \"Qwen2.5-0.5B-Instruct-Q4_K_M.gguf\"}' (a TOML table works "
                                         "too)")
+    model_sampling: str | None = setting(
+        None, "sampling defaults per model, over the model's own (generation_config.json or its family's), as JSON "
+        "by model name, e.g. '{\"SmolLM2-135M-Instruct\": {\"temperature\": 0.3, \"top_p\": 0.9}}' (a TOML "
+        "table [model_sampling.\"NAME\"] too); a request's own fields still win",
+        check=lambda name, value: model_sampling_table(value))
     # what an engine is built from (flags of generate and chat too); ModelSpec takes the model-defining ones
     model: str | None = engine_setting(engine_default("model"), "HF model directory, .gguf file or hub id (default: "
                                        "the embedded SmolLM2-135M-Instruct)")
@@ -249,6 +254,21 @@ def json_options(raw: str | dict | None, flag: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{flag} must be a JSON object")
     return value
+
+
+def model_sampling_table(raw: str | dict | None) -> dict[str, dict[str, Any]]:
+    """--model-sampling: model name -> its sampling defaults, each checked (ValueError naming the setting)."""
+    from kvforge.core.generation_defaults import GenerationDefaults
+
+    table = json_options(raw, "--model-sampling")
+    for model, values in table.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"--model-sampling: the defaults of {model!r} must be a table of sampling fields")
+        try:
+            GenerationDefaults(values)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--model-sampling: {model!r}: {exc}") from None
+    return table
 
 
 def _convert(name: str, raw: Any, kind: type) -> object:
