@@ -2,7 +2,9 @@
 views never reach into the store, the model host or the engine themselves.
 
 Conversations are the session store's, through the same ChatService as /v1/sessions (one admission gate, one
-way a turn is stored); model choices and swaps go through the same ModelHost as the admin API; the dashboard's
+way a turn is stored), branches included: a conversation's `messages` are the branch shown, each with its
+`parent_id` and `siblings` (the branches at that point, for "< 2/3 >"), and editing or regenerating keeps the
+old branch; model choices and swaps go through the same ModelHost as the admin API; the dashboard's
 figures come from the one server-side DashboardSampler.
 """
 
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.app.chat_service import DEFAULT_TITLE, ChatService, Turn
-from kvforge.app.conversations import Conversation, NotFound
+from kvforge.app.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
 from kvforge.app.models import ModelSpec
 from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, embedded_gguf_path, resolve_model
@@ -62,22 +64,46 @@ class UIService:
                                                              "system_prompt": system_prompt or None})
 
     def drop_last_turn(self, session_id: str | None) -> str:
-        """Remove the last user message and what follows it; returns that message."""
+        """Show the branch up to (without) the last user message shown, which is returned: the next message sent
+        starts a branch beside it (an edit), and the old turn stays reachable (switch_branch)."""
         if not session_id:
             return ""
         messages = self._conversations.get(session_id).messages
-        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        users = [m for m in messages if m.role == "user"]
         if not users:
             return ""
-        self._conversations.truncate_messages(session_id, users[-1])
-        return messages[users[-1]].content
+        self._conversations.set_current(session_id, users[-1].parent_id)
+        return users[-1].content
+
+    def switch_branch(self, session_id: str, message_id: int) -> Conversation | None:
+        """Show the branch through `message_id` (e.g. a sibling from a message's `siblings`) down to its most
+        recent reply; the conversation as then shown, or None (deleted meanwhile); MessageNotFound for an id not
+        in it."""
+        try:
+            return self._conversations.switch(session_id, message_id)
+        except MessageNotFound:
+            raise
+        except NotFound:  # the conversation is gone
+            return None
+
+    def all_messages(self, session_id: str) -> list[Message]:
+        """Every message of every branch, in creation order (each with parent_id and siblings)."""
+        return self._conversations.tree(session_id)
 
     def check_open(self) -> None:
         """APIError when the server is full: a turn is refused before anything is stored."""
         self._chat.admission.check_open()
 
-    async def start_turn(self, session_id: str, message: str, overrides: dict[str, Any]) -> Turn:
-        return await self._chat.start_turn(session_id, message, overrides)
+    async def start_turn(self, session_id: str, message: str, overrides: dict[str, Any],
+                         parent_id: int | None | Leaf = CURRENT) -> Turn:
+        """Post a user message after `parent_id` (None: a new first message; by default the last one shown: an
+        edit of a message passes the id of the message the old text followed) and queue its reply."""
+        return await self._chat.start_turn(session_id, message, overrides, parent_id=parent_id)
+
+    async def regenerate(self, session_id: str, message_id: int, overrides: dict[str, Any]) -> Turn:
+        """Another reply to a user message (or to the message an assistant reply answers), beside the earlier
+        replies; APIError when it cannot be."""
+        return await self._chat.regenerate(session_id, message_id, overrides)
 
     # ---- the model host -----------------------------------------------------------------------------
 

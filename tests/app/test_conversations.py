@@ -1,5 +1,6 @@
 """Conversations (app/conversations.py), on SQLite and on a real PostgreSQL server: conversations and their
-messages, and crash consistency when the writing process is killed."""
+messages, the message tree (branches: edits and regenerated replies beside the old ones), and crash consistency
+when the writing process is killed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from kvforge.app.conversations import Conversations, NotFound
+from kvforge.app.conversations import Conversations, MessageNotFound, NotFound
 from kvforge.core.store import Store
 
 
@@ -55,9 +56,12 @@ def test_conversation_crud_and_ordering(conversations):
     out = got.to_dict(messages=True)
     assert out["id"] == a.id and out["object"] == "session" and len(out["messages"]) == 3
     assert out["messages"][0]["prompt_tokens"] == 3 and "completion_tokens" not in out["messages"][0]
+    assert out["current_message_id"] == third.id
     assert out["messages"][1] | {"id": 0, "created_at": 0} == {
-        "id": 0, "created_at": 0, "role": "assistant", "content": "hello", "completion_tokens": 2,
-        "finish_reason": "stop", "cached_tokens": 0, "ttft_s": 0.5, "tokens_per_s": 12.5}
+        "id": 0, "created_at": 0, "parent_id": first.id, "siblings": [second.id], "role": "assistant",
+        "content": "hello", "completion_tokens": 2, "finish_reason": "stop", "cached_tokens": 0, "ttft_s": 0.5,
+        "tokens_per_s": 12.5}
+    assert second.to_dict() == out["messages"][1]  # as add_message returned it
     assert got.updated_at >= out["messages"][2]["created_at"] >= got.created_at
 
     before = conversations.get(b.id).updated_at
@@ -90,21 +94,79 @@ def test_unknown_conversation_is_not_found(conversations, call):
         assert conn.execute(sa.text("SELECT count(*) FROM messages")).scalar() == 0
 
 
-def test_truncate_messages_then_append_continues_the_positions(conversations):
+def shape(conv) -> list[tuple[str, str | None, int, list[str]]]:
+    """(content, parent's content, position, siblings' contents) of each message shown."""
+    content = {m.id: m.content for m in conv.nodes}
+    return [(m.content, content.get(m.parent_id), m.position, [content[s] for s in m.siblings]) for m in conv.messages]
+
+
+def test_edits_and_regenerated_replies_keep_every_branch(conversations):
     conv = conversations.create()
+    u1 = conversations.add_message(conv.id, "user", "u1")
+    a1 = conversations.add_message(conv.id, "assistant", "a1")
+    u2 = conversations.add_message(conv.id, "user", "u2")
+    a2 = conversations.add_message(conv.id, "assistant", "a2")
+    assert (u1.parent_id, a1.parent_id, u2.parent_id, a2.parent_id) == (None, u1.id, a1.id, u2.id)
+    before = conversations.get(conv.id).updated_at
+
+    # edit u2: the new text follows a1 (u2's parent), beside u2; it and its reply are shown
+    u2b = conversations.add_message(conv.id, "user", "u2b", parent_id=a1.id)
+    assert (u2b.parent_id, u2b.position, u2b.siblings) == (a1.id, 3, [u2.id, u2b.id])
+    a2b = conversations.add_message(conv.id, "assistant", "a2b", parent_id=u2b.id)
+    # regenerate a2b: another reply to u2b, beside it
+    a2c = conversations.add_message(conv.id, "assistant", "a2c", parent_id=u2b.id)
+    assert a2c.siblings == [a2b.id, a2c.id] and a2c.to_dict()["siblings"] == [a2b.id, a2c.id]
+    got = conversations.get(conv.id)
+    assert got.current_message_id == a2c.id and got.updated_at >= before
+    assert shape(got) == [("u1", None, 1, ["u1"]), ("a1", "u1", 2, ["a1"]),
+                          ("u2b", "a1", 3, ["u2", "u2b"]), ("a2c", "u2b", 4, ["a2b", "a2c"])]
+    assert [m.to_dict() for m in got.messages] == got.to_dict(messages=True)["messages"]
+    assert [m.content for m in conversations.tree(conv.id)] == ["u1", "a1", "u2", "a2", "u2b", "a2b", "a2c"]
+    assert [m.content for m in conversations.path(conv.id, a2.id)] == ["u1", "a1", "u2", "a2"]
+    assert conversations.path(conv.id, None) == []
+
+    # back to the first branch: the old messages, intact; a message sent now follows a2
+    listed = conversations.list()[0].updated_at
+    shown = conversations.switch(conv.id, u2.id)
+    assert shown.current_message_id == a2.id and [m.content for m in shown.messages] == ["u1", "a1", "u2", "a2"]
+    assert [m.to_dict() for m in shown.messages[:2]] == [m.to_dict() for m in got.messages[:2]]
+    assert conversations.list()[0].updated_at == listed  # showing a branch is not an update
+    u3 = conversations.add_message(conv.id, "user", "u3")
+    assert (u3.parent_id, u3.position) == (a2.id, 5)
+    # switch lands on the most recent leaf under the message: the newest child at each level
+    assert conversations.switch(conv.id, a1.id).current_message_id == a2c.id
+    assert conversations.switch(conv.id, u1.id).current_message_id == a2c.id
+    assert conversations.switch(conv.id, a2.id).current_message_id == u3.id
+    assert conversations.switch(conv.id, a2b.id).current_message_id == a2b.id  # a leaf is its own
+
+    # editing the first message: a new root; set_current shows a branch up to an exact message
+    root = conversations.add_message(conv.id, "user", "u1b", parent_id=None)
+    assert (root.parent_id, root.position, root.siblings) == (None, 1, [u1.id, root.id])
+    assert [m.content for m in conversations.get(conv.id).messages] == ["u1b"]
+    assert conversations.set_current(conv.id, u2.id).messages[-1].content == "u2"
+    assert conversations.set_current(conv.id, None).messages == []
+    u1c = conversations.add_message(conv.id, "user", "u1c")
+    assert u1c.siblings == [u1.id, root.id, u1c.id]
+
+    # a message of another conversation (or none) is not one of its own: nothing stored, nothing shown
     other = conversations.create()
-    for i in range(5):
-        conversations.add_message(conv.id, "user", f"m{i}")
-    conversations.add_message(other.id, "user", "untouched")
-    conversations.truncate_messages(conv.id, 3)
-    assert message_rows(conversations, conv.id) == [(1, "m0"), (2, "m1"), (3, "m2")]
-    assert conversations.add_message(conv.id, "assistant", "new").position == 4
-    conversations.truncate_messages(conv.id, 10)  # nothing past the end: no-op
-    assert [p for p, _ in message_rows(conversations, conv.id)] == [1, 2, 3, 4]
-    conversations.truncate_messages(conv.id, 0)
+    foreign = conversations.add_message(other.id, "user", "theirs")
+    current = conversations.get(conv.id).current_message_id
+    for call in (lambda: conversations.add_message(conv.id, "user", "x", parent_id=foreign.id),
+                 lambda: conversations.add_message(conv.id, "user", "x", parent_id=10**6),
+                 lambda: conversations.switch(conv.id, foreign.id),
+                 lambda: conversations.set_current(conv.id, foreign.id),
+                 lambda: conversations.path(conv.id, foreign.id)):
+        with pytest.raises(MessageNotFound, match=str(foreign.id) + "|1000000"):
+            call()
+    assert conversations.get(conv.id).current_message_id == current
+    assert len(conversations.tree(conv.id)) == 10 and len(conversations.tree(other.id)) == 1
+    with pytest.raises(NotFound, match="nope"):
+        conversations.switch("nope", u1.id)
+
+    conversations.delete(conv.id)  # every branch goes with it, at the SQL level
     assert message_rows(conversations, conv.id) == []
-    assert conversations.add_message(conv.id, "user", "restart").position == 1
-    assert message_rows(conversations, other.id) == [(1, "untouched")]
+    assert message_rows(conversations, other.id) == [(1, "theirs")]
 
 
 def test_concurrent_appends_get_contiguous_positions(conversations):
@@ -127,6 +189,9 @@ def test_concurrent_appends_get_contiguous_positions(conversations):
     assert errors == []
     rows = message_rows(conversations, conv.id)
     assert [p for p, _ in rows] == list(range(1, 41))
+    chain = conversations.get(conv.id).messages  # one branch: each follows the one before
+    assert [m.content for m in chain] == [c for _, c in rows]
+    assert [m.parent_id for m in chain] == [None] + [m.id for m in chain[:-1]]
     for worker in range(4):  # each thread's messages keep their order
         mine = [c for _, c in rows if c.startswith(f"{worker}-")]
         assert mine == [f"{worker}-{i}" for i in range(10)]
@@ -149,9 +214,12 @@ while True:
         conv = Conversation(title=f"atomic-{i}", settings={})
         s.add(conv)
         s.flush()
+        parent = None
         for position in (1, 2, 3):
-            s.add(Message(conversation_id=conv.id, position=position, role="user", content=big))
+            message = Message(conversation_id=conv.id, parent_id=parent, position=position, role="user", content=big)
+            s.add(message)
             s.flush()
+            parent = conv.current_message_id = message.id
     conversations.add_message(log.id, "user", f"log-{i}")
     print(log.id, i, flush=True)
     i += 1

@@ -98,6 +98,64 @@ def test_a_data_file_of_the_first_schema_is_upgraded_with_its_messages(db_url):
         store.engine.dispose()
 
 
+def test_a_data_file_of_revision_0003_becomes_a_message_tree(db_url):
+    """Revision 0004 (branches): each conversation of a 0003 database becomes one branch, every message following the
+    one before it and the last one shown; the tree then takes branches; downgrading keeps the branch shown."""
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(conn), "0003")
+            for conv in ("c1", "c2", "empty"):
+                conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
+                                     "VALUES (:c, 'old', '{}', 1, 1)"), {"c": conv})
+            # interleaved, so that ids and positions disagree
+            for position, conv in [(1, "c1"), (1, "c2"), (2, "c1"), (3, "c1"), (2, "c2")]:
+                conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
+                                     "VALUES (:c, :p, :r, :t, 1)"),
+                             {"c": conv, "p": position, "r": "user" if position % 2 else "assistant",
+                              "t": f"{conv}-{position}"})
+    finally:
+        engine.dispose()
+    store = Store(db_url)
+    try:
+        conversations = Conversations(store)
+        for conv, length in (("c1", 3), ("c2", 2)):
+            got = conversations.get(conv)
+            shown = got.messages
+            assert [m.content for m in shown] == [f"{conv}-{p}" for p in range(1, length + 1)]
+            assert [m.parent_id for m in shown] == [None] + [m.id for m in shown[:-1]]
+            assert [m.position for m in shown] == list(range(1, length + 1))
+            assert got.current_message_id == shown[-1].id and len(got.nodes) == length
+            assert all(m.to_dict()["siblings"] == [m.id] for m in shown)
+        empty = conversations.get("empty")
+        assert (empty.current_message_id, empty.messages) == (None, [])
+        with store.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+
+        # positions are depths now, no longer unique: an edit of c1-3 is a sibling at position 3
+        first, second, _ = conversations.get("c1").messages
+        edit = conversations.add_message("c1", "user", "c1-3b", parent_id=second.id)
+        assert (edit.position, edit.siblings) == (3, [conversations.get("c1").nodes[2].id, edit.id])
+        conversations.add_message("c1", "assistant", "c1-4b")
+        conversations.add_message("empty", "user", "first")
+
+        with store.engine.begin() as conn:  # back to one branch per conversation: the one shown
+            command.downgrade(alembic_config(conn), "0003")
+        with store.engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT conversation_id, position, content FROM messages "
+                                        "ORDER BY conversation_id, position")).all()
+        assert [tuple(r) for r in rows] == [("c1", 1, "c1-1"), ("c1", 2, "c1-2"), ("c1", 3, "c1-3b"),
+                                            ("c1", 4, "c1-4b"), ("c2", 1, "c2-1"), ("c2", 2, "c2-2"),
+                                            ("empty", 1, "first")]
+        with store.engine.begin() as conn:
+            with pytest.raises(sa.exc.IntegrityError):  # 0001's unique positions are back
+                with conn.begin_nested():
+                    conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, "
+                                         "created_at) VALUES ('c1', 3, 'user', 'dup', 1)"))
+    finally:
+        store.engine.dispose()
+
+
 # --- the persisted-KV index ----------------------------------------------------------------------
 
 def kv_entry(name: str, fingerprint: bytes, last_access: float, nbytes: int = 1000) -> KVEntry:
