@@ -710,6 +710,9 @@ class SessionCreateRequest(SessionSettings):
     title: str = Field(default="New chat", min_length=1, max_length=200)
 
 
+NOT_SETTINGS = frozenset({"title", "current_message_id"})  # what a PATCH changes besides the settings
+
+
 class SessionUpdateRequest(BaseModel):
     """PATCH /v1/sessions/{id}: the fields given change (null clears a system prompt or the tools); the settings
     they make are checked together (a tool_choice must name one of the tools)."""
@@ -721,27 +724,58 @@ class SessionUpdateRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None  # checked with the rest, as SessionSettings
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # show another branch: the one through this message, down to its most recent reply (Conversations.switch)
+    current_message_id: int | None = None
+
+    @field_validator("current_message_id")
+    @classmethod
+    def _a_message(cls, message_id: int | None) -> int:
+        if message_id is None:  # only a given null gets here: a branch is shown through a message
+            raise ValueError("must be the id of one of the session's messages, not null")
+        return message_id
+
+    def changes_settings(self) -> bool:
+        return bool(self.model_fields_set - NOT_SETTINGS)
 
     def settings(self, current: dict[str, Any]) -> SessionSettings:
         """`current` with this request's changes; pydantic's ValidationError for settings that do not hold."""
-        changed = self.model_dump(include=self.model_fields_set - {"title"})
+        changed = self.model_dump(include=self.model_fields_set - NOT_SETTINGS)
         if changed.get("sampling") is None:
             changed.pop("sampling", None)
         merged = {k: v for k, v in {**current, **changed}.items() if v is not None or k == "system_prompt"}
         return SessionSettings.model_validate(merged)
 
 
-class SessionMessageRequest(SamplingFields):
+# a session reply's fields that are not sampling overrides
+NOT_SAMPLING = frozenset({"role", "content", "tool_call_id", "tool_choice", "stream", "model", "parent_id"})
+
+
+class SessionReplyFields(SamplingFields):
+    """What a session reply takes: fields given here override the conversation's sampling settings (and
+    tool_choice) for this reply. Streams by default."""
+
+    # this reply's, instead of the conversation's (e.g. "required" to start, "auto" once the results are in)
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool = True
+
+    def overrides(self) -> dict[str, Any]:
+        """The sampling fields this request sets."""
+        return self.model_dump(include=self.model_fields_set - NOT_SAMPLING)
+
+
+class SessionRegenerateRequest(SessionReplyFields):
+    """POST /v1/sessions/{id}/messages/{message_id}/regenerate: another reply to a stored message (the body may
+    be empty)."""
+
+
+class SessionMessageRequest(SessionReplyFields):
     """POST /v1/sessions/{id}/messages: the user's message, or a tool's result (role "tool", with the id of the
-    call it answers); fields given here override the conversation's sampling settings (and tool_choice) for this
-    reply. Streams by default."""
+    call it answers), after `parent_id` when given (null: a new first message; absent: the last message shown)."""
 
     role: Literal["user", "tool"] = "user"
     content: str = Field(min_length=1)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=200, validate_default=True)
-    # this reply's, instead of the conversation's (e.g. "required" to start, "auto" once the results are in)
-    tool_choice: str | dict[str, Any] | None = None
-    stream: bool = True
+    parent_id: int | None = None  # edit a message: post the new text after the message the old one followed
 
     @field_validator("tool_call_id")
     @classmethod

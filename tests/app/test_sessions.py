@@ -2,7 +2,9 @@
 real store, SQLite and PostgreSQL: CRUD, validation (nothing rejected is stored), the streamed reply's events,
 multi-turn history kept server-side (the same prompt as /v1/chat/completions with the whole history, prefix
 cache hits from turn 2), the chat template's prefix stability that those cache hits rest on, sampling
-settings and their per-message overrides, a client hanging up mid-reply, and a burst of sessions at once."""
+settings and their per-message overrides, branches (an edited message and a regenerated reply beside the old
+ones, switching back hits the old branch's cached prefix), a client hanging up mid-reply, and a burst of sessions
+at once."""
 
 from __future__ import annotations
 
@@ -485,6 +487,125 @@ def test_a_reply_with_parallel_calls_waits_for_every_result(server, engine):
     waiting = post_stream(http, session["id"], role="tool", content="4 C", tool_call_id="call_oslo")
     assert [e if isinstance(e, str) else e["type"] for e in waiting] == ["tool", "awaiting_tool_results", "[DONE]"]
     assert waiting[1]["tool_call_ids"] == ["call_b"]
+    assert wait_idle(engine)
+
+
+# --- branches ---------------------------------------------------------------------------------------------
+
+SHORT = {"temperature": 0, "max_tokens": 6}
+
+
+def test_edit_switch_back_and_regenerate_keep_every_branch(sqlite_server, engine):
+    """Edit the second message (a new branch), switch back to the first branch: its messages are intact and the
+    next message there finds the branch's whole history in the prefix cache; regenerated replies are siblings."""
+    http, _ = sqlite_server
+    session = create(http, sampling=SHORT)
+    sid, url = session["id"], f"/v1/sessions/{session['id']}"
+    block_size = engine.engine.config.block_size
+    post_whole(http, sid, content="What is the capital of France?")
+    second = post_whole(http, sid, content="And the capital of Italy?")
+    first_branch = get(http, sid)["messages"]
+    u1, a1, u2, a2 = first_branch
+    assert [m["parent_id"] for m in first_branch] == [None, u1["id"], a1["id"], u2["id"]]
+    assert all(m["siblings"] == [m["id"]] for m in first_branch)
+
+    # edit the second message: the new text follows a1, beside u2; it and its reply are shown
+    edit = post_stream(http, sid, content="And the capital of Spain?", parent_id=a1["id"])
+    done = check_reply_events(edit, "And the capital of Spain?")
+    u2b, a2b = edit[0]["message"], done["message"]
+    assert (u2b["parent_id"], u2b["siblings"]) == (a1["id"], [u2["id"], u2b["id"]])
+    assert (a2b["parent_id"], a2b["siblings"]) == (u2b["id"], [a2b["id"]])
+    edited = get(http, sid)
+    assert edited["messages"] == [u1, a1, u2b, a2b] and edited["current_message_id"] == a2b["id"]
+    assert done["usage"]["prompt_tokens"] < second["usage"]["prompt_tokens"] + second["usage"]["completion_tokens"]
+
+    # back to the first branch (through u2: down to its reply a2), intact
+    switched = http.patch(url, json={"current_message_id": u2["id"]})
+    assert switched.status_code == 200, switched.text
+    u2_now = {**u2, "siblings": [u2["id"], u2b["id"]]}
+    assert switched.json()["messages"] == [u1, a1, u2_now, a2] and switched.json()["current_message_id"] == a2["id"]
+    assert http.get(f"{url}/messages").json()["data"] == [u1, a1, u2_now, a2]
+    third = post_whole(http, sid, content="Which of the two is larger?")
+    assert third["user"]["parent_id"] == a2["id"]
+    previous, usage = second["usage"], third["usage"]
+    # the first branch's prompt and reply (but the reply's last token) are this prompt's prefix, cached
+    assert usage["prompt_tokens"] > previous["prompt_tokens"] + previous["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= (
+        previous["prompt_tokens"] + previous["completion_tokens"] - 1) // block_size * block_size > 0
+    u3, a3 = third["user"], third["message"]
+    assert get(http, sid)["messages"] == [u1, a1, u2_now, a2, u3, a3]
+
+    # regenerate a3 (an empty body: streamed, the session's sampling): another reply to u3, beside a3
+    with http.stream("POST", f"{url}/messages/{a3['id']}/regenerate") as r:
+        assert r.status_code == 200, r.read().decode()
+        events = parse_sse(r.iter_lines())
+    assert [e if isinstance(e, str) else e["type"] for e in (events[0], events[-2], events[-1])] == [
+        "delta", "done", "[DONE]"], events
+    again = events[-2]["message"]
+    assert again["content"] == "".join(e["content"] for e in events[:-2])
+    assert (again["parent_id"], again["siblings"]) == (u3["id"], [a3["id"], again["id"]])
+    redo = events[-2]["usage"]
+    assert redo["prompt_tokens"] == usage["prompt_tokens"]  # the same history: its whole prompt is cached
+    assert redo["prompt_tokens_details"]["cached_tokens"] >= (redo["prompt_tokens"] - 1) // block_size * block_size
+    # regenerate the user message u3 itself, not streamed: a third reply
+    r = http.post(f"{url}/messages/{u3['id']}/regenerate", json={"stream": False, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert {"message", "usage", "timings"} <= set(whole) and "user" not in whole
+    assert whole["message"]["siblings"] == [a3["id"], again["id"], whole["message"]["id"]]
+    assert whole["usage"]["completion_tokens"] <= 3
+    assert get(http, sid)["messages"] == [u1, a1, u2_now, a2, u3, whole["message"]]
+
+    # edit the first message: a new root
+    root = post_whole(http, sid, content="Hello!", parent_id=None, max_tokens=2)
+    assert (root["user"]["parent_id"], root["user"]["siblings"]) == (None, [u1["id"], root["user"]["id"]])
+    assert [m["id"] for m in get(http, sid)["messages"]] == [root["user"]["id"], root["message"]["id"]]
+    every = http.get(f"{url}/messages", params={"branches": "all"}).json()["data"]
+    assert [m["id"] for m in every] == sorted(m["id"] for m in every)
+    by_id = {m["id"]: m for m in every}
+    for message in (u1, a1, u2, a2, u2b, a2b, u3, a3, again):  # as they were stored (siblings came since)
+        assert by_id[message["id"]] == {**message, "siblings": by_id[message["id"]]["siblings"]}
+    assert by_id[a3["id"]]["siblings"] == [a3["id"], again["id"], whole["message"]["id"]]
+    assert len(every) == 12 and get(http, sid)["title"] == "What is the capital of France?"
+    assert wait_idle(engine)
+
+
+def test_bad_branch_requests_are_refused_and_change_nothing(server, engine):
+    http, app = server
+    conversations = app.state.chat.conversations
+    session, other = create(http, sampling=SHORT), create(http)
+    sid, url = session["id"], f"/v1/sessions/{session['id']}"
+    u1 = conversations.add_message(sid, "user", "Hi")
+    conversations.add_message(sid, "assistant", "Hello! How can I help?")
+    foreign = conversations.add_message(other["id"], "user", "theirs")
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for n in (1, 2)]
+    conversations.add_message(sid, "user", "Call both.")
+    conversations.add_message(sid, "assistant", "", tool_calls=calls, finish_reason="tool_calls")
+    half = conversations.add_message(sid, "tool", "one", tool_call_id="call_1")  # call_2 still open
+    before = get(http, sid)
+    every = http.get(f"{url}/messages", params={"branches": "all"}).json()["data"]
+
+    for body in ({"parent_id": 10**6}, {"parent_id": foreign.id}, {"parent_id": "first"},
+                 {"parent_id": u1.id}):  # a user message under a user message
+        assert "parent_id" in assert_error(http.post(f"{url}/messages", json={"content": "x", **body}),
+                                           400, "parent_id")["message"]
+    for body in ({"current_message_id": 10**6}, {"current_message_id": foreign.id},
+                 {"current_message_id": None}, {"current_message_id": "x"},
+                 {"title": "Renamed", "current_message_id": 10**6}):
+        assert_error(http.patch(url, json=body), 400, "current_message_id")
+    for message_id in (10**6, foreign.id):
+        error = assert_error(http.post(f"{url}/messages/{message_id}/regenerate", json={}), 404, "message_id")
+        assert error["code"] == "message_not_found"
+    assert_error(http.post(f"{url}/messages/{half.id}/regenerate", json={}), 400, "message_id")  # call_2 open
+    assert_error(http.post(f"{url}/messages/first/regenerate", json={}), 400, "message_id")
+    assert_error(http.post(f"{url}/messages/{u1.id}/regenerate", json={"n": 2}), 400, "n")
+    assert_error(http.post(f"{url}/messages/{u1.id}/regenerate", json={"temperature": 9}), 400, "temperature")
+    assert_error(http.post(f"{url}/messages/{u1.id}/regenerate", json={"bogus": 1}), 400, "bogus")
+    assert_error(http.post("/v1/sessions/nope/messages/1/regenerate", json={}), 404, "session_id")
+    assert_error(http.get(f"{url}/messages", params={"branches": "some"}), 400, "branches")
+
+    assert get(http, sid) == before  # nothing stored, renamed or switched
+    assert http.get(f"{url}/messages", params={"branches": "all"}).json()["data"] == every
     assert wait_idle(engine)
 
 
