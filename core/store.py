@@ -36,6 +36,16 @@ def default_db_url(data_dir: Path) -> str:
     return f"sqlite:///{data_dir / 'kvforge.db'}"
 
 
+# Schema objects the migrations make that no model maps: the conversation search index (migration 0005: SQLite
+# FTS5 tables with their shadow tables, PostgreSQL expression indexes). Autogenerate and compare_metadata skip them.
+UNMAPPED_PREFIXES = ("messages_fts", "conversations_fts", "ix_messages_content_fts", "ix_conversations_title_fts")
+
+
+def mapped_schema_object(name: str | None, type_: str, parent_names: dict[str, Any]) -> bool:
+    """Alembic's include_name hook: False for the schema objects no model maps (UNMAPPED_PREFIXES)."""
+    return not (type_ in ("table", "index") and name is not None and name.startswith(UNMAPPED_PREFIXES))
+
+
 class Base(DeclarativeBase):
     """The data file's ORM models, whoever owns them: one metadata, the one the migrations describe."""
 

@@ -2,13 +2,16 @@
 
 from alembic import context
 
-from kvforge.core.store import Base
+from kvforge.core.store import Base, mapped_schema_object
 
-# Base.metadata holds the models imported so far (core/kv/sql_index.py, app/conversations.py): import both
-# before autogenerating a revision, or it proposes dropping the tables of the missing one.
+# Base.metadata holds the models imported so far (core/kv/sql_index.py, app/conversations.py,
+# app/system_prompts.py): import them all before autogenerating a revision, or it proposes dropping the tables of
+# the missing ones.
 
 connection = context.config.attributes["connection"]
-# render_as_batch: SQLite cannot ALTER most things in place; batch mode copies the table instead.
-context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True)
+# render_as_batch: SQLite cannot ALTER most things in place; batch mode copies the table instead. The search
+# index's tables and indexes are no model's (core/store.py's mapped_schema_object).
+context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True,
+                  include_name=mapped_schema_object)
 with context.begin_transaction():
     context.run_migrations()

@@ -14,11 +14,12 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from kvforge.app.conversations import Conversations  # maps its tables on Base: the metadata is the whole schema
+from kvforge.app.system_prompts import SystemPrompts
 from kvforge.core.kv.index import KVEntry
 from kvforge.core.kv.sql_index import SQLKVIndex
-from kvforge.core.store import MIGRATIONS, Base, Store
+from kvforge.core.store import MIGRATIONS, Base, Store, mapped_schema_object
 
-TABLES = {"conversations", "messages", "kv_blocks"}
+TABLES = {"conversations", "messages", "kv_blocks", "system_prompts"}
 
 
 @pytest.fixture
@@ -29,6 +30,12 @@ def index(db_url):
 
 
 # --- migrations ----------------------------------------------------------------------------------
+
+def models_vs_schema(conn) -> list:
+    """What differs between the models and the database (the search index no model maps left out)."""
+    return compare_metadata(MigrationContext.configure(conn, opts={"include_name": mapped_schema_object}),
+                            Base.metadata)
+
 
 def alembic_config(connection) -> Config:
     config = Config()
@@ -41,17 +48,19 @@ def test_migrations_create_the_schema_and_reopening_is_a_noop(db_url):
     first = Store(db_url)
     conv = Conversations(first).create("kept")
     Conversations(first).add_message(conv.id, "user", "hello")
+    SystemPrompts(first).put("Brief", "Answer briefly.")
     head = ScriptDirectory.from_config(alembic_config(None)).get_current_head()
     assert head is not None
 
     second = Store(db_url)  # upgrade to head again: nothing to do, nothing lost
     try:
         assert [m.content for m in Conversations(second).get(conv.id).messages] == ["hello"]
+        assert SystemPrompts(second).get("Brief").content == "Answer briefly."
         inspector = sa.inspect(second.engine)
         assert TABLES | {"alembic_version"} <= set(inspector.get_table_names())
         with second.engine.connect() as conn:
             assert list(conn.execute(sa.text("SELECT version_num FROM alembic_version"))) == [(head,)]
-            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []  # models == schema
+            assert models_vs_schema(conn) == []  # models == schema
 
         with second.engine.begin() as conn:  # the migration also downgrades cleanly...
             command.downgrade(alembic_config(conn), "base")
@@ -130,7 +139,7 @@ def test_a_data_file_of_revision_0003_becomes_a_message_tree(db_url):
         empty = conversations.get("empty")
         assert (empty.current_message_id, empty.messages) == (None, [])
         with store.engine.connect() as conn:
-            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+            assert models_vs_schema(conn) == []
 
         # positions are depths now, no longer unique: an edit of c1-3 is a sibling at position 3
         first, second, _ = conversations.get("c1").messages
