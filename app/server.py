@@ -2,7 +2,8 @@
 
 Routes: /v1/chat/completions, /v1/completions, /v1/responses (app/responses_api.py; streamed as server-sent
 events or whole),
-/v1/sessions (conversations kept server-side, see sessions.py),
+/v1/sessions (conversations kept server-side, see sessions.py; export, import, search and /v1/system_prompts:
+history_api.py),
 /v1/models, /health, /metrics (Prometheus); Ollama's API under /api (app/ollama_api.py), Anthropic's Messages at
 /v1/messages (app/anthropic_api.py). Errors come in OpenAI's shape, {"error": {"message", "type", "param",
 "code"}} (in Ollama's and Anthropic's on their routes): 400 naming the bad field,
@@ -44,6 +45,7 @@ from kvforge.app.embeddings_api import embeddings_router
 from kvforge.app.engine_factory import build_async_engine
 from kvforge.app.errors import APIError, error_response, validation_message
 from kvforge.app.generation import admit, chat_chars, collect, render_chat
+from kvforge.app.history_api import history_router
 from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.models import InvalidSpec, ModelHost, ModelSpec
@@ -328,6 +330,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     if store is not None:
         app.state.chat = ChatService(admission, store, metrics, default_max_tokens, request_timeout_s)
         app.include_router(sessions_router(app.state.chat))
+        app.include_router(history_router(app.state.chat))  # export, import, search, system-prompt presets
     app.include_router(tokenize_router(admission))
     app.include_router(ollama_router(admission, metrics, default_max_tokens, request_timeout_s))
     app.include_router(anthropic_router(admission, metrics, default_max_tokens, request_timeout_s))

@@ -1,6 +1,6 @@
 """The sessions API: conversations kept server-side (app/conversations.py), replies streamed.
 
-    GET/POST /v1/sessions                 list, create
+    GET/POST /v1/sessions                 list (?search=WORDS: those matching, app/history_api.py), create
     GET/PATCH/DELETE /v1/sessions/{id}    get (with messages), rename / change settings / show a branch, delete
     GET/POST /v1/sessions/{id}/messages   history; post a user message (or a tool's result) and get the reply
     POST /v1/sessions/{id}/messages/{message_id}/regenerate   another reply to a stored message
@@ -55,8 +55,10 @@ from pydantic import ValidationError
 
 from kvforge.app.chat_service import AwaitingResults, ChatService, Turn, not_found
 from kvforge.app.completion import RequestTimedOut, StreamResponse
+from kvforge.app.conversation_search import ConversationSearch
 from kvforge.app.conversations import CURRENT, MessageNotFound, NotFound
 from kvforge.app.errors import APIError
+from kvforge.app.history_api import search_response
 from kvforge.app.protocol import (
     SessionCreateRequest,
     SessionMessageRequest,
@@ -72,8 +74,12 @@ def sessions_router(chat: ChatService) -> APIRouter:
     router, host, conversations = APIRouter(), chat.host, chat.conversations
     get = chat.get
 
+    searcher = ConversationSearch(conversations.store)
+
     @router.get("/v1/sessions")
-    def list_sessions():
+    def list_sessions(search: str | None = None):
+        if search is not None:  # the sessions whose title or messages hold these words
+            return search_response(searcher, search)
         return {"object": "list", "data": [c.to_dict() for c in conversations.list()]}
 
     @router.post("/v1/sessions")

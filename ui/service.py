@@ -10,12 +10,24 @@ figures come from the one server-side DashboardSampler.
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from kvforge.app.chat_service import DEFAULT_TITLE, ChatService, Turn
+from kvforge.app.conversation_search import ConversationSearch
 from kvforge.app.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
+from kvforge.app.date_groups import group_by_date
+from kvforge.app.errors import validation_message
+from kvforge.app.history import ConversationExport, export_conversation, export_filename, import_conversation
+from kvforge.app.history_markdown import conversation_markdown
 from kvforge.app.models import ModelSpec
+from kvforge.app.system_prompts import SystemPrompts
 from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, embedded_gguf_path, resolve_model
 
@@ -168,3 +180,69 @@ class UIService:
 
     def recent_ttfts(self) -> list[float]:
         return self._sampler.recent_ttfts()
+
+    # ---- history: the sidebar's groups and search, export and import, system-prompt presets ----------------------
+
+    @cached_property
+    def _search(self) -> ConversationSearch:
+        return ConversationSearch(self._conversations.store)
+
+    @cached_property
+    def _presets(self) -> SystemPrompts:
+        return SystemPrompts(self._conversations.store)
+
+    def conversation_groups(self, search: str = "") -> list[tuple[str, list[tuple[str, str]]]]:
+        """(group label, [(title, id)]) by last update in local time ("Today", "Yesterday", "Previous 7 days",
+        "Previous 30 days", "November 2026"...), newest first; with `search`, only the conversations whose title or
+        messages (any branch) hold its words. ValueError for a search over 500 characters or 16 words."""
+        found = [hit.conversation for hit in self._search.search(search)] if search.strip() \
+            else self._conversations.list()
+        return [(label, [(c.title, c.id) for c in group])
+                for label, group in group_by_date(found, lambda c: c.updated_at, datetime.now())]
+
+    def export_conversation(self, session_id: str, fmt: str) -> tuple[str, str]:
+        """(file name, text) of the conversation as "json" (every branch: app/history.py's format, importable) or
+        "markdown" (the branch shown); NotFound for an unknown conversation, ValueError for another format."""
+        conv = self._conversations.get(session_id)
+        if fmt == "json":
+            return export_filename(conv.title, "json"), json.dumps(export_conversation(conv), indent=2,
+                                                                  ensure_ascii=False)
+        if fmt == "markdown":
+            return export_filename(conv.title, "md"), conversation_markdown(conv)
+        raise ValueError(f"unknown export format {fmt!r} (json or markdown)")
+
+    def import_conversation(self, text: str) -> str:
+        """A JSON export (a file's text) stored as a new conversation: its id. ValueError naming what is wrong
+        ("not valid JSON...", "messages.3.role: ...") when it is not one; nothing is stored then."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"not a kvforge conversation export: not valid JSON ({exc})") from None
+        try:
+            export = ConversationExport.model_validate(data)
+        except ValidationError as exc:
+            message, _ = validation_message(RequestValidationError(exc.errors(), body=data))
+            raise ValueError(f"not a kvforge conversation export: {message}") from None
+        return import_conversation(self._conversations.store, export)
+
+    def system_prompt_names(self) -> list[str]:
+        return [preset.name for preset in self._presets.list()]
+
+    def system_prompt(self, name: str) -> str | None:
+        """The preset's text, or None when there is none of that name."""
+        try:
+            return self._presets.get(name).content
+        except NotFound:
+            return None
+
+    def save_system_prompt(self, name: str, content: str) -> None:
+        """Create the preset or replace its text (the name trimmed); ValueError naming the field ("name: must not be
+        blank", "content: ...")."""
+        self._presets.put(name.strip(), content)
+
+    def delete_system_prompt(self, name: str) -> None:
+        """Delete the preset; one already gone (another tab, the API) is not an error."""
+        try:
+            self._presets.delete(name)
+        except NotFound:
+            pass
