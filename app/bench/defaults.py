@@ -1,10 +1,13 @@
 """`kvforge bench defaults`: what a newcomer's first questions get at each sampling setting, and what the repetition
 guard would save. Short factual chat questions (the README's "What is the capital of France?" among them), each
-sampled with several seeds, at three settings measured in the same run on one engine:
+sampled with several seeds, at five settings measured in the same run on one engine:
 
   neutral    temperature 1, top-p 1 (SamplingParams' own: what a request got before model defaults)
   old-ui     temperature 0.7, top-p 1 (the browser UI's sliders before model defaults)
-  model      the model's sampling defaults (core/generation_defaults.py; the embedded SmolLM2: 0.2 / 0.9)
+  low        temperature 0.2, top-p 0.9 (SmolLM2's model card)
+  greedy     temperature 0 (every seed the same reply)
+  model      the model's sampling defaults (core/generation_defaults.py; the embedded model's: greedy, chosen
+             from this bench's figures)
 
 Per setting: the share of replies that contain the expected fact, that end on their own (EOS), that run to
 --max-tokens, that loop (the repetition guard would have ended them: it ends a reply without changing a token
@@ -39,6 +42,7 @@ QUESTIONS = (
 
 def settings(engine) -> dict[str, dict]:
     return {"neutral": {"temperature": 1.0, "top_p": 1.0}, "old-ui": {"temperature": 0.7, "top_p": 1.0},
+            "low": {"temperature": 0.2, "top_p": 0.9}, "greedy": {"temperature": 0.0},
             "model": dict(engine.generation_defaults.values)}
 
 

@@ -20,10 +20,10 @@ def test_defaults_bench_report(embedded_path):
          "--max-tokens", "12", "--json"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # stdout is exactly one JSON object
-    assert report["model_defaults_source"] == "SmolLM2 model card" and report["questions"] == 2
+    assert report["model_defaults_source"] == "kvforge bench defaults (embedded Q4_1)" and report["questions"] == 2
     rows = report["settings"]
-    assert list(rows) == ["neutral", "old-ui", "model"]
-    assert rows["model"]["sampling"] == {"temperature": 0.2, "top_p": 0.9}
+    assert list(rows) == ["neutral", "old-ui", "low", "greedy", "model"]
+    assert rows["model"]["sampling"] == rows["greedy"]["sampling"] == {"temperature": 0.0}
     for row in rows.values():
         assert row["replies"] == 4 and 0 < row["mean_tokens"] <= 12
         assert row["ended_by_eos"] + row["ran_to_max_tokens"] == 1  # 12 tokens: nothing loops yet

@@ -1,7 +1,7 @@
 """The served model's sampling defaults through the APIs, on a real `kvforge serve` started as README command 1 starts
-it (the embedded SmolLM2, whose model card recommends temperature 0.2 and top-p 0.9): a request that leaves a field
-out samples exactly as one that sends the model's default (same seed, same tokens), through the official `openai`
-client, Ollama's API and the sessions API; the repetition guard on request; and the settings file's per-model
+it (the embedded SmolLM2 Q4_1, which decodes greedily by default: core/generation_defaults.py): a request that leaves
+a field out samples exactly as one that sends the model's default (same seed, same tokens), through the official
+`openai` client, Ollama's API and the sessions API; the repetition guard on request; and the settings file's per-model
 defaults (--model-sampling) reaching the engine's configuration."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvforge.core.repetition import MIN_SPAN
 from tests.app.test_agent_api import MODEL
 
 STORY = [{"role": "user", "content": "Write a short poem about the sea."}]
-SMOL_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+EMBEDDED_DEFAULTS = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,16 @@ def chat(client, **fields) -> tuple[str, str]:
 
 def test_the_model_card_names_the_defaults(server):
     card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
-    assert card["sampling_defaults"] == SMOL_DEFAULTS and card["sampling_defaults_source"] == "SmolLM2 model card"
+    assert card["sampling_defaults"] == EMBEDDED_DEFAULTS
+    assert card["sampling_defaults_source"] == "kvforge bench defaults (embedded Q4_1)"
 
 
 def test_left_out_fields_take_the_models_defaults(client, server):
     implicit = chat(client, seed=11)
-    assert implicit == chat(client, seed=11, **SMOL_DEFAULTS)
+    assert implicit == chat(client, seed=11, **EMBEDDED_DEFAULTS)
     # the neutral settings sample differently from the same seed (what the request got before model defaults)
     assert implicit != chat(client, seed=11, temperature=1.0, top_p=1.0)
-    assert chat(client, seed=11, temperature=0.2) == implicit  # a field given keeps the other defaults
+    assert chat(client, seed=11, top_p=0.5) == implicit  # a field given keeps the other defaults
     # Ollama's options: left out, the same defaults
     ollama = httpx.post(f"{server.url}/api/chat", json={"model": MODEL, "messages": STORY, "stream": False,
                                                         "options": {"seed": 11, "num_predict": 20}}, timeout=300)
@@ -57,11 +58,11 @@ def test_a_sessions_reply_takes_the_models_defaults_under_its_own(client, server
     reply = http.post(f"/v1/sessions/{session['id']}/messages",
                       json={"content": STORY[0]["content"], "stream": False, "seed": 11, "max_tokens": 20}).json()
     assert reply["message"]["content"] == chat(client, seed=11)[0]
-    # a conversation's own sampling settings go over the model's: greedy here
-    greedy = http.post("/v1/sessions", json={"sampling": {"temperature": 0}}).json()
-    reply = http.post(f"/v1/sessions/{greedy['id']}/messages",
-                      json={"content": STORY[0]["content"], "stream": False, "max_tokens": 20}).json()
-    assert reply["message"]["content"] == chat(client, temperature=0)[0]
+    # a conversation's own sampling settings go over the model's
+    hot = http.post("/v1/sessions", json={"sampling": {"temperature": 1.0}}).json()
+    reply = http.post(f"/v1/sessions/{hot['id']}/messages",
+                      json={"content": STORY[0]["content"], "stream": False, "max_tokens": 20, "seed": 5}).json()
+    assert reply["message"]["content"] == chat(client, temperature=1.0, seed=5)[0]
 
 
 def test_the_repetition_guard_ends_a_loop(client):

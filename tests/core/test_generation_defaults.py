@@ -36,7 +36,10 @@ def test_generation_config_first_then_the_family_then_none(tmp_path):
     family = GenerationDefaults({"temperature": 0.2, "top_p": 0.9}, "SmolLM2 model card")
     assert model_generation_defaults(smol) == family
     converted = checkpoint(tmp_path, "abc123", {"eos_token_id": 2})
-    assert model_generation_defaults(converted, ["/models/SmolLM2-135M-Instruct.Q4_1.gguf"]) == family
+    assert model_generation_defaults(converted, ["/models/SmolLM2-360M-Instruct.Q8_0.gguf"]) == family
+    # the embedded Q4_1 conversion has an entry of its own, before the family's (measured: greedy)
+    embedded = GenerationDefaults({"temperature": 0.0}, "kvforge bench defaults (embedded Q4_1)")
+    assert model_generation_defaults(converted, [None, "/x/SmolLM2-135M-Instruct.Q4_1.gguf"]) == embedded
     named = checkpoint(tmp_path, "x", None, {"_name_or_path": "HuggingFaceTB/SmolLM2-1.7B-Instruct"})
     assert model_generation_defaults(named) == family
     assert model_generation_defaults(checkpoint(tmp_path, "SmolLM2-135M", None)) == GenerationDefaults()  # base
@@ -68,11 +71,11 @@ def test_the_users_defaults_go_over_the_models_field_by_field():
 
 
 def test_an_engine_reads_its_checkpoints_defaults(embedded_llm, embedded_path, tmp_path):
-    """The embedded model (the README's default) samples at its model card's settings; a generation_config.json that
-    sets some wins; the settings' sampling_defaults go over either."""
-    assert embedded_llm.engine.generation_defaults == GenerationDefaults({"temperature": 0.2, "top_p": 0.9},
-                                                                         "SmolLM2 model card")
-    assert embedded_llm.default_sampling_params().temperature == 0.2
+    """The embedded model (the README's default) decodes greedily by default (its table entry); a
+    generation_config.json that sets some fields wins; the settings' sampling_defaults go over either."""
+    assert embedded_llm.engine.generation_defaults == GenerationDefaults(
+        {"temperature": 0.0}, "kvforge bench defaults (embedded Q4_1)")
+    assert embedded_llm.default_sampling_params().greedy
     copy = tmp_path / "my-model"
     shutil.copytree(embedded_path, copy)
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.6, "top_k": 20}))
