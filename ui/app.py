@@ -23,6 +23,10 @@ GRADIO_ENVIRONMENT = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"
 CSS = """
 #reply-stats { font-size: 0.85em; opacity: 0.8; }
 #dashboard table { font-size: 0.85em; }
+#branches { gap: 2px; }
+#branches .branch-point { align-items: center; gap: 4px; }
+#branches .branch-label { font-size: 0.85em; }
+.conversation-group { padding-top: 2px; padding-bottom: 2px; }
 """
 # Gradio's queue looks for new events every 1 ms and for progress updates every 10 ms, also while nobody has the
 # page open: ~1100 wakeups a second of the event loop the API streams on, each taking the GIL. Measured with
@@ -73,4 +77,7 @@ def mount_ui(app, chat: ChatService, sampler: DashboardSampler):
     demo = build_ui(chat, sampler)  # first: it sets the environment gradio is imported under
     import gradio as gr
 
-    return gr.mount_gradio_app(app, demo, path="/", theme=gr.themes.Default(), css=CSS, footer_links=[])
+    from kvforge.ui.chat import TOOLTIP_SCRIPT
+
+    return gr.mount_gradio_app(app, demo, path="/", theme=gr.themes.Default(), css=CSS, footer_links=[],
+                               head=TOOLTIP_SCRIPT)

@@ -2,7 +2,9 @@
 reasoning model's thinking in a collapsible bubble before its answer; a reply's tool calls, and the results the
 client posted for them, each in a collapsible bubble after it), a streamed reply with Stop (the partial reply is
 kept), Regenerate and Edit last message, and the generation settings (system prompt, temperature, top-p, max
-tokens). A conversation's tools are set, and their results posted, through the sessions API (app/sessions.py).
+tokens, the repetition guard): each conversation shows its own, which start at the served model's defaults
+(core/generation_defaults.py; "Model defaults" goes back to them) and are kept with it when a message is sent.
+A conversation's tools are set, and their results posted, through the sessions API (app/sessions.py).
 
 Gradio is imported inside the functions: build_ui imports this module after the offline environment is set.
 """
@@ -10,6 +12,11 @@ Gradio is imported inside the functions: build_ui imports this module after the 
 from __future__ import annotations
 
 import asyncio
+import html
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.app.errors import APIError
@@ -32,8 +39,8 @@ def tool_result_title(name: str | None, call_id: str | None) -> str:
     return f"Tool result: {name}" if name else f"Tool result for {call_id}"
 
 
-def reply_stats_markdown(message: dict | None) -> str:
-    """Per-reply stats under the chat: tokens, tok/s, TTFT, cached tokens."""
+def reply_stats_line(message: dict | None) -> str:
+    """A reply's stats in one line: tokens, tok/s, TTFT, cached tokens (and how it ended, when not by itself)."""
     if not message or message.get("role") != "assistant":
         return ""
     parts = [f"{message.get('completion_tokens', '?')} tokens"]
@@ -42,11 +49,15 @@ def reply_stats_markdown(message: dict | None) -> str:
     if message.get("ttft_s") is not None:
         parts.append(f"TTFT {message['ttft_s'] * 1000:.0f} ms")
     parts.append(f"{message.get('cached_tokens') or 0} cached tokens")
-    if message.get("finish_reason") == "abort":
-        parts.append("stopped")
-    elif message.get("finish_reason") == "tool_calls":
-        parts.append("called tools")
-    return "Last reply: " + " · ".join(parts)
+    ended = {"abort": "stopped", "tool_calls": "called tools", "repetition": "stopped: it repeated itself",
+             "length": "max tokens reached"}.get(message.get("finish_reason"))
+    return " · ".join(parts + ([ended] if ended else []))
+
+
+def reply_stats_markdown(message: dict | None) -> str:
+    """Per-reply stats under the chat."""
+    line = reply_stats_line(message)
+    return f"Last reply: {line}" if line else ""
 
 
 def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False,
@@ -71,19 +82,77 @@ def message_bubbles(role: str, content: str, reasoning: str | None = None, think
     return bubbles
 
 
-def chat_history(conv: Conversation | None) -> list[dict]:
+@dataclass
+class ChatView:
+    """A conversation's branch as the chat shows it: the bubbles, and for each bubble the message it shows (its id)
+    and its tooltip (a reply's stats, on its answer's bubble); the branch points along it ("< 2/3 >")."""
+    bubbles: list[dict] = field(default_factory=list)
+    message_ids: list[int] = field(default_factory=list)
+    titles: list[str] = field(default_factory=list)
+    branches: list[dict] = field(default_factory=list)
+
+
+def chat_view(conv: Conversation | None) -> ChatView:
+    view = ChatView()
     if conv is None:
-        return []
-    bubbles, names = [], {}  # names: each call's function, for the results that answer it
-    for m in conv.messages:
+        return view
+    names = {}  # each call's function, for the results that answer it
+    for number, m in enumerate(conv.messages, 1):
         names.update({call["id"]: call["function"]["name"] for call in m.tool_calls or ()})
-        bubbles += message_bubbles(m.role, m.content, m.reasoning, tool_calls=m.tool_calls,
-                                   tool_name=names.get(m.tool_call_id), tool_call_id=m.tool_call_id)
-    return bubbles
+        shown = message_bubbles(m.role, m.content, m.reasoning, tool_calls=m.tool_calls,
+                                tool_name=names.get(m.tool_call_id), tool_call_id=m.tool_call_id)
+        stats = reply_stats_line(m.to_dict())
+        view.bubbles += shown
+        view.message_ids += [m.id] * len(shown)
+        view.titles += [stats if b["role"] == "assistant" and "metadata" not in b else "" for b in shown]
+        siblings = list(m.siblings or [m.id])
+        if len(siblings) > 1:
+            at = siblings.index(m.id)
+            view.branches.append({"number": number, "role": m.role, "index": at + 1, "count": len(siblings),
+                                  "previous": siblings[at - 1] if at > 0 else None,
+                                  "next": siblings[at + 1] if at + 1 < len(siblings) else None})
+    return view
+
+
+def chat_history(conv: Conversation | None) -> list[dict]:
+    return chat_view(conv).bubbles
+
+
+def titles_html(titles: list[str]) -> str:
+    """The bubbles' tooltips for the page's script (TOOLTIP_SCRIPT), which sets them as the bubbles' titles."""
+    return f'<div data-titles="{html.escape(json.dumps(titles))}"></div>'
+
+
+# Set in the page's head: keeps each chat bubble's title (its tooltip) equal to the list #message-titles holds.
+TOOLTIP_SCRIPT = """<script>
+(() => {
+  const apply = () => {
+    const holder = document.querySelector('#message-titles [data-titles]');
+    if (!holder) return;
+    let titles;
+    try { titles = JSON.parse(holder.dataset.titles); } catch (e) { return; }
+    document.querySelectorAll('#chat [data-testid=user], #chat [data-testid=bot]').forEach((el, i) => {
+      const title = titles[i] || '';
+      if (title && el.title !== title) el.title = title;
+      else if (!title && el.hasAttribute('title')) el.removeAttribute('title');
+    });
+  };
+  let queued = false;
+  new MutationObserver(() => {
+    if (!queued) { queued = true; requestAnimationFrame(() => { queued = false; apply(); }); }
+  }).observe(document.documentElement, {subtree: true, childList: true, characterData: true, attributes: true,
+                                        attributeFilter: ['data-titles']});
+})();
+</script>"""
 
 
 def last_stats(conv: Conversation | None) -> str:
     return reply_stats_markdown(conv.messages[-1].to_dict()) if conv is not None and conv.messages else ""
+
+
+def branch_label(point: dict) -> str:
+    who = "reply" if point["role"] == "assistant" else f"{point['role']} message"
+    return f"Message {point['number']} ({who}): {point['index']}/{point['count']}"
 
 
 class ChatHandlers:
@@ -92,62 +161,196 @@ class ChatHandlers:
     def __init__(self, service: UIService) -> None:
         self.service = service
 
-    def show(self, session_id: str | None):
-        """Everything that depends on the selected conversation (read once)."""
-        # -> (conversations, session, chat, stats, system prompt)
-        import gradio as gr
-
+    def show(self, session_id: str | None, search: str = ""):
+        """Everything that depends on the selected conversation (read once): (conversations listing, session, chat,
+        stats, system prompt, temperature, top-p, max tokens, repetition guard, model defaults, branches, bubble
+        message ids, tooltips)."""
         conv = self.service.conversation(session_id)
         session_id = conv.id if conv is not None else None
         system = ((conv.settings or {}).get("system_prompt") or "") if conv is not None else ""
-        return (gr.update(choices=self.service.conversation_choices(), value=session_id), session_id,
-                chat_history(conv), last_stats(conv), system)
+        view = chat_view(conv)
+        return (self.listing(session_id, search), session_id, view.bubbles, last_stats(conv), system,
+                *self.sampling_shown(conv), view.branches, view.message_ids, titles_html(view.titles))
+
+    def listing(self, session_id: str | None, search: str = "") -> dict:
+        """What the conversations list shows: the groups by date (matching `search`), the one selected."""
+        search = (search or "").strip()
+        return {"groups": self.service.conversation_groups(search), "selected": session_id, "search": search}
+
+    def sampling_shown(self, conv: Conversation | None) -> tuple:
+        """The generation settings' controls for a conversation: (temperature, top-p, max tokens, repetition guard,
+        the model's defaults)."""
+        view = self.service.sampling_view(conv)
+        return (view["temperature"], view["top_p"], view["max_tokens"], view["repetition_guard"],
+                self.service.model_defaults_note())
+
+    def model_defaults(self):
+        """The Model defaults button: the controls back at the model's defaults (kept with the next message)."""
+        return self.sampling_shown(None)[:4]
 
     def on_load(self):
-        choices = self.service.conversation_choices()
-        return self.show(choices[0][1] if choices else None)
+        groups = self.service.conversation_groups("")
+        first = next((items[0][1] for _, items in groups if items), None)
+        return self.show(first)
 
     def new_conversation(self, system: str):
         return self.show(self.service.create_conversation(system).id)
 
-    def rename(self, session_id: str | None, title: str):
-        import gradio as gr
+    def search(self, session_id: str | None, search: str) -> dict:
+        return self.listing(session_id, search)
 
+    def rename(self, session_id: str | None, title: str, search: str):
         if session_id and title.strip():
             self.service.rename_conversation(session_id, title.strip()[:200])
-        return gr.update(choices=self.service.conversation_choices(), value=session_id), ""
+        return self.listing(session_id, search), ""
 
     def delete(self, session_id: str | None):
         if session_id:
             self.service.delete_conversation(session_id)
         return self.on_load()
 
+    def switch_branch(self, session_id: str | None, message_id: int | None, search: str = ""):
+        """Show the branch through `message_id` (a sibling of a message shown: "<" / ">")."""
+        if session_id and message_id is not None:
+            self.service.switch_branch(session_id, message_id)
+        return self.show(session_id, search)
+
+    def export(self, session_id: str | None, fmt: str):
+        """The conversation as a file to download (JSON with every branch and the token metadata, or Markdown)."""
+        import gradio as gr
+
+        if not session_id:
+            raise gr.Error("No conversation to export: choose one first")
+        name, text = self.service.export_conversation(session_id, "markdown" if fmt == "Markdown" else "json")
+        folder = Path(tempfile.mkdtemp(prefix="kvforge-export-"))  # private (0700): the conversation is the user's
+        path = folder / name
+        path.write_text(text)
+        path.chmod(0o600)
+        return gr.update(value=str(path), visible=True)
+
+    def import_file(self, upload, search: str = ""):
+        """A conversation exported as JSON, imported as a new one and shown."""
+        import gradio as gr
+
+        path = upload if isinstance(upload, str) else getattr(upload, "name", None)
+        if not path:
+            raise gr.Error("No file")
+        try:
+            session_id = self.service.import_conversation(Path(path).read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise gr.Error(f"Not imported: {exc}") from None
+        return self.show(session_id, search)
+
+    def choose_preset(self, name: str | None):
+        import gradio as gr
+
+        content = self.service.system_prompt(name) if name else None
+        return content if content is not None else gr.update()
+
+    def save_preset(self, name: str, system: str):
+        """Save the system prompt shown under a name: (presets, name box)."""
+        import gradio as gr
+
+        name = (name or "").strip()
+        if not name:
+            raise gr.Error("Name the preset first")
+        try:
+            self.service.save_system_prompt(name, system or "")
+        except ValueError as exc:
+            raise gr.Error(str(exc)) from None
+        return gr.update(choices=self.service.system_prompt_names(), value=name), ""
+
+    def delete_preset(self, name: str | None):
+        import gradio as gr
+
+        if name:
+            self.service.delete_system_prompt(name)
+        return gr.update(choices=self.service.system_prompt_names(), value=None)
+
     async def send(self, message: str, session_id: str | None, system: str, temperature: float, top_p: float,
-                   max_tokens: int):
-        """Stream the reply into the chat: yields (chat, textbox, stats, conversations, session)."""
+                   max_tokens: int, repetition_guard: bool = True, search: str = ""):
+        """Post a message and stream its reply (see _stream)."""
         import gradio as gr
 
         message = (message or "").strip()
         if not message:
-            yield gr.update(), gr.update(), gr.update(), gr.update(), session_id
+            yield (gr.update(),) * 4 + (session_id,) + (gr.update(),) * 3
             return
+        session_id = self._prepare(session_id, system, temperature, top_p, max_tokens, repetition_guard)
+        async for shown in self._stream(session_id, lambda: self.service.start_turn(session_id, message, {}),
+                                        search):
+            yield shown
+
+    async def regenerate(self, session_id: str | None, system: str, temperature: float, top_p: float,
+                         max_tokens: int, repetition_guard: bool = True, search: str = ""):
+        """Another reply to the last message shown, beside the one there (a branch: "< 2/2 >")."""
+        import gradio as gr
+
+        conv = self.service.conversation(session_id)
+        if conv is None or not conv.messages:
+            raise gr.Error("Nothing to regenerate")
+        last = conv.messages[-1]
+        session_id = self._prepare(session_id, system, temperature, top_p, max_tokens, repetition_guard)
+        async for shown in self._stream(session_id, lambda: self.service.regenerate(session_id, last.id, {}),
+                                        search):
+            yield shown
+
+    async def edit(self, session_id: str | None, message_ids: list[int], system: str, temperature: float,
+                   top_p: float, max_tokens: int, repetition_guard: bool, search: str, edited):
+        """A user message edited in the chat: the new text is posted where the old one was (a branch beside it,
+        the old one kept: "< 1/2 >") and answered."""
+        import gradio as gr
+
+        conv = self.service.conversation(session_id)
+        index = edited.index if isinstance(edited.index, int) else edited.index[0]
+        if conv is None or not 0 <= index < len(message_ids):
+            raise gr.Error("That message is no longer shown")
+        original = next((m for m in conv.messages if m.id == message_ids[index]), None)
+        text = str(edited.value or "").strip()
+        if original is None or original.role != "user" or not text:
+            raise gr.Error("Only a user message can be edited, to some text")
+        session_id = self._prepare(session_id, system, temperature, top_p, max_tokens, repetition_guard)
+        async for shown in self._stream(
+                session_id, lambda: self.service.start_turn(session_id, text, {}, parent_id=original.parent_id),
+                search):
+            yield shown
+
+    def _prepare(self, session_id: str | None, system: str, temperature: float, top_p: float, max_tokens: int,
+                 repetition_guard: bool) -> str:
+        """Before a turn: the conversation (a new one when none is shown) with the settings shown kept as its own
+        (where they differ from the model's); gradio's Error when the server is full (nothing stored)."""
+        import gradio as gr
+
         try:
-            self.service.check_open()  # a full server refuses before anything is stored (start_turn checks again)
+            self.service.check_open()  # a full server refuses before anything is stored (the turn checks again)
         except APIError as exc:
             raise gr.Error(exc.message) from None
         if not session_id:
             session_id = self.service.create_conversation(system).id
         else:
             self.service.keep_system_prompt(session_id, system)
-        overrides = {"temperature": float(temperature), "top_p": float(top_p), "max_tokens": int(max_tokens)}
         try:
-            turn = await self.service.start_turn(session_id, message, overrides)
+            self.service.keep_sampling(session_id, {"temperature": float(temperature), "top_p": float(top_p),
+                                                    "max_tokens": int(max_tokens),
+                                                    "repetition_guard": bool(repetition_guard)})
+        except ValueError as exc:
+            raise gr.Error(str(exc)) from None
+        return session_id
+
+    async def _stream(self, session_id: str, start, search: str):
+        """Queue the turn `start()` makes and stream its reply into the chat: yields (chat, textbox, stats,
+        conversations listing, session, branches, bubble message ids, tooltips)."""
+        import gradio as gr
+
+        try:
+            turn = await start()
         except APIError as exc:
             raise gr.Error(exc.message) from None
-        before = chat_history(self.service.conversation(session_id))
+        before = chat_view(self.service.conversation(session_id))
         reasoning, content, calls = "", "", []
-        choices = gr.update(choices=self.service.conversation_choices(), value=session_id)
-        yield before + message_bubbles("assistant", ""), "", "", choices, session_id
+        same = (gr.update(),) * 3
+        yield (before.bubbles + message_bubbles("assistant", ""), "", "", self.listing(session_id, search),
+               session_id, *same)
         async for event in turn.events():
             if event["type"] == "delta":
                 reasoning += event.get("reasoning_content", "")
@@ -155,31 +358,34 @@ class ChatHandlers:
                 calls += event.get("tool_calls", [])
                 shown = message_bubbles("assistant", content, reasoning, thinking=not (content or calls),
                                         tool_calls=calls)
-                yield before + shown, gr.update(), gr.update(), gr.update(), session_id
+                yield (before.bubbles + shown, gr.update(), gr.update(), gr.update(), session_id, *same)
             elif event["type"] == "done":
-                message = event["message"]
-                shown = message_bubbles("assistant", message["content"], message.get("reasoning_content"),
-                                        tool_calls=message.get("tool_calls"))
-                yield before + shown, gr.update(), reply_stats_markdown(message), gr.update(), session_id
+                after = chat_view(self.service.conversation(session_id))
+                yield (after.bubbles, gr.update(), reply_stats_markdown(event["message"]), gr.update(), session_id,
+                       after.branches, after.message_ids, titles_html(after.titles))
 
-    async def stopped_stats(self, session_id: str | None) -> str:
-        """After Stop: the cancelled reply is stored as it ends (abort); show its stats once it is."""
+    async def stopped_stats(self, session_id: str | None) -> tuple:
+        """After Stop: the cancelled reply is stored as it ends (abort); show it and its stats once it is:
+        (stats, branches, bubble message ids, tooltips)."""
         conv = self.service.conversation(session_id)
         for _ in range(40):
             if conv is None:
-                return ""
+                return "", [], [], titles_html([])
             last = conv.messages[-1] if conv.messages else None
             if last is not None and last.role == "assistant" and last.finish_reason == "abort":
                 break
             await asyncio.sleep(0.05)
             conv = self.service.conversation(session_id)
-        return last_stats(conv)
+        view = chat_view(conv)
+        return last_stats(conv), view.branches, view.message_ids, titles_html(view.titles)
 
     def edit_last(self, session_id: str | None):
-        # the last user message back into the textbox, its reply dropped: (chat, textbox, stats)
+        # the last user message back into the textbox, the branch shown up to before it (the old turn is kept,
+        # a sibling of what is sent next): (chat, textbox, stats, branches, bubble message ids, tooltips)
         text = self.service.drop_last_turn(session_id)
         conv = self.service.conversation(session_id)
-        return chat_history(conv), text, last_stats(conv)
+        view = chat_view(conv)
+        return view.bubbles, text, last_stats(conv), view.branches, view.message_ids, titles_html(view.titles)
 
 
 def add_chat(blocks: gr.Blocks, service: UIService) -> None:
@@ -188,16 +394,56 @@ def add_chat(blocks: gr.Blocks, service: UIService) -> None:
 
     on = ChatHandlers(service)
     session = gr.State(None)  # the conversation this tab shows
+    listing = gr.State({"groups": [], "selected": None, "search": ""})  # the conversations list's contents
+    branches = gr.State([])  # the branch points of the branch shown
+    message_ids = gr.State([])  # the message each chat bubble shows
+    shown_outputs: list = []  # filled below, once every component exists (the lists rendered later use it)
     with gr.Column(scale=1, min_width=220):
         new_button = gr.Button("New chat", elem_id="new-chat", variant="secondary")
-        conversations = gr.Radio(label="Conversations", choices=[], elem_id="conversations")
+        search_box = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id="search",
+                                max_lines=1)
+        with gr.Column(elem_id="conversations"):
+            @gr.render(inputs=[listing])
+            def conversations_list(shown: dict):
+                """One list per date group ("Today", "Yesterday", ...), the newest first."""
+                if not shown["groups"]:
+                    gr.Markdown("No conversations match." if shown["search"] else "No conversations yet.",
+                                elem_id="no-conversations")
+                for label, items in shown["groups"]:
+                    ids = [session_id for _, session_id in items]
+                    group = gr.Radio(label=label, choices=items, elem_classes=["conversation-group"], interactive=True,
+                                     value=shown["selected"] if shown["selected"] in ids else None)
+                    group.input(on.show, inputs=[group, search_box], outputs=shown_outputs)
+
         title_box = gr.Textbox(label="Rename to", elem_id="rename-title", max_lines=1)
         with gr.Row():
             rename_button = gr.Button("Rename", elem_id="rename", size="sm")
             delete_button = gr.Button("Delete", elem_id="delete", size="sm", variant="stop")
+        with gr.Accordion("Export / import", open=False):
+            export_format = gr.Radio(["JSON", "Markdown"], value="JSON", show_label=False, elem_id="export-format")
+            export_button = gr.Button("Export", size="sm", elem_id="export")
+            export_file = gr.File(label="Download", visible=False, elem_id="export-file", interactive=False)
+            import_button = gr.UploadButton("Import JSON", file_types=[".json"], size="sm", elem_id="import")
     with gr.Column(scale=3):
-        chatbot = gr.Chatbot(elem_id="chat", height=460, label="Chat")
+        chatbot = gr.Chatbot(elem_id="chat", height=460, label="Chat", editable="user", buttons=["copy"])
+        titles = gr.HTML(titles_html([]), elem_id="message-titles", container=False, padding=False)
         stats = gr.Markdown(elem_id="reply-stats")
+
+        @gr.render(inputs=[branches])
+        def branch_switches(points: list[dict]):
+            """Each point of the branch shown where other branches start: "< 2/3 >" to go to a sibling."""
+            with gr.Column(elem_id="branches", visible=bool(points)):
+                for i, point in enumerate(points):
+                    with gr.Row(equal_height=True, elem_classes=["branch-point"]):
+                        gr.Markdown(branch_label(point), elem_id=f"branch-{i}", elem_classes=["branch-label"])
+                        previous = gr.Button("<", size="sm", elem_id=f"branch-previous-{i}", scale=0, min_width=40,
+                                             interactive=point["previous"] is not None)
+                        following = gr.Button(">", size="sm", elem_id=f"branch-next-{i}", scale=0, min_width=40,
+                                              interactive=point["next"] is not None)
+                    for button, target in ((previous, point["previous"]), (following, point["next"])):
+                        button.click(on.switch_branch, inputs=[session, gr.State(target), search_box],
+                                     outputs=shown_outputs)
+
         with gr.Row():
             textbox = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=5,
                                  elem_id="message", max_lines=8)
@@ -208,22 +454,55 @@ def add_chat(blocks: gr.Blocks, service: UIService) -> None:
             edit_button = gr.Button("Edit last message", size="sm", elem_id="edit-last")
         with gr.Accordion("Generation settings", open=False):
             system_box = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
-            temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature", elem_id="temperature")
-            top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top-p", elem_id="top-p")
-            max_tokens = gr.Slider(1, 4096, value=512, step=1, label="Max tokens", elem_id="max-tokens")
+            with gr.Row():
+                presets = gr.Dropdown(service.system_prompt_names(), value=None, label="Presets",
+                                      elem_id="presets", scale=2)
+                preset_name = gr.Textbox(label="Save as", elem_id="preset-name", max_lines=1, scale=2)
+                save_preset = gr.Button("Save preset", size="sm", elem_id="save-preset", scale=1)
+                delete_preset = gr.Button("Delete preset", size="sm", elem_id="delete-preset", scale=1)
+            defaults = service.sampling_defaults()  # the page's first values; each conversation then shows its own
+            temperature = gr.Slider(0, 2, value=defaults["temperature"], step=0.05, label="Temperature",
+                                    elem_id="temperature")
+            top_p = gr.Slider(0.05, 1, value=defaults["top_p"], step=0.05, label="Top-p", elem_id="top-p")
+            max_tokens = gr.Slider(1, 4096, value=defaults["max_tokens"], step=1, label="Max tokens",
+                                   elem_id="max-tokens")
+            guard = gr.Checkbox(value=defaults["repetition_guard"], label="Stop a reply that repeats itself",
+                                elem_id="repetition-guard")
+            with gr.Row():
+                defaults_note = gr.Markdown(service.model_defaults_note(), elem_id="model-defaults")
+                defaults_button = gr.Button("Model defaults", size="sm", elem_id="model-defaults-button")
 
-    shown = [conversations, session, chatbot, stats, system_box]
-    blocks.load(on.on_load, outputs=shown)
-    new_button.click(on.new_conversation, inputs=[system_box], outputs=shown)
-    conversations.input(on.show, inputs=[conversations], outputs=shown)
-    rename_button.click(on.rename, inputs=[session, title_box], outputs=[conversations, title_box])
-    delete_button.click(on.delete, inputs=[session], outputs=shown)
+    sampling = [temperature, top_p, max_tokens, guard]
+    shown_outputs += [listing, session, chatbot, stats, system_box, *sampling, defaults_note, branches, message_ids,
+                      titles]
+    blocks.load(on.on_load, outputs=shown_outputs)
+    new_button.click(on.new_conversation, inputs=[system_box], outputs=shown_outputs)
+    chatbot.clear(on.new_conversation, inputs=[system_box], outputs=shown_outputs)  # its trash icon: the chat stays
+    search_box.change(on.search, inputs=[session, search_box], outputs=[listing], show_progress="hidden")
+    rename_button.click(on.rename, inputs=[session, title_box, search_box], outputs=[listing, title_box])
+    delete_button.click(on.delete, inputs=[session], outputs=shown_outputs)
+    export_button.click(on.export, inputs=[session, export_format], outputs=[export_file])
+    import_button.upload(on.import_file, inputs=[import_button, search_box], outputs=shown_outputs)
+    presets.input(on.choose_preset, inputs=[presets], outputs=[system_box])
+    save_preset.click(on.save_preset, inputs=[preset_name, system_box], outputs=[presets, preset_name])
+    delete_preset.click(on.delete_preset, inputs=[presets], outputs=[presets])
+    defaults_button.click(on.model_defaults, outputs=sampling)
 
-    send_inputs = [textbox, session, system_box, temperature, top_p, max_tokens]
-    send_outputs = [chatbot, textbox, stats, conversations, session]
-    sending = [send_button.click(on.send, send_inputs, send_outputs, concurrency_limit=None),
-               textbox.submit(on.send, send_inputs, send_outputs, concurrency_limit=None)]
-    sending.append(regenerate_button.click(on.edit_last, [session], [chatbot, textbox, stats]).then(
-        on.send, send_inputs, send_outputs, concurrency_limit=None))
-    stop_button.click(None, cancels=sending).then(on.stopped_stats, [session], [stats])
-    edit_button.click(on.edit_last, [session], [chatbot, textbox, stats])
+    turn_settings = [system_box, *sampling, search_box]
+    turn_outputs = [chatbot, textbox, stats, listing, session, branches, message_ids, titles]
+    send_inputs = [textbox, session, *turn_settings]
+    sending = [send_button.click(on.send, send_inputs, turn_outputs, concurrency_limit=None),
+               textbox.submit(on.send, send_inputs, turn_outputs, concurrency_limit=None),
+               regenerate_button.click(on.regenerate, [session, *turn_settings], turn_outputs,
+                                       concurrency_limit=None),
+               chatbot.retry(on.regenerate, [session, *turn_settings], turn_outputs, concurrency_limit=None)]
+
+    async def edited(session_id, ids, system, temperature, top_p, max_tokens, repetition_guard, search, data):
+        async for shown in on.edit(session_id, ids, system, temperature, top_p, max_tokens, repetition_guard,
+                                   search, data):
+            yield shown
+    edited.__annotations__ = {"data": gr.EditData}  # how gradio knows to pass the edit (this module's hints are text)
+    sending.append(chatbot.edit(edited, [session, message_ids, *turn_settings], turn_outputs,
+                                concurrency_limit=None))
+    stop_button.click(None, cancels=sending).then(on.stopped_stats, [session], [stats, branches, message_ids, titles])
+    edit_button.click(on.edit_last, [session], [chatbot, textbox, stats, branches, message_ids, titles])

@@ -27,12 +27,17 @@ from kvforge.app.errors import validation_message
 from kvforge.app.history import ConversationExport, export_conversation, export_filename, import_conversation
 from kvforge.app.history_markdown import conversation_markdown
 from kvforge.app.models import ModelSpec
+from kvforge.app.protocol import check_sampling
 from kvforge.app.system_prompts import SystemPrompts
 from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, embedded_gguf_path, resolve_model
+from kvforge.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvforge.ui.dashboard import DashboardSampler, Sample
+
+# the browser's replies end a loop (core/repetition.py) unless the conversation turns it off; the API's do not
+UI_REPETITION_GUARD = True
 
 
 class UIService:
@@ -116,6 +121,47 @@ class UIService:
         """Another reply to a user message (or to the message an assistant reply answers), beside the earlier
         replies; APIError when it cannot be."""
         return await self._chat.regenerate(session_id, message_id, overrides)
+
+    # ---- generation settings ------------------------------------------------------------------------
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What a conversation's reply samples with when the conversation sets nothing: the served model's defaults
+        (core/generation_defaults.py) over SamplingParams' and the server's, and the UI's repetition guard."""
+        engine = self._host.engine
+        model = engine.engine.generation_defaults.values if engine is not None else {}
+        base = {name: SamplingParams.default(name) for name in ("temperature", "top_p")}
+        base |= {"max_tokens": self._chat.default_max_tokens, "repetition_guard": UI_REPETITION_GUARD}
+        return base | {k: v for k, v in model.items() if k in base}
+
+    def model_defaults_note(self) -> str:
+        engine = self._host.engine
+        if engine is None:
+            return ""
+        defaults = engine.engine.generation_defaults
+        shown = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in defaults.values.items()) or "neutral"
+        return f"Model defaults: {shown} ({defaults.source})"
+
+    def sampling_view(self, conv: Conversation | None) -> dict[str, Any]:
+        """The generation settings a conversation's next reply uses: its own over sampling_defaults()."""
+        stored = ((conv.settings or {}).get("sampling") or {}) if conv is not None else {}
+        defaults = self.sampling_defaults()
+        return defaults | {k: v for k, v in stored.items() if k in defaults}
+
+    def keep_sampling(self, session_id: str, values: dict[str, Any]) -> None:
+        """Store the settings shown as the conversation's own where they differ from sampling_defaults() (one equal
+        to the default is dropped: the conversation follows the model's again); its other sampling settings (set
+        through the sessions API) are kept. ValueError (naming the field) for values out of bounds."""
+        conv = self._conversations.get(session_id)
+        defaults = self.sampling_defaults()
+        stored = dict((conv.settings or {}).get("sampling") or {})
+        for name, value in values.items():
+            if value == defaults.get(name):
+                stored.pop(name, None)
+            else:
+                stored[name] = value
+        if stored != ((conv.settings or {}).get("sampling") or {}):
+            self._conversations.update(session_id, settings={**(conv.settings or {}),
+                                                             "sampling": check_sampling(stored)})
 
     # ---- the model host -----------------------------------------------------------------------------
 
