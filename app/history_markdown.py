@@ -5,7 +5,7 @@
     ### User / ### Assistant / ### Tool `call_id`   each message's content
     <details><summary>Reasoning</summary> ... </details>   a reasoning model's thinking, folded
     ```json [tool calls] ```                             the calls a reply made
-    *24 tokens · 31.2 tok/s · TTFT 85 ms · 12 cached tokens*   a reply's figures
+    *24 tokens · 31.2 tok/s · TTFT 85 ms · 12 cached tokens*   a reply's figures (app/reply_stats.py)
 
 Content is the model's own Markdown, kept as it is; the other branches are in the JSON export (app/history.py).
 """
@@ -16,9 +16,9 @@ import json
 import re
 
 from kvforge.app.conversations import Conversation, Message
+from kvforge.app.reply_stats import reply_stats_line
 
 ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "tool": "Tool"}
-ENDED_NORMALLY = {None, "stop", "tool_calls"}
 
 
 def conversation_markdown(conv: Conversation) -> str:
@@ -42,28 +42,10 @@ def message_markdown(m: Message) -> str:
         parts.append(m.content)
     if m.tool_calls:
         parts.append(fenced(json.dumps(m.tool_calls, indent=2, ensure_ascii=False), "json"))
-    note = stats_note(m)
+    note = reply_stats_line(m.to_dict())
     if note:
         parts.append(f"*{note}*")
     return "\n\n".join(parts)
-
-
-def stats_note(m: Message) -> str:
-    """A reply's figures in one line: "24 tokens · 31.2 tok/s · TTFT 85 ms · 12 cached tokens" (those known)."""
-    if m.role != "assistant":
-        return ""
-    figures = []
-    if m.completion_tokens is not None:
-        figures.append(f"{m.completion_tokens} token{'' if m.completion_tokens == 1 else 's'}")
-    if m.tokens_per_s is not None:
-        figures.append(f"{m.tokens_per_s:.1f} tok/s")
-    if m.ttft_s is not None:
-        figures.append(f"TTFT {m.ttft_s * 1000:.0f} ms")
-    if m.cached_tokens:
-        figures.append(f"{m.cached_tokens} cached token{'' if m.cached_tokens == 1 else 's'}")
-    if m.finish_reason not in ENDED_NORMALLY:  # cut short: by max tokens, a stop button, a timeout...
-        figures.append(f"ended: {m.finish_reason}")
-    return " · ".join(figures)
 
 
 def fenced(text: str, language: str) -> str:

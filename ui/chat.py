@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.app.errors import APIError
+from kvforge.app.reply_stats import reply_stats_line
 from kvforge.ui.service import UIService
 
 if TYPE_CHECKING:
@@ -37,21 +38,6 @@ def tool_call_title(call: dict) -> str:
 
 def tool_result_title(name: str | None, call_id: str | None) -> str:
     return f"Tool result: {name}" if name else f"Tool result for {call_id}"
-
-
-def reply_stats_line(message: dict | None) -> str:
-    """A reply's stats in one line: tokens, tok/s, TTFT, cached tokens (and how it ended, when not by itself)."""
-    if not message or message.get("role") != "assistant":
-        return ""
-    parts = [f"{message.get('completion_tokens', '?')} tokens"]
-    if message.get("tokens_per_s"):
-        parts.append(f"{message['tokens_per_s']:.1f} tok/s")
-    if message.get("ttft_s") is not None:
-        parts.append(f"TTFT {message['ttft_s'] * 1000:.0f} ms")
-    parts.append(f"{message.get('cached_tokens') or 0} cached tokens")
-    ended = {"abort": "stopped", "tool_calls": "called tools", "repetition": "stopped: it repeated itself",
-             "length": "max tokens reached"}.get(message.get("finish_reason"))
-    return " · ".join(parts + ([ended] if ended else []))
 
 
 def reply_stats_markdown(message: dict | None) -> str:

@@ -123,7 +123,7 @@ And the capital of Spain?
 ]
 ```
 
-*9 tokens*
+*9 tokens · 0 cached tokens · called tools*
 
 ### Tool `call_1`
 
@@ -133,12 +133,13 @@ And the capital of Spain?
 
 Madrid, 21 C and sunny.
 
-*1 token · 12.0 tok/s · TTFT 40 ms*
+*1 token · 12.0 tok/s · TTFT 40 ms · 0 cached tokens*
 """
         regenerated = conv.nodes[4]  # on another branch: shown once the user switches to it
         conv = Conversations(store).switch(conv.id, regenerated.id)
         assert conversation_markdown(conv).endswith(
-            "### Assistant\n\nThe capital is Paris.\n\n*6 tokens · 28.0 tok/s · ended: length*\n")
+            "### Assistant\n\nThe capital is Paris.\n\n"
+            "*6 tokens · 28.0 tok/s · 0 cached tokens · max tokens reached*\n")
     finally:
         store.close()
 
