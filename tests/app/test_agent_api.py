@@ -62,6 +62,10 @@ def test_parse_with_a_pydantic_model(client):
     assert list(json.loads(choice.message.content)) == ["name", "age", "hobbies"]
 
 
+# a JSON reply that ends in fp32 and in bf16 alike (an open-ended "say hello as JSON" grows a list in bf16)
+JSON_HELLO = 'Reply with exactly this JSON object: {"greeting": "hello"}'
+
+
 def test_json_object_and_samples_validate(client):
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}], n=3, temperature=1.0, seed=7,
@@ -73,7 +77,7 @@ def test_json_object_and_samples_validate(client):
         if choice.finish_reason == "stop":
             assert set(json.loads(choice.message.content)) == {"name", "legs"}
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello as a JSON object with one short key."}],
+        model=MODEL, messages=[{"role": "user", "content": JSON_HELLO}],
         response_format={"type": "json_object"}, temperature=0, max_tokens=200)
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert isinstance(json.loads(reply.choices[0].message.content), dict)

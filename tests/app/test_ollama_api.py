@@ -12,7 +12,7 @@ import jsonschema
 import ollama
 import pytest
 
-from tests.app.test_agent_api import ASK_WEATHER, MODEL, TIME, WEATHER, Person
+from tests.app.test_agent_api import ASK_WEATHER, JSON_HELLO, MODEL, TIME, WEATHER, Person
 
 GREEDY = {"temperature": 0, "num_predict": 24}
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -71,7 +71,7 @@ def test_format_schema_and_json(client):
                         format=Person.model_json_schema(), options={"temperature": 0, "num_predict": 120})
     assert reply.done_reason == "stop"
     jsonschema.validate(json.loads(reply.message.content), Person.model_json_schema())
-    reply = client.generate(model=MODEL, prompt="Say hello as a JSON object with one short key.", format="json",
+    reply = client.generate(model=MODEL, prompt=JSON_HELLO, format="json",
                             options={"temperature": 0, "num_predict": 200})
     assert reply.done_reason == "stop" and isinstance(json.loads(reply.response), dict)
 

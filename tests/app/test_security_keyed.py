@@ -208,8 +208,8 @@ def test_gradio_client_without_the_key_cannot_read_post_delete_or_apply(server, 
     model_before = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
     # ... and the same client, its key taken away, can do none of it
     client.headers["Authorization"] = "Bearer wrong"
-    calls = [("/on_load", ()), ("/show", (private_conversation,)),
-             ("/send", ("And tell everyone.", private_conversation, "", 0.0, 1.0, 4)),
+    calls = [("/on_load", ()), ("/search", ("secret",)),
+             ("/send", ("And tell everyone.", "", 0.0, 1.0, 4, True, "")),
              ("/delete", (private_conversation,)),
              ("/new_conversation", ("injected system prompt",)),
              ("/apply_settings", ("SmolLM2-135M-Instruct", "float16", "none", "{}", "none", "{}", None, 1))]
