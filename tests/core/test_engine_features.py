@@ -236,7 +236,9 @@ SYSTEM = ("You are Quillon, a meticulous assistant for the Harbour Street commun
 
 @pytest.fixture(scope="module")
 def uncached_llm(embedded_path):
-    return LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    # fp32, as embedded_llm: its tokens are compared with that engine's (dtype auto is bf16 on a CPU with AMX)
+    return LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+               dtype="float32")
 
 
 def test_prefix_cache_reuses_a_shared_system_prompt(embedded_llm, uncached_llm):
