@@ -4,7 +4,8 @@ the first divergence each side's token is among the other's top-5; the first tok
 near-tie in fp32, 0.03 nats, that bf16 rounds to an exact tie), and on short factual prompts the greedy answers
 equal fp32's on at least 2 of 4 (3 of 4 on AMD EPYC; 2 of 4 in bf16 on an Intel Xeon with AMX, 2026-12-04, where
 oneDNN's AMX kernels round otherwise: the closeness rule still held on all four). The same holds between a
-conversation continued from its cached KV and the same prompt prefilled fresh (exact in fp32: tests/core/test_engine_features.py)."""
+conversation continued from its cached KV and the same prompt prefilled fresh (exact in fp32:
+tests/core/test_engine_features.py)."""
 
 from __future__ import annotations
 
