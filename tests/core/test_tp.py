@@ -280,7 +280,9 @@ def test_two_processes_started_by_torchrun_over_tcp_rendezvous(embedded_path, re
     for node_rank in (0, 1):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "-m", "kvforge.app.cli", "generate", "--model", str(embedded_path), "--temperature", "0",
+                # fp32 as the reference (dtype auto is bf16 on a CPU with AMX)
+                "-m", "kvforge.app.cli", "generate", "--model", str(embedded_path), "--dtype", "float32",
+                "--temperature", "0",
                 "--max-tokens", str(NEW_TOKENS), "--kv-cache-gb", "0.0625", "--chat", CHATS[0]]
         nodes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
