@@ -54,7 +54,7 @@ def tokenize_inputs(engine: AsyncEngine, inputs: list[str] | list[list[int]], fi
                 raise APIError(400, f"{where}: cannot tokenize ({type(exc).__name__})", field) from None
         else:
             ids = list(item)
-            if any(not 0 <= t < vocab for t in ids):
+            if not engine.engine.in_vocabulary(ids):
                 raise APIError(400, f"{where}: token ids must be in [0, {vocab})", field)
         if not ids:
             raise APIError(400, f"{where} must not be empty", field)

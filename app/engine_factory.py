@@ -9,7 +9,6 @@ switches). Without settings, what the spec leaves open is EngineConfig's default
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from kvforge.app.models import ModelSpec, check_decoding
@@ -17,7 +16,6 @@ from kvforge.app.settings import GIB, ServeSettings, check_tp, json_options, mod
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import EngineConfig
 from kvforge.core.kv.index import KVIndex
-from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
 
 
 def torchrun_world_size() -> int:
@@ -58,8 +56,7 @@ def model_sampling(spec: ModelSpec, settings: ServeSettings | None) -> dict[str,
     """The settings' sampling defaults for the spec's model (--model-sampling), by the name it is served under or
     its models-directory entry (file or directory name; the embedded model's name)."""
     table = model_sampling_table(settings.model_sampling) if settings is not None else {}
-    entry = EMBEDDED_MODEL if spec.model in EMBEDDED_ALIASES else Path(spec.model).name
-    return dict(table.get(spec.name) or table.get(entry) or {})
+    return dict(table.get(spec.name) or table.get(spec.entry) or {})
 
 
 def build_engine(spec: ModelSpec, settings: ServeSettings | None = None, *, progress: bool = True,

@@ -152,10 +152,13 @@ class ModelSpec:
     tp: int = engine_default("tp_size")  # tensor-parallel ranks, one process each
 
     @property
-    def name(self) -> str:
-        if self.served_name:
-            return self.served_name
+    def entry(self) -> str:
+        """The model's models-directory entry (file or directory name; the embedded model's name)."""
         return EMBEDDED_MODEL if self.model in EMBEDDED_ALIASES else Path(self.model).name
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.entry
 
 
 class ModelHost:
@@ -197,7 +200,7 @@ class ModelHost:
     def default_entry(self) -> str:
         """The models-directory entry (file or directory name; the embedded model's name) of the server's own model,
         which may be served under another name."""
-        return EMBEDDED_MODEL if self.spec.model in EMBEDDED_ALIASES else Path(self.spec.model).name
+        return self.spec.entry
 
     @property
     def swapping(self) -> bool:

@@ -227,9 +227,9 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
             if constraint is not None:
                 compile_constraint(engine, constraint, "structured_outputs")
             if isinstance(body.prompt, list):  # checked before echo decodes it (a huge id overflows the tokenizer)
-                vocab = engine.engine.hf_config.vocab_size
-                if any(t >= vocab for t in body.prompt):
-                    raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+                if not engine.engine.in_vocabulary(body.prompt):
+                    raise APIError(400, f"prompt: token ids must be in [0, {engine.engine.hf_config.vocab_size})",
+                                   "prompt")
                 return body.prompt
             try:
                 return engine.tokenizer.encode(body.prompt)

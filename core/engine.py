@@ -210,11 +210,16 @@ class LLMEngine:
         self._totals["prompt_tokens_total"] += len(prompt_ids)
         return request_id
 
+    def in_vocabulary(self, token_ids: list[int]) -> bool:
+        """Whether every id is an integer token of this model's vocabulary."""
+        vocab = self.hf_config.vocab_size
+        return all(isinstance(t, int) and 0 <= t < vocab for t in token_ids)
+
     def validate_prompt(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> list[int]:
         """Token ids of the prompt, or ValueError (RequestRejected included) before anything is queued."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.hf_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        if not self.in_vocabulary(prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")

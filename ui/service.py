@@ -30,7 +30,7 @@ from kvforge.app.models import ModelSpec
 from kvforge.app.protocol import check_sampling
 from kvforge.app.system_prompts import SystemPrompts
 from kvforge.core.config import EngineConfig
-from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL, embedded_gguf_path, resolve_model
+from kvforge.core.loader import EMBEDDED_ALIASES, embedded_gguf_path, resolve_model
 from kvforge.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -171,8 +171,7 @@ class UIService:
 
     def model_choice(self) -> str:
         """The last loaded model as the settings panel lists it (the embedded default, or a models-dir entry)."""
-        model = self._host.spec.model
-        return EMBEDDED_MODEL if model in EMBEDDED_ALIASES else Path(model).name
+        return self._host.spec.entry
 
     def available_models(self) -> list[str]:
         return self._host.available()
