@@ -100,10 +100,6 @@ def chat_view(conv: Conversation | None) -> ChatView:
     return view
 
 
-def chat_history(conv: Conversation | None) -> list[dict]:
-    return chat_view(conv).bubbles
-
-
 def titles_html(titles: list[str]) -> str:
     """The bubbles' tooltips for the page's script (TOOLTIP_SCRIPT), which sets them as the bubbles' titles."""
     return f'<div data-titles="{html.escape(json.dumps(titles))}"></div>'
