@@ -51,11 +51,18 @@ class PullProgress:
 
 def parse_name(name: str) -> PullRequest:
     """`owner/name`, `owner/name:TAG`, with or without Ollama's `hf.co/` (or `huggingface.co/`) prefix."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     bare = re.sub(r"^(https://)?(hf\.co|huggingface\.co)/", "", name.strip())
     repo_id, _, tag = bare.partition(":")
-    if not REPO_ID.match(repo_id) or ".." in repo_id:
+    if not REPO_ID.fullmatch(repo_id) or ".." in repo_id:
         raise PullError(f"{name!r} is not a Hugging Face Hub model id: owner/name, optionally :QUANT for one GGUF file "
                         "(e.g. HuggingFaceTB/SmolLM2-135M-Instruct or bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M)")
+    try:  # the Hub's own rules besides (no '.' or '-' at an end, no '--', no '.git' ending): its client refuses these
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise PullError(f"{name!r} is not a Hugging Face Hub model id: {exc}") from None
     if tag.lower() == "latest":  # Ollama's clients add it
         tag = ""
     return PullRequest(repo_id, tag or None)
@@ -91,7 +98,13 @@ def pull(name: str, models_dir: Path, revision: str | None = None,
     """Download `name` into `models_dir`; returns where it landed (a checkpoint directory or a GGUF file). An
     existing model of that name is left as it is (PullError)."""
     from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     request = parse_name(name)
     models_dir = models_dir.expanduser().resolve()
@@ -122,6 +135,8 @@ def pull(name: str, models_dir: Path, revision: str | None = None,
                         "model needs HF_TOKEN)") from None
     except HfHubHTTPError as exc:
         raise PullError(f"the Hugging Face Hub refused {request.repo_id}: {str(exc).splitlines()[0]}") from None
+    except HFValidationError as exc:  # e.g. a --revision the client refuses
+        raise PullError(f"{request.repo_id}: {exc}") from None
     except PullError:
         raise
     except Exception as exc:  # no route to the Hub: DNS, connection, proxy, TLS

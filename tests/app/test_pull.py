@@ -45,11 +45,17 @@ def test_one_gguf_by_its_tag_and_the_refusals(server):
     assert not (server.models / "tiny-Q4_K_M.gguf").exists()
     refusals = {"kvforge-tests/tiny-GGUF": "GGUF files only", "kvforge-tests/tiny-GGUF:Q2_K": "0 GGUF files match",
                 "kvforge-tests/missing": "RepositoryNotFound", "kvforge-tests/tiny-llama": "already in the models",
-                "not a hub id": "not a Hugging Face Hub model id"}
+                "not a hub id": "not a Hugging Face Hub model id",
+                # ids of the right shape that the Hub's rules refuse (huggingface_hub raised them as a 500)
+                "a/b.": "cannot start or end with '-' or '.'", "hf.co/owner/name-:Q4_K_M": "cannot start or end",
+                "a--b/c": "Cannot have -- or ..", "owner/name.git": "cannot end by '.git'"}
     for name, reason in refusals.items():
         with pytest.raises(ollama.ResponseError) as refused:
             client.pull(name)
         assert refused.value.status_code == 400 and reason in refused.value.error, (name, refused.value.error)
+        assert refused.value.error.startswith("model: "), refused.value.error  # names the field
+    streamed = httpx.post(f"{server.url}/api/pull", json={"model": "a/b."}, timeout=60)  # refused before streaming
+    assert streamed.status_code == 400 and streamed.json()["error"].startswith("model: "), streamed.text
     # streamed, a refusal found after the stream began is its last line
     lines = httpx.post(f"{server.url}/api/pull", json={"model": "kvforge-tests/tiny-GGUF"}, timeout=60).text
     assert lines.splitlines()[0] == '{"status": "pulling manifest"}' and "GGUF files only" in lines.splitlines()[-1]
