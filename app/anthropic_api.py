@@ -26,7 +26,6 @@ from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.admission import Admission
 from kvforge.app.anthropic_protocol import ANTHROPIC_NAMES, ConversationFields, MessagesRequest
@@ -36,6 +35,7 @@ from kvforge.app.completion import RequestTimedOut, StreamResponse, check_prompt
 from kvforge.app.errors import anthropic_error, renaming_route
 from kvforge.app.generation import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.metrics import ServerMetrics
+from kvforge.app.off_loop import off_loop
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.output import RequestOutput
 
@@ -162,7 +162,7 @@ def anthropic_router(admission: Admission, metrics: ServerMetrics, default_max_t
         ticket = await admission.enter(body.model)
         try:
             check_prompt_chars(ticket.engine, chat_chars(request), "messages")
-            plan: ChatPlan = await run_in_threadpool(plan_chat, request, ticket.engine.tokenizer)
+            plan: ChatPlan = await off_loop(plan_chat, request, ticket.engine.tokenizer)
         finally:
             ticket.release()
         return {"input_tokens": len(plan.prompt)}

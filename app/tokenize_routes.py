@@ -17,6 +17,7 @@ from kvforge.app.admission import Admission
 from kvforge.app.chat_request import chat_prompt_text
 from kvforge.app.completion import check_prompt_chars
 from kvforge.app.errors import APIError
+from kvforge.app.off_loop import off_loop
 from kvforge.app.protocol import DetokenizeRequest, TokenizeRequest
 from kvforge.core.tokenizer import Tokenizer
 
@@ -34,7 +35,7 @@ def tokenize_router(admission: Admission) -> APIRouter:
             engine = ticket.engine
             chars = len(body.prompt) if body.messages is None else sum(len(m.text()) for m in body.messages)
             check_prompt_chars(engine, chars, "prompt" if body.messages is None else "messages")
-            tokens, token_strs = await run_in_threadpool(tokenize_body, engine.tokenizer, body)
+            tokens, token_strs = await off_loop(tokenize_body, engine.tokenizer, body)
             max_model_len = engine.engine.max_model_len
         finally:
             ticket.release()

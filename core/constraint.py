@@ -15,6 +15,7 @@ scheduler on every appended token; drafts are checked and masked without moving 
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -24,6 +25,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
+from kvforge.core.sandbox import grammars
+from kvforge.core.sandbox.pool import SandboxRefused, TokenizerSpec, trial_compile
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per engine (a client usually repeats a few schemas)
@@ -101,6 +105,8 @@ class GrammarCompiler:
         self.vocab_size = max(vocab_size, len(hf_tokenizer))
         self._lltokenizer = self._executor = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()  # the reason, by refused constraint
+        self._tokenizer_spec: TokenizerSpec | None = None
         self._lock = threading.Lock()
 
     def lltokenizer(self):
@@ -112,24 +118,43 @@ class GrammarCompiler:
                                                                  eos_token=self.eos_token_ids or None)
             return self._lltokenizer
 
+    def tokenizer_spec(self) -> TokenizerSpec:
+        """What a sandbox worker needs to build the same llguidance tokenizer (llguidance.hf.from_tokenizer's
+        inputs)."""
+        with self._lock:
+            if self._tokenizer_spec is None:
+                backend = copy.copy(self.hf_tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._tokenizer_spec = TokenizerSpec(backend.to_str(), self.vocab_size, self.eos_token_ids)
+            return self._tokenizer_spec
+
     def compile(self, constraint: Constraint):
         """A matcher in its start state for `constraint` (shared: copy it before use); InvalidConstraint
-        when it does not compile."""
-        from llguidance import LLMatcher
-
+        when it does not compile, is over a limit, or crashes the compiler (core/sandbox/grammars.py: a grammar
+        not seen before is first compiled in a sandbox worker)."""
         key = (constraint.kind, constraint.spec)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
+            if key in self._refused:
+                raise InvalidConstraint(self._refused[key])
         try:
             grammar = constraint.llguidance_grammar()
-        except ValueError as exc:
-            raise InvalidConstraint(str(exc)) from None
-        matcher = LLMatcher(self.lltokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidConstraint(_first_line(matcher.get_error()))
+            grammars.check_size(grammar)
+            error = trial_compile(self.tokenizer_spec(), grammar)
+        except (ValueError, SandboxRefused) as exc:  # SandboxRefused is one: over a limit, or it crashed the worker
+            error = str(exc)
+        if error is None:
+            matcher = grammars.compile_matcher(self.lltokenizer(), grammar)
+            error = matcher.get_error() if matcher.is_error() else None
         with self._lock:
+            if error is not None:
+                self._refused[key] = _first_line(error)
+                while len(self._refused) > COMPILED_CACHE_SIZE:
+                    self._refused.popitem(last=False)
+                raise InvalidConstraint(self._refused[key])
             self._compiled[key] = matcher
             while len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)

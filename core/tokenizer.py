@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from kvforge.core.sandbox.pool import render_template
+
 
 class Tokenizer:
     def __init__(self, path: Path) -> None:
@@ -67,14 +69,37 @@ class Tokenizer:
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                   template_kwargs: dict | None = None) -> str:
-        """The chat template's rendering, as text (apply_chat_template's ids are its encoding)."""
+        """The chat template's rendering, as text (apply_chat_template's ids are its encoding): the text HF's
+        apply_chat_template renders, in a sandbox worker with bounded work (core/sandbox/templates.py); ValueError
+        (SandboxRefused) when the template refuses the conversation or runs past a limit."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False, **(template_kwargs or {}))
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        # the variables HF's apply_chat_template gives the template, in its order of precedence
+        context = {**self.hf.special_tokens_map, **(template_kwargs or {}), "messages": template_messages(messages),
+                   "tools": tools, "documents": None, "add_generation_prompt": add_generation_prompt}
+        return render_template(self.hf.get_chat_template(None, tools), context)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # HF's names for a message's reasoning
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as HF's apply_chat_template hands them to a template: keys whose value is None dropped (templates
+    handle a missing key, not a None), the reasoning under every name templates read (reasoning_content, and
+    thinking for gpt-oss's)."""
+    shown = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        shown.append(message)
+    return shown
 
 
 class IncrementalDetokenizer:
