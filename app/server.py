@@ -8,7 +8,8 @@ history_api.py),
 /v1/messages (app/anthropic_api.py). Errors come in OpenAI's shape, {"error": {"message", "type", "param",
 "code"}} (in Ollama's and Anthropic's on their routes): 400 naming the bad field,
 401 for a missing or wrong API key, 404 for an unknown model, 503 when the bounded queue is full. A client that
-disconnects has its request aborted and its KV blocks freed."""
+disconnects has its request cancelled wherever it is (app/disconnect.py), aborted in the engine and its KV blocks
+freed, whole responses included."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from kvforge.app.completion import (
     usage,
     within,
 )
+from kvforge.app.disconnect import CancelOnDisconnect
 from kvforge.app.embeddings_api import embeddings_router
 from kvforge.app.engine_factory import build_async_engine
 from kvforge.app.errors import APIError, error_response, validation_message
@@ -343,8 +345,10 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
 
         app.state.sampler = DashboardSampler(host, metrics).start()
         app = mount_ui(app, app.state.chat, app.state.sampler)
-    # outermost first: Host / Origin / key, then the body cap (add_middleware puts each new one outside)
+    # outermost first: Host / Origin / key, then the body cap, then the disconnect watch (add_middleware puts each
+    # new one outside)
     app.add_middleware(OllamaJSONBodies)
+    app.add_middleware(CancelOnDisconnect)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(AccessGuard, policy=access)
     return app
