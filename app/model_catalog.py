@@ -6,6 +6,14 @@ inside the models directory. Memory is an estimate before loading: for a checkpo
 estimator (core/estimate.py); for a GGUF file, its tensors as the gguf plugin will hold them (4-bit types packed
 for torch's int4 kernel, the others dequantized into the dtype, a tied LM head's own copy) plus the KV cache of
 `context` tokens. An entry that cannot be read is listed with the reason.
+
+The directory is untrusted input (anything can be dropped or pulled into it): an entry is listed only if it is
+really inside the directory once symlinks are resolved (a link to /etc/passwd is not), is a regular `.gguf` file or
+a directory with a regular config.json (no FIFO, device or socket: their open would block), and its name does not
+start with a dot (a pull's staging directory). Files are read through core/model_files.py's bounded readers (a
+hand-written GGUF header pass; its docstring says why), cached per file version, errors included. The server's
+routes list with a deadline (`LISTING_DEADLINE_S`): an entry still being read by then is answered as an error
+("not read within ...") and listed normally once its read ends, so a route never waits on a file.
 """
 
 from __future__ import annotations
@@ -13,12 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import stat
 import threading
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.loader import EMBEDDED_MODEL, ModelNotFoundError, embedded_gguf_path
+from kvforge.core.model_files import GGUFHeader, check_checkpoint_dir, read_gguf_header
+
+LISTING_DEADLINE_S = 5.0  # the longest a route waits for the models directory's entries to be read
+READER_THREADS = 2  # entries read at once for the routes
 
 
 @dataclass
@@ -32,28 +49,96 @@ class ModelEntry:
     parameters: int | None = None
     weights_bytes: int | None = None  # the weights as kvforge holds them
     memory_bytes: int | None = None  # those + the KV cache of `context` tokens
+    modified_ns: int | None = None  # the file's (a checkpoint's config.json's) modification time
     error: str | None = None
+
+
+def listed(models_dir: Path, path: Path) -> bool:
+    """Whether `path` (a child of the resolved `models_dir`) is an entry: see the module's docstring. Decided from
+    stats alone: nothing is opened."""
+    if path.name.startswith("."):
+        return False
+    real = Path(os.path.realpath(path))
+    if real == models_dir or not real.is_relative_to(models_dir):
+        return False
+    try:
+        mode = os.stat(real).st_mode
+        if stat.S_ISREG(mode):
+            return path.suffix == ".gguf"
+        config = Path(os.path.realpath(real / "config.json"))
+        return stat.S_ISDIR(mode) and config.is_relative_to(models_dir) and stat.S_ISREG(os.stat(config).st_mode)
+    except OSError:  # gone meanwhile, a dangling link, no permission
+        return False
 
 
 def model_names(models_dir: Path | None) -> list[str]:
     """The embedded default, then the models directory's GGUF files and checkpoint directories, by name."""
     names = [EMBEDDED_MODEL]
     if models_dir is not None and models_dir.is_dir():
-        names += sorted(p.name for p in models_dir.iterdir()
-                        if (p.is_dir() and (p / "config.json").exists()) or p.suffix == ".gguf")
+        root = models_dir.resolve()
+        names += sorted(p.name for p in root.iterdir() if listed(root, p))
     return names
 
 
-def catalog(models_dir: Path | None, context: int, dtype: str = "auto") -> list[ModelEntry]:
-    entries = []
+def catalog(models_dir: Path | None, context: int, dtype: str = "auto", names: Collection[str] | None = None,
+            deadline_s: float | None = None) -> list[ModelEntry]:
+    """Every entry described (or those of `names`). With `deadline_s`, the entries are read on the catalog's
+    reader threads and one not read by then is returned with an error saying so (its read goes on and is
+    cached)."""
+    paths: dict[str, Path | ModelEntry] = {}
     for name in model_names(models_dir):
-        try:
-            path = embedded_gguf_path() if name == EMBEDDED_MODEL else models_dir / name
-        except ModelNotFoundError as exc:
-            entries.append(ModelEntry(name, None, error=str(exc)))
+        if names is not None and name not in names:
             continue
-        entries.append(describe(name, path, context, dtype))
+        try:
+            paths[name] = embedded_gguf_path() if name == EMBEDDED_MODEL else models_dir.resolve() / name
+        except ModelNotFoundError as exc:
+            paths[name] = ModelEntry(name, None, error=str(exc))
+    if deadline_s is None:
+        return [p if isinstance(p, ModelEntry) else describe(n, p, context, dtype) for n, p in paths.items()]
+    reads = {n: _describing(n, p, context, dtype) for n, p in paths.items() if not isinstance(p, ModelEntry)}
+    wait(reads.values(), timeout=deadline_s)
+    entries = []
+    for name, path in paths.items():
+        if isinstance(path, ModelEntry):
+            entries.append(path)
+        elif reads[name].done():
+            entries.append(reads[name].result())
+        else:
+            entries.append(ModelEntry(name, str(path), error=f"not read within {deadline_s:g} s (still being read)"))
     return entries
+
+
+_READS: dict[tuple, Future] = {}  # entries being read for a route: a second listing waits for the same read
+_READS_LOCK = threading.Lock()
+_WORK: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_WORKERS: list[threading.Thread] = []
+
+
+def _describing(name: str, path: Path, context: int, dtype: str) -> Future:
+    key = (name, str(path), context, dtype)
+    with _READS_LOCK:
+        if key in _READS:
+            return _READS[key]
+        future = _READS[key] = Future()
+        while len(_WORKERS) < READER_THREADS:  # daemon threads: a read stuck on slow storage never holds the exit
+            worker = threading.Thread(target=_work, name="kvforge-model-files", daemon=True)
+            worker.start()
+            _WORKERS.append(worker)
+
+    def run() -> None:
+        try:
+            future.set_result(describe(name, path, context, dtype))
+        finally:
+            with _READS_LOCK:
+                _READS.pop(key, None)
+
+    _WORK.put(run)
+    return future
+
+
+def _work() -> None:
+    while True:
+        _WORK.get()()
 
 
 def describe(name: str, path: Path, context: int, dtype: str = "auto") -> ModelEntry:
@@ -75,6 +160,8 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
     from kvforge.core.quant_config import QuantConfig
 
     entry.format = "safetensors"
+    check_checkpoint_dir(path)  # regular files, config and safetensors headers within their limits
+    entry.modified_ns = (path / "config.json").stat().st_mtime_ns
     entry.size_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     config = load_config(path)
     entry.architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
@@ -97,45 +184,37 @@ class GGUFFacts:
     tensors: tuple[tuple[str, int, int, int], ...]  # (name, GGML type, elements, dimensions)
 
 
-_GGUF_FACTS: dict[tuple[str, int, int], GGUFFacts] = {}
-_GGUF_FACTS_LOCK = threading.Lock()
-
-
 def gguf_facts(path: Path) -> GGUFFacts:
-    """A GGUF's header facts, parsed once per file version: GGUFReader builds a view of every vocabulary string
-    (~3.5 s for SmolLM2's 49k tokens on 2 cores, holding the GIL), and the UI's settings panel asks for an
-    estimate on each change, five times as a page loads. One parse at a time: concurrent askers wait for it."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    with _GGUF_FACTS_LOCK:
-        if key not in _GGUF_FACTS:
-            _GGUF_FACTS[key] = _read_gguf_facts(path)
-        return _GGUF_FACTS[key]
+    """A GGUF's header facts, read once per file version (core/model_files.py caches the header, errors included:
+    the UI's settings panel asks for an estimate on each change, five times as a page loads)."""
+    return _facts(read_gguf_header(path))
 
 
-def _read_gguf_facts(path: Path) -> GGUFFacts:
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import read_field
+_SHAPE_FIELDS = ("block_count", "attention.head_count_kv", "attention.head_count", "attention.key_length",
+                 "embedding_length")
 
-    reader = GGUFReader(str(path))
 
-    def field(key: str):
-        return next(iter(read_field(reader, key)), None)
-
-    arch = field("general.architecture")
-    names = ("block_count", "attention.head_count_kv", "attention.head_count", "attention.key_length",
-             "embedding_length")
-    fields = {name: value for name in names if (value := field(f"{arch}.{name}")) is not None}
-    tensors = tuple((t.name, t.tensor_type, int(t.n_elements), len(t.shape)) for t in reader.tensors)
-    return GGUFFacts(arch, gguf_quantization(reader), fields, tensors)
+@lru_cache(maxsize=256)
+def _facts(header: GGUFHeader) -> GGUFFacts:
+    arch = header.metadata.get("general.architecture")
+    arch = arch if isinstance(arch, str) else None
+    fields = {}
+    for name in _SHAPE_FIELDS:
+        value = header.metadata.get(f"{arch}.{name}")
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 32:  # a shape, not a claim
+            fields[name] = value
+    tensors = tuple((t.name, t.ggml_type, t.n_elements, len(t.shape)) for t in header.tensors)
+    file_type = header.metadata.get("general.file_type")
+    return GGUFFacts(arch, quantization_name(file_type if isinstance(file_type, int) else None), fields, tensors)
 
 
 def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> None:
     from kvforge.plugins.quant.gguf import held_bytes_per_weight
 
     entry.format = "gguf"
-    entry.size_bytes = path.stat().st_size
     facts = gguf_facts(path)
+    info = path.stat()
+    entry.size_bytes, entry.modified_ns = info.st_size, info.st_mtime_ns
     entry.architecture, entry.quantization = facts.architecture, facts.quantization
     element = DTYPES[dtype].itemsize
     weights, parameters, names = 0.0, 0, set()
@@ -160,11 +239,21 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
 def gguf_quantization(reader) -> str | None:
     """A GGUF's file type as llama.cpp names it (Q4_1, Q4_K_M), from an open GGUFReader; None where the file does
     not say."""
-    from gguf import LlamaFileType
     from transformers.modeling_gguf_pytorch_utils import read_field
 
-    file_type = next(iter(read_field(reader, "general.file_type")), None)
-    return LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+    return quantization_name(next(iter(read_field(reader, "general.file_type")), None))
+
+
+def quantization_name(file_type: int | None) -> str | None:
+    """llama.cpp's name of a GGUF's `general.file_type` (Q4_1, Q4_K_M); None where the file does not say."""
+    from gguf import LlamaFileType
+
+    if file_type is None:
+        return None
+    try:
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return f"file type {file_type}"
 
 
 def _size(n: int | None) -> str:

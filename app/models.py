@@ -223,6 +223,8 @@ class ModelHost:
             raise ValueError(f"model path {model!r} is outside the models directory")
         if not path.exists():
             raise ValueError(f"model {model!r} not found in the models directory")
+        if not (path.is_file() or path.is_dir()):  # a FIFO, device or socket: its open would block or act
+            raise ValueError(f"model {model!r} is not a regular file or a checkpoint directory")
         return str(path)
 
     def check(self, spec: ModelSpec) -> ModelSpec:

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
@@ -43,7 +42,7 @@ from kvforge.app.embeddings import embed
 from kvforge.app.errors import APIError, renaming_route
 from kvforge.app.generation import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.metrics import ServerMetrics
-from kvforge.app.model_catalog import ModelEntry, catalog
+from kvforge.app.model_catalog import LISTING_DEADLINE_S, ModelEntry, catalog
 from kvforge.app.ollama_protocol import (
     OLLAMA_NAMES,
     UNBOUNDED,
@@ -254,22 +253,26 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
     async def version():
         return {"version": OLLAMA_API_VERSION}
 
-    def entries() -> list[ModelEntry]:
+    async def entries(names: set[str] | None = None) -> list[ModelEntry]:
+        """The models directory's entries (or those of `names`), read off the event loop within the listing
+        deadline: an entry not read by then comes with an error, as a broken one does."""
         engine = host.engine
         context = engine.engine.max_model_len if engine is not None else 4096
-        return catalog(host.models_dir, context)
+        return await run_in_threadpool(catalog, host.models_dir, context, "auto", names, LISTING_DEADLINE_S)
 
     @router.get("/api/tags")
     async def tags():
-        return {"models": [tag(e) for e in await run_in_threadpool(entries) if e.error is None]}
+        return {"models": [tag(e) for e in await entries() if e.error is None]}
 
     @router.post("/api/show")
     async def show(body: OllamaModelRequest):
         base = body.model.removesuffix(":latest")
-        entry = next((e for e in await run_in_threadpool(entries) if e.name == base), None)
+        entry = next(iter(await entries({base})), None)
         loaded = host.engine is not None and base == host.name
         if entry is None and not loaded:
             raise APIError(404, f"model {body.model!r} not found", "model")
+        if entry is not None and entry.error is not None and not loaded:
+            raise APIError(400, f"model {body.model!r} cannot be read: {entry.error}", "model")
         engine = host.engine if loaded else None
         info: dict[str, Any] = {}
         if entry is not None:
@@ -337,7 +340,8 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
     @router.get("/api/ps")
     async def ps():
         """Every loaded model: the server's own (it stays loaded: no expiry) and those loaded on demand."""
-        catalogued = {e.name: e for e in await run_in_threadpool(entries)}
+        catalogued = {e.name: e for e in await entries(
+            {resident.name if resident is not None else host.default_entry for _, _, _, resident in host.loaded()})}
         models = []
         for name, engine, size, resident in host.loaded():
             entry = catalogued.get(resident.name if resident is not None else host.default_entry)
@@ -373,16 +377,16 @@ def parameter_size(parameters: int | None) -> str | None:
 
 
 def modified_at(entry: ModelEntry | None) -> str | None:
-    if entry is None or entry.path is None:
+    if entry is None or entry.modified_ns is None:
         return None
-    return datetime.fromtimestamp(Path(entry.path).stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(entry.modified_ns / 1e9, UTC).isoformat().replace("+00:00", "Z")
 
 
 def digest(entry: ModelEntry | None) -> str | None:
-    """An identity of the entry's file version (path, size, modification time): Ollama's digests name blobs,
-    which a models directory does not have; hashing the content would read gigabytes per listing."""
-    if entry is None or entry.path is None:
+    """An identity of the entry's file version (path, size, modification time, as the catalog read them): Ollama's
+    digests name blobs, which a models directory does not have; hashing the content would read gigabytes per
+    listing."""
+    if entry is None or entry.path is None or entry.modified_ns is None:
         return None
-    stat = Path(entry.path).stat()
-    return hashlib.sha256(f"{entry.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return hashlib.sha256(f"{entry.path}:{entry.size_bytes}:{entry.modified_ns}".encode()).hexdigest()
 

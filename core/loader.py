@@ -26,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvforge.core.chat_templates import save_tokenizer
+from kvforge.core.model_files import check_checkpoint_dir, read_gguf_header
 from kvforge.core.models.registry import model_class_for
 from kvforge.core.quant_config import QuantConfig
 
@@ -60,6 +61,7 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
         if not any(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"model directory {path} has no .safetensors weights "
                                      "(pickled .bin weights are not loaded, for safety)")
+        check_checkpoint_dir(path)  # regular files; config and safetensors headers within bounds
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ModelNotFoundError(f"model {model!r} not found: not a model directory, a .gguf file or a hub id")
@@ -120,6 +122,7 @@ def cached_checkpoint(gguf: Path, kind: str, version: str, write: Callable[[Path
     target = cache_dir() / "models" / f"{gguf.stem}-{kind}-{key}"
     if (target / "model.safetensors").exists():
         return target
+    read_gguf_header(gguf)  # its counts and sizes checked before the `gguf` package believes them
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:

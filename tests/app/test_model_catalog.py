@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from kvforge.app.cli import main
 from kvforge.app.model_catalog import catalog, model_names
@@ -13,13 +14,31 @@ from kvforge.core.config import kv_bytes_per_token
 from kvforge.core.loader import EMBEDDED_MODEL
 
 
+def link_or_copy(source, target) -> None:
+    """Hard links where the filesystem allows (the files are large), copies elsewhere: an entry is listed only if it
+    is really inside the models directory, and a symlink to the original is not."""
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if source.is_dir():
+        shutil.copytree(source, target, copy_function=link)
+    else:
+        link(source, target)
+
+
 def test_the_list_describes_every_entry(tmp_path, gemma_gguf_path, embedded_path, capsys):
-    os.symlink(gemma_gguf_path, tmp_path / "gemma.gguf")
-    os.symlink(embedded_path, tmp_path / "smol-dense")
+    link_or_copy(gemma_gguf_path, tmp_path / "gemma.gguf")
+    link_or_copy(embedded_path, tmp_path / "smol-dense")
+    os.symlink(tmp_path / "gemma.gguf", tmp_path / "alias.gguf")  # a link within the directory is an entry
+    os.symlink(embedded_path, tmp_path / "outside")  # one out of it is not
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
     (tmp_path / "notes.txt").write_text("not a model")
-    assert model_names(tmp_path) == [EMBEDDED_MODEL, "broken", "gemma.gguf", "smol-dense"]
+    assert model_names(tmp_path) == [EMBEDDED_MODEL, "alias.gguf", "broken", "gemma.gguf", "smol-dense"]
+    os.remove(tmp_path / "alias.gguf")
     entries = {e.name: e for e in catalog(tmp_path, 1024, "bfloat16")}
     assert set(entries) == {EMBEDDED_MODEL, "broken", "gemma.gguf", "smol-dense"}
     embedded, gemma, dense = entries[EMBEDDED_MODEL], entries["gemma.gguf"], entries["smol-dense"]
