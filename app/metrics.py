@@ -40,6 +40,10 @@ class ServerMetrics:
             "spec_verify_steps": "Sequence steps that verified speculative drafts since the model was loaded",
             "spec_acceptance_rate": "Accepted / drafted speculative tokens (0 when speculation is off)",
             "spec_mean_accepted_length": "Tokens gained per verify step: accepted drafts + 1 (0 when off)",
+            "models_loaded": "Models holding memory: resident, loading or closing (the server's own included)",
+            "models_loaded_peak": "The most models that held memory at once since start (--max-loaded-models)",
+            "models_memory_bytes": "Weights and KV pools of the models holding memory (estimates while loading)",
+            "models_memory_peak_bytes": "The most bytes models_memory_bytes counted at once (--models-memory-gb)",
         }.items()}
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -58,6 +62,10 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         self.gauges["requests_admitted"].set(self.admission.pending)
+        loaded, used = self.host.occupancy()
+        for name, value in {"models_loaded": loaded, "models_loaded_peak": self.host.peak_loaded,
+                            "models_memory_bytes": used, "models_memory_peak_bytes": self.host.peak_bytes}.items():
+            self.gauges[name].set(value)
         if self.host.engine is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         stats = self.host.engine.stats()

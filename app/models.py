@@ -12,8 +12,11 @@ A request naming another model of the models directory (a GGUF file or checkpoin
 from the settings) loads it on demand, with the server's settings and one rank. Such models stay resident while
 they are used and for their keep-alive after (the server's --keep-alive, or the last request's Ollama keep_alive);
 at most --max-loaded-models models (the server's own included) and --models-memory-gb of weights + KV pools are
-resident at once: the least recently used idle one is unloaded to make room, and when every resident model is busy
-the request waits until one is idle. Requests in flight always finish on the engine they started on.
+resident at once, counting those still loading or closing, however many requests come at once (a load takes its
+place in the same event-loop step as it decides there is room): the least recently used idle one is unloaded to make
+room, and when every resident model is busy the request waits until one is idle. A model loaded for waiting requests
+is theirs first (in flight for each). Requests in flight always finish on the engine they started on. An unloaded
+engine is closed and its memory given back to the system at once (no timer or table keeps it; gc, malloc_trim).
 
 Model paths given over the API are confined to the models directory, and so is a decoding plugin's draft model
 (its `model` option).
@@ -22,19 +25,24 @@ Model paths given over the API are confined to the models directory, and so is a
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import engine_default
+from kvforge.core.host_memory import release_freed_memory
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
 from kvforge.core.plugins import DECODING_GROUP, discover
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's five minutes
 DEFAULT_MAX_LOADED_MODELS = 3  # Ollama's default on a CPU
@@ -50,26 +58,57 @@ class ModelUnavailable(ValueError):
     cannot be unloaded); the message says which limit."""
 
 
-def parse_keep_alive(value: float | int | str | None) -> float | None:
-    """Ollama's keep_alive in seconds: a number of seconds or a duration ("5m", "1h30m", "45s", "250ms"); negative:
-    forever (math.inf); 0: unload as soon as idle. None when not given. ValueError for anything else."""
+# Ollama's keep_alive is a Go time.Duration (api/types.go, Duration.UnmarshalJSON): a JSON number is seconds, a
+# string is Go's time.ParseDuration syntax, negative is forever; anything else is refused. Go's durations are int64
+# nanoseconds, so the longest is ~292 years: Ollama keeps a model "forever" for exactly that long, and /api/ps shows
+# it expiring then. A longer value is refused (a Go string of that size fails to parse; a number's conversion
+# overflows). Hand-written: no maintained Python library parses Go's duration syntax exactly.
+LONGEST_KEEP_ALIVE_S = (2**63 - 1) / 1e9  # Go's math.MaxInt64 nanoseconds
+GO_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                     "h": 3600.0}
+_GO_NUMBER = r"(?:\d+\.?\d*|\.\d+)"
+_GO_UNIT = "|".join(sorted(map(re.escape, GO_DURATION_UNITS), key=len, reverse=True))
+_GO_DURATION = re.compile(rf"([-+]?)((?:{_GO_NUMBER}(?:{_GO_UNIT}))+)")
+_GO_TERM = re.compile(rf"({_GO_NUMBER})({_GO_UNIT})")
+_BARE_SECONDS = re.compile(rf"[-+]?{_GO_NUMBER}")
+KEEP_ALIVE_FORMS = "seconds (a number) or a duration such as '5m', '1h30m', '250ms'; negative keeps the model loaded"
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """Ollama's keep_alive in seconds, parsed as Ollama parses it (see above): a number of seconds, or a Go duration
+    string ("5m", "1h30m", "1.5h", "250ms", "-1m"; a bare number string such as "45" is taken as seconds, as
+    Ollama's OLLAMA_KEEP_ALIVE takes it); negative: forever (math.inf); 0: unload as soon as idle. None when not
+    given. ValueError for a boolean or any other JSON type, NaN, or more than ~292 years."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"keep_alive must be seconds or a duration such as '5m', got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"must be {KEEP_ALIVE_FORMS}; got {type(value).__name__} {value!r}")
+    if isinstance(value, str):
+        seconds = _duration_seconds(value)
     else:
-        text = value.strip()
-        parts = re.fullmatch(r"(-?)((?:\d+(?:\.\d+)?(?:ms|h|m|s))+|\d+(?:\.\d+)?)", text)
-        if parts is None:
-            raise ValueError(f"keep_alive must be seconds or a duration such as '5m', '1h30m', '-1', got {value!r}")
-        units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
-        amounts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)?", parts.group(2))
-        seconds = sum(float(n) * units[u or "s"] for n, u in amounts) * (-1 if parts.group(1) else 1)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer beyond any float
+            seconds = math.inf if value > 0 else -math.inf
     if math.isnan(seconds):
-        raise ValueError("keep_alive must be a number")
-    return FOREVER if seconds < 0 else seconds
+        raise ValueError(f"must be {KEEP_ALIVE_FORMS}; got {value!r}")
+    if seconds < 0:
+        return FOREVER
+    if seconds > LONGEST_KEEP_ALIVE_S:
+        raise ValueError(f"must be at most {int(LONGEST_KEEP_ALIVE_S)} seconds (~292 years, Ollama's longest "
+                         f"duration); negative keeps the model loaded; got {value!r}")
+    return seconds
+
+
+def _duration_seconds(text: str) -> float:
+    """Go's time.ParseDuration in seconds (or a bare number of seconds); ValueError naming the forms."""
+    if _BARE_SECONDS.fullmatch(text):
+        return float(text)
+    parts = _GO_DURATION.fullmatch(text)
+    if parts is None:
+        raise ValueError(f"must be {KEEP_ALIVE_FORMS} (units ns, us, ms, s, m, h); got {text!r}")
+    seconds = sum(float(number) * GO_DURATION_UNITS[unit] for number, unit in _GO_TERM.findall(parts.group(2)))
+    return -seconds if parts.group(1) == "-" else seconds
 
 
 @dataclass
@@ -78,17 +117,25 @@ class Resident:
 
     name: str  # the models-directory entry it was loaded from (what requests name)
     spec: ModelSpec
-    engine: AsyncEngine
+    engine: AsyncEngine | None  # None once unloaded (nothing here may keep a closed engine's memory alive)
     memory_bytes: int  # its weights and KV pool, measured once loaded
     keep_alive_s: float  # idle seconds before it is unloaded (math.inf: until room is needed)
     in_flight: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # its keep-alive's unload, while idle
 
-    def expires_at(self) -> float | None:
-        """When it will be unloaded (time.time()), if it stays idle; None while busy or kept forever."""
-        if self.in_flight or self.keep_alive_s == FOREVER:
-            return None
-        return time.time() + max(0.0, self.last_used + self.keep_alive_s - time.monotonic())
+    def expires_at(self) -> float:
+        """When it will be unloaded (time.time()) if it stays idle from now on (busy: its keep-alive from now);
+        kept forever: Ollama's forever, ~292 years from now."""
+        if self.keep_alive_s == FOREVER:
+            return forever_from_now()
+        idle = 0.0 if self.in_flight else time.monotonic() - self.last_used
+        return time.time() + max(0.0, self.keep_alive_s - idle)
+
+
+def forever_from_now() -> float:
+    """The expiry Ollama's /api/ps shows for a model kept loaded: now + Go's longest duration (time.time())."""
+    return time.time() + LONGEST_KEEP_ALIVE_S
 
 
 @dataclass
@@ -188,9 +235,12 @@ class ModelHost:
         if embedding_model is not None and self.aliases.get(embedding_model, embedding_model) not in self.available():
             raise ValueError(f"embedding model {embedding_model!r} is not in the models directory ({self.models_dir})")
         self.on_demand: dict[str, Resident] = {}  # by name
-        self._loading: dict[str, tuple[asyncio.Future, int]] = {}  # name -> (its load, its estimated bytes)
+        self._loading: dict[str, Loading] = {}  # by name
+        self._closing: dict[int, int] = {}  # id(engine) -> its bytes, for engines unloaded and not yet closed
         self._changed = asyncio.Event()  # set (and replaced) whenever a model is released, loaded or unloaded
         self._memory: dict[int, int] = {}  # id(engine) -> its measured bytes
+        self._tasks: set[asyncio.Task] = set()  # loads and unloads under way (asyncio keeps only weak references)
+        self.peak_loaded, self.peak_bytes = self.occupancy()  # the most models (and bytes) counted at once
 
     @property
     def name(self) -> str | None:
@@ -266,26 +316,32 @@ class ModelHost:
                     # Two tensor-parallel engines cannot coexist in one process: each owns the process's one
                     # torch.distributed default process group. So the old one goes first; if the new build
                     # then fails, no model is loaded (as after unload) and last_error says why.
-                    old, self.engine = self.engine, None
-                    await asyncio.to_thread(old.close)
+                    await self._retire_own()
                 new = await asyncio.to_thread(self.factory, spec)
             except Exception as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._ready.set()
                 raise
-            old, self.engine, self.spec = self.engine, new, spec
+            retired = [self.engine] if self.engine is not None else []
+            self.engine, self.spec = new, spec
             self.last_error = None
             self._ready.set()
-        if old is not None:
-            await asyncio.to_thread(old.close)
+            del new
+        await self._retire(retired)
+        self._notify()
 
     async def unload(self) -> None:
         async with self._swap_lock:
             await self._drain()
-            old, self.engine = self.engine, None
+            await self._retire_own()
             self._ready.set()
-        if old is not None:
-            await asyncio.to_thread(old.close)
+
+    async def _retire_own(self) -> None:
+        """Close the server's own model (drained) and free its memory; no model is loaded after."""
+        retired = [self.engine] if self.engine is not None else []
+        self.engine = None
+        await self._retire(retired)
+        self._notify()
 
     async def _drain(self) -> None:
         self._ready.clear()  # new requests wait from here on
@@ -294,6 +350,8 @@ class ModelHost:
 
     def close(self) -> None:
         for resident in list(self.on_demand.values()):
+            if resident.timer is not None:
+                resident.timer.cancel()
             resident.engine.close()
         self.on_demand.clear()
         if self.engine is not None:
@@ -329,8 +387,8 @@ class ModelHost:
             engine = self.current()
             self.in_flight += 1
             return Lease(engine, self.spec.name, None)
-        resident = await self._resident(entry)
-        resident.in_flight += 1
+        resident = await self._resident(entry)  # counted in flight: no unload can take it from here on
+        self._expire_later(resident)  # busy: no expiry
         if keep_alive_s is not None:
             resident.keep_alive_s = keep_alive_s
         return Lease(resident.engine, entry, resident)
@@ -340,6 +398,9 @@ class ModelHost:
         if resident is None:
             self.in_flight -= 1
             return
+        self._release_resident(resident)
+
+    def _release_resident(self, resident: Resident) -> None:
         resident.in_flight -= 1
         resident.last_used = time.monotonic()
         if resident.in_flight == 0:
@@ -358,6 +419,15 @@ class ModelHost:
             self._memory[id(engine)] = runtime.weight_bytes + runtime.kv_cache_bytes
         return self._memory[id(engine)]
 
+    def occupancy(self) -> tuple[int, int]:
+        """The models holding memory now, the server's own included, and their bytes: resident (measured), loading
+        (estimated, once the models unloaded to make room for them are closed) or unloaded and still closing. What
+        --max-loaded-models and --models-memory-gb bound."""
+        own = [self.memory_of(self.engine)] if self.engine is not None else []
+        sizes = [*own, *(r.memory_bytes for r in self.on_demand.values()), *self._closing.values(),
+                 *(load.need for load in self._loading.values() if load.counted)]
+        return len(sizes), sum(sizes)
+
     async def unload_on_demand(self, name: str) -> bool:
         """Unload a model loaded on demand once its requests have finished (Ollama's keep_alive 0 with no prompt);
         False when it is not resident."""
@@ -372,71 +442,130 @@ class ModelHost:
         return True
 
     def _notify(self) -> None:
+        count, used = self.occupancy()
+        self.peak_loaded, self.peak_bytes = max(self.peak_loaded, count), max(self.peak_bytes, used)
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def _wait_for_change(self) -> None:
         await self._changed.wait()
 
+    def _background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """A task that runs to its end whoever awaits it (a request that leaves does not cancel a load half way)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody awaited is not logged
+        return task
+
     def _expire_later(self, resident: Resident) -> None:
-        if resident.keep_alive_s == FOREVER:
+        """(Re)start an idle resident model's keep-alive; stop it while the model is busy or kept forever. One timer
+        per model, cancelled when it is unloaded: a pending timer would keep its engine's memory alive."""
+        if resident.timer is not None:
+            resident.timer.cancel()
+            resident.timer = None
+        if resident.in_flight or resident.keep_alive_s == FOREVER or self.on_demand.get(resident.name) is not resident:
             return
-        stamp = resident.last_used
+        resident.timer = asyncio.get_running_loop().call_later(resident.keep_alive_s, self._expire, resident)
 
-        def expire() -> None:
-            if resident.last_used == stamp:  # not used since (_unload checks that it is still resident and idle)
-                asyncio.ensure_future(self._unload(resident))
+    def _expire(self, resident: Resident) -> None:
+        resident.timer = None
+        self._background(self._unload(resident))  # _detach checks that it is still resident and idle
 
-        asyncio.get_running_loop().call_later(resident.keep_alive_s, expire)
-
-    def _detach(self, resident: Resident) -> bool:
-        """Take an idle resident model out of the table (nobody acquires it from here on); False when it is gone
-        already or in use again."""
+    def _detach(self, resident: Resident) -> AsyncEngine | None:
+        """Take an idle resident model out of the table (nobody acquires it from here on) and its engine out of it
+        (counted as closing until _retire); None when it is gone already or in use again."""
         if self.on_demand.get(resident.name) is not resident or resident.in_flight:
-            return False
+            return None
         del self.on_demand[resident.name]
-        self._memory.pop(id(resident.engine), None)
-        return True
+        if resident.timer is not None:
+            resident.timer.cancel()
+            resident.timer = None
+        engine, resident.engine = resident.engine, None
+        self._memory.pop(id(engine), None)
+        self._closing[id(engine)] = resident.memory_bytes
+        return engine
+
+    async def _retire(self, engines: list[AsyncEngine]) -> None:
+        """Close engines taken out of use and give their memory back (close_and_free, off the event loop; the list
+        is emptied there so that no reference here outlives the close)."""
+        keys = [id(engine) for engine in engines]
+        try:
+            if engines:
+                await asyncio.to_thread(close_and_free, engines)
+        finally:
+            for key in keys:
+                self._closing.pop(key, None)
+                self._memory.pop(key, None)
 
     async def _unload(self, *residents: Resident) -> None:
-        """Unload idle resident models: all taken out of the table at once, then closed off the event loop."""
-        detached = [r for r in residents if self._detach(r)]
-        if detached:
-            await asyncio.gather(*(asyncio.to_thread(r.engine.close) for r in detached))
+        """Unload idle resident models: all taken out of the table at once, then closed off the event loop (to the
+        end even if the caller is cancelled)."""
+        engines = [engine for engine in map(self._detach, residents) if engine is not None]
+        if engines:
+            await asyncio.shield(self._background(self._unloaded(engines)))
+
+    async def _unloaded(self, engines: list[AsyncEngine]) -> None:
+        try:
+            await self._retire(engines)
+        finally:
             self._notify()
 
     async def _resident(self, entry: str) -> Resident:
+        """The resident model of `entry`, counted in flight for the caller; loaded first (after room is made) if it
+        is not resident. A model loaded for waiting requests is theirs when it is ready: counted in flight for
+        each, so that no other request unloads it to make room before they run (which could go on forever)."""
+        resident = self.on_demand.get(entry)
+        if resident is not None:
+            resident.in_flight += 1
+            return resident
+        spec = replace(self.check(ModelSpec(model=entry, tp=1)), served_name=entry)
+        need = await asyncio.to_thread(self._estimate, entry)
         while True:
             resident = self.on_demand.get(entry)
             if resident is not None:
+                resident.in_flight += 1  # in the same step as the check: no unload can take it from here on
                 return resident
-            if entry in self._loading:  # another request is loading it: wait for that load (its error is ours)
-                await asyncio.shield(self._loading[entry][0])
-                continue
-            spec = replace(self.check(ModelSpec(model=entry, tp=1)), served_name=entry)
-            need = await asyncio.to_thread(self._estimate, entry)
-            if entry in self.on_demand or entry in self._loading:
-                continue  # it changed while the estimate ran
-            if await self._make_room(entry, need):
-                return await self._load_on_demand(entry, spec, need)
+            loading = self._loading.get(entry)
+            if loading is None:
+                victims = self._room_for(entry, need)
+                if victims is None:
+                    await self._wait_for_change()  # a request finishing, a load ending, a model unloaded or closed
+                    continue
+                # Its place is taken in this same step, so no other request counts the room it needs as free.
+                engines = [engine for engine in map(self._detach, victims) if engine is not None]
+                loading = self._loading[entry] = Loading(need, counted=not engines)
+                loading.task = self._background(self._load_on_demand(entry, spec, loading, engines))
+                self._notify()
+            loading.waiters += 1
+            try:
+                return await asyncio.shield(loading.task)  # its error is ours (and every waiter's)
+            except asyncio.CancelledError:  # the request left: its place in the load, or the model, goes back
+                task = loading.task
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    self._release_resident(task.result())
+                else:
+                    loading.waiters -= 1
+                raise
 
-    async def _load_on_demand(self, entry: str, spec: ModelSpec, need: int) -> Resident:
-        done = asyncio.get_running_loop().create_future()
-        self._loading[entry] = (done, need)
+    async def _load_on_demand(self, entry: str, spec: ModelSpec, loading: Loading,
+                              victims: list[AsyncEngine]) -> Resident:
+        """Close the models unloaded to make room, then build `entry`'s engine and make it resident, in flight for
+        the requests waiting for it."""
         try:
+            await self._retire(victims)
+            loading.counted = True  # the victims' places and memory are this load's now
+            self._notify()
             engine = await asyncio.to_thread(self.factory, spec)
         except Exception as exc:
-            error = ModelUnavailable(f"model {entry!r} could not be loaded: {type(exc).__name__}: {exc}")
-            done.set_exception(error)
-            done.exception()  # retrieved: a load nobody else waited for is not an unhandled error
-            raise error from exc
-        finally:
             del self._loading[entry]
             self._notify()
-        resident = Resident(entry, spec, engine, self.memory_of(engine), self.keep_alive_s)
+            raise ModelUnavailable(f"model {entry!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
+        resident = Resident(entry, spec, engine, self.memory_of(engine), self.keep_alive_s, in_flight=loading.waiters)
+        del self._loading[entry]
         self.on_demand[entry] = resident
-        done.set_result(None)
-        self._expire_later(resident)  # unloaded after its keep-alive unless a request uses it
+        self._expire_later(resident)  # idle (every waiter left): unloaded after its keep-alive unless used
+        self._notify()
         return resident
 
     def _estimate(self, entry: str) -> int:
@@ -449,9 +578,10 @@ class ModelHost:
         weights = describe(entry, path, context=0).weights_bytes
         return (weights or 0) + self.kv_bytes
 
-    async def _make_room(self, entry: str, need: int) -> bool:
-        """Unload the least recently used idle models until one more of `need` bytes fits; True when it does, False
-        after waiting for a change (every resident model that would have to go is busy): look again."""
+    def _room_for(self, entry: str, need: int) -> list[Resident] | None:
+        """The idle models to unload, least recently used first, so that one more model of `need` bytes fits beside
+        everything occupancy() counts; None when it cannot fit until something changes (the models that would have
+        to go are busy, loading or closing). ModelUnavailable when it never can."""
         budget = self.models_memory_bytes if self.models_memory_bytes is not None else math.inf
         pinned = self.memory_of(self.engine) if self.engine is not None else 0
         fixed = int(self.engine is not None)  # the server's own model is never unloaded to make room
@@ -460,8 +590,7 @@ class ModelHost:
                 f"model {entry!r} cannot be loaded: it needs about {need / 2**30:.2f} GiB, and the server's own model "
                 f"takes {fixed} of --max-loaded-models {self.max_loaded_models} and {pinned / 2**30:.2f} GiB of "
                 f"--models-memory-gb {budget / 2**30:.2f}")
-        count = fixed + len(self.on_demand) + len(self._loading)
-        used = pinned + sum(r.memory_bytes for r in self.on_demand.values()) + sum(n for _, n in self._loading.values())
+        count, used = self.occupancy()
         idle = sorted((r for r in self.on_demand.values() if not r.in_flight), key=lambda r: r.last_used)
         victims = []
         while (count + 1 > self.max_loaded_models or used + need > budget) and idle:
@@ -469,7 +598,30 @@ class ModelHost:
             victims.append(victim)
             count, used = count - 1, used - victim.memory_bytes
         if count + 1 > self.max_loaded_models or used + need > budget:
-            await self._wait_for_change()  # a request finishing, a load ending, a model unloaded
-            return False
-        await self._unload(*victims)
-        return True
+            return None
+        return victims
+
+
+@dataclass
+class Loading:
+    """A model being loaded on demand: its task, its estimated bytes, and whether they count yet (not while the
+    models unloaded to make room for it are still closing: their own places and memory count until then)."""
+
+    need: int
+    counted: bool = False
+    task: asyncio.Task | None = None
+    waiters: int = 0  # requests waiting for it: the model is in flight for each once loaded
+
+
+def close_and_free(engines: list[AsyncEngine]) -> None:
+    """Close engines and give their memory back to the system now (call it off the event loop). The list is emptied
+    so that the caller's reference goes; then the cyclic garbage (an engine's parts refer to each other) is collected
+    and glibc's free heap pages are returned (malloc_trim): freed memory otherwise stays in the process, whose heap
+    keeps up to 1 GiB of it for the step loop (core/host_memory.py)."""
+    while engines:
+        try:
+            engines.pop().close()
+        except Exception:  # the others are still closed, and what this one freed is returned
+            log.exception("closing an unloaded model failed")
+    gc.collect()
+    release_freed_memory()

@@ -43,6 +43,7 @@ from kvforge.app.errors import APIError, renaming_route
 from kvforge.app.generation import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.metrics import ServerMetrics
 from kvforge.app.model_catalog import LISTING_DEADLINE_S, ModelEntry, catalog
+from kvforge.app.models import forever_from_now
 from kvforge.app.ollama_protocol import (
     OLLAMA_NAMES,
     UNBOUNDED,
@@ -339,18 +340,18 @@ def ollama_router(admission: Admission, metrics: ServerMetrics, default_max_toke
 
     @router.get("/api/ps")
     async def ps():
-        """Every loaded model: the server's own (it stays loaded: no expiry) and those loaded on demand."""
+        """Every loaded model: the server's own (it stays loaded) and those loaded on demand."""
         catalogued = {e.name: e for e in await entries(
             {resident.name if resident is not None else host.default_entry for _, _, _, resident in host.loaded()})}
         models = []
-        for name, engine, size, resident in host.loaded():
+        for name, engine, size, resident in host.loaded():  # as they are now: models may have come or gone meanwhile
             entry = catalogued.get(resident.name if resident is not None else host.default_entry)
-            expires = resident.expires_at() if resident is not None else None
+            # the server's own model stays loaded: Ollama's "forever" (a timestamp ~292 years on), as for keep_alive -1
+            expires = resident.expires_at() if resident is not None else forever_from_now()
             models.append({"name": name, "model": name, "size": size,
                            "size_vram": size if engine.engine.runtime().device.startswith("cuda") else 0,
                            "digest": digest(entry), "details": details(entry),
-                           "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z")
-                           if expires is not None else None,
+                           "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z"),
                            "context_length": engine.engine.max_model_len})
         return {"models": models}
 

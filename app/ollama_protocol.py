@@ -127,7 +127,7 @@ class OllamaRequest(BaseModel):
             raise ValueError("no effort levels here: true or false")
         return think
 
-    @field_validator("keep_alive")
+    @field_validator("keep_alive", mode="before")  # before: pydantic would take true for 1.0
     @classmethod
     def _stays_loaded(cls, keep_alive: Any) -> Any:
         return check_keep_alive(keep_alive)
@@ -230,7 +230,7 @@ class OllamaEmbedRequest(BaseModel):
                 raise ValueError(f"{name!r} is not used by embeddings (only num_ctx is)")
         return options
 
-    @field_validator("keep_alive")
+    @field_validator("keep_alive", mode="before")  # before: pydantic would take true for 1.0
     @classmethod
     def _stays_loaded(cls, keep_alive: Any) -> Any:
         return check_keep_alive(keep_alive)
