@@ -140,6 +140,8 @@ class GrammarCompiler:
                 return self._compiled[key]
             if key in self._refused:
                 raise InvalidConstraint(self._refused[key])
+        if self._lltokenizer is None:  # built meanwhile (~0.5 s), as the worker builds its own
+            threading.Thread(target=self.lltokenizer, daemon=True).start()
         try:
             grammar = constraint.llguidance_grammar()
             grammars.check_size(grammar)
