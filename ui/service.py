@@ -194,8 +194,8 @@ class UIService:
         if model in EMBEDDED_ALIASES:
             return embedded_gguf_path()
         models_dir = self._host.models_dir
-        if models_dir is not None and model.endswith(".gguf") and (models_dir / model).is_file():
-            return models_dir / model
+        if models_dir is not None and model.endswith(".gguf") and model in self._host.available():  # listed only:
+            return models_dir / model  # no path outside the models directory, no FIFO (app/model_catalog.py)
         return None
 
     def local_model_dir(self, model: str) -> Path | None:
@@ -204,7 +204,7 @@ class UIService:
         models_dir = self._host.models_dir
         if model in EMBEDDED_ALIASES:
             return resolve_model(None)
-        if models_dir is not None and (models_dir / model / "config.json").is_file():
+        if models_dir is not None and model in self._host.available() and (models_dir / model).is_dir():
             return models_dir / model
         return None
 
