@@ -3,19 +3,20 @@ so that what a model file or a request hands us can run out of time, memory or s
 
 Started by core/sandbox/pool.py as `python -m kvforge.core.sandbox.worker`; jobs and replies are frames on
 stdin / stdout: a 4-byte big-endian length, then UTF-8 JSON (JSON, not pickle: a worker running untrusted code must
-not be able to hand the server objects). The worker dies with the server (PR_SET_PDEATHSIG, and EOF on stdin), its
-address space is capped (RLIMIT_AS: MEMORY_BUDGET_BYTES above what it holds at start), and the server kills it past
-a job's time budget. It imports the standard library, jinja2 and llguidance only (no torch).
+not be able to hand the server objects). The worker dies with the server (it watches for its re-parenting, and EOF
+on stdin), its address space is capped (RLIMIT_AS: MEMORY_BUDGET_BYTES above what it holds at start), and the
+server kills it past a job's time budget. It imports the standard library, jinja2 and llguidance only (no torch).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
+import os
 import resource
-import signal
 import struct
 import sys
+import threading
+import time
 from typing import Any, BinaryIO
 
 MEMORY_BUDGET_BYTES = 1 << 30  # what one job may allocate (a render's strings, a grammar's automata)
@@ -63,10 +64,17 @@ def _placeholder(value: Any) -> str:
 
 
 def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: EOF on stdin still ends the loop
-        pass
+    """Exit as soon as the server is gone, even mid-job: a thread watches for this process being re-parented.
+    (PR_SET_PDEATHSIG would fire when the server *thread* that started the worker exits, and the server starts
+    workers from its thread pool, whose threads come and go.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _cap_memory(extra: int) -> None:
