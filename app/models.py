@@ -617,7 +617,7 @@ def close_and_free(engines: list[AsyncEngine]) -> None:
     """Close engines and give their memory back to the system now (call it off the event loop). The list is emptied
     so that the caller's reference goes; then the cyclic garbage (an engine's parts refer to each other) is collected
     and glibc's free heap pages are returned (malloc_trim): freed memory otherwise stays in the process, whose heap
-    keeps up to 1 GiB of it for the step loop (core/host_memory.py)."""
+    keeps up to 1 GiB of it for the step loop (core/host_memory.py); so are the CUDA allocator's cached blocks."""
     while engines:
         try:
             engines.pop().close()
@@ -625,3 +625,7 @@ def close_and_free(engines: list[AsyncEngine]) -> None:
             log.exception("closing an unloaded model failed")
     gc.collect()
     release_freed_memory()
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # the CUDA allocator's cached blocks of the closed engines go back to the device
