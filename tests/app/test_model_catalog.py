@@ -92,3 +92,18 @@ def test_a_gguf_header_is_parsed_once_per_file_version(tmp_path, gemma_gguf_path
     second = describe("model.gguf", path, 1024)
     assert (second.architecture, second.quantization) == ("gemma3", "Q4_K_M")
     assert second.parameters != first.parameters
+
+
+def test_a_listing_with_a_deadline_answers_with_what_it_has(tmp_path):
+    """The routes' listing: an entry not read by the deadline comes back marked (its read goes on, cached), the
+    next listing has it."""
+    from kvforge.app.model_catalog import catalog
+    from tests.helpers.hostile_files import tiny_gguf, truncated_vocab_gguf
+
+    tiny_gguf(tmp_path / "good.gguf")
+    truncated_vocab_gguf(tmp_path / "cut.gguf", tokens=100_000)  # ~40 ms to walk its vocabulary
+    first = {e.name: e for e in catalog(tmp_path, 128, names={"cut.gguf"}, deadline_s=0)}
+    assert list(first) == ["cut.gguf"] and first["cut.gguf"].error.startswith("not read within 0 s")
+    later = {e.name: e for e in catalog(tmp_path, 128, deadline_s=30)}
+    assert "truncated" in later["cut.gguf"].error and later["good.gguf"].error is None
+    assert later["good.gguf"].parameters == 64 * 64 * 3 + 64 * 128

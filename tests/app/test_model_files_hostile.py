@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 
 from kvforge.app.model_catalog import LISTING_DEADLINE_S
 from kvforge.core.loader import EMBEDDED_MODEL
+from tests.helpers.health_watch import HealthWatch
 from tests.helpers.hostile_files import huge_array_gguf, tiny_gguf, truncated_vocab_gguf
 from tests.helpers.server_process import readme_serve
 
@@ -29,31 +29,6 @@ GOOD, HUGE, TRUNCATED, FIFO, OUTSIDE, FIFO_WEIGHTS = (
     "good.gguf", "huge-array.gguf", "truncated-vocab.gguf", "x.gguf", "passwd.gguf", "fifo-weights")
 ROUTE_S = LISTING_DEADLINE_S + 3  # the listing deadline, and room for a busy machine
 RSS_GROWTH = 300 << 20  # what the listings and failed loads may add (imports included); the finding grew GBs
-
-
-class HealthWatch:
-    """GET /health every 0.2 s from a thread; the slowest answer (a timeout counts as 5 s)."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.slowest, self.samples = url, 0.0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._stop.wait(0.2):
-                start = time.monotonic()
-                try:
-                    ok = client.get(f"{self.url}/health").status_code == 200
-                except httpx.TransportError:
-                    ok = False
-                self.slowest = max(self.slowest, time.monotonic() - start if ok else 5.0)
-                self.samples += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @pytest.fixture(scope="module")
