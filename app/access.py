@@ -12,21 +12,18 @@ covered without opting in (deny by default). Only /health and the login page sta
   other Origin gets 403, preflights included. No CORS headers are sent unless the origin is allowed:
   the ones Gradio's own middleware adds are removed from every response.
 - **API key** (when one is set): `Authorization: Bearer <key>`, `x-api-key: <key>` (Anthropic's clients),
-  or the browser's session cookie from the login form (HttpOnly, SameSite=Strict, signed with the key).
-  A browser opening a page without it is sent to /login; anything else gets 401.
+  or the browser's session cookie from the login form (HttpOnly, SameSite=Strict: a random session id the server
+  keeps, app/login_sessions.py, ended by /logout). A browser opening a page without it is sent to /login; anything
+  else gets 401. Wrong keys are slowed per client address (app/key_throttle.py): past a few, 429 with Retry-After.
 """
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
-import hashlib
-import hmac
 import html
 import ipaddress
 import secrets
 import socket
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
@@ -37,11 +34,12 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.app.errors import error_response
+from kvforge.app.key_throttle import KeyThrottle, client_address
+from kvforge.app.login_sessions import SESSION_SECONDS, LoginSessions
 
 OPEN_PATHS = frozenset({"/health"})
 LOGIN_PATH, LOGOUT_PATH = "/login", "/logout"
 COOKIE = "kvforge_session"
-SESSION_SECONDS = 7 * 24 * 3600
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 MAX_LOGIN_FORM_BYTES = 16 << 10
@@ -86,6 +84,8 @@ class AccessPolicy:
     bound_host: str = "127.0.0.1"
     allowed_hosts: list[str] = field(default_factory=list)  # "name", ".example.com" (and subdomains), "*"
     allowed_origins: list[str] = field(default_factory=list)  # "http://host:port", patterns ("http://*"), "*"
+    sessions: LoginSessions = field(default_factory=LoginSessions)  # the browser's logins
+    throttle: KeyThrottle = field(default_factory=KeyThrottle)  # wrong keys per client address
 
     def __post_init__(self) -> None:
         names = {"localhost", host_name(self.bound_host)}
@@ -118,31 +118,23 @@ class AccessPolicy:
             return True
         return any(fnmatch.fnmatchcase(origin.lower(), pattern.lower()) for pattern in self.allowed_origins)
 
-    # --- the browser's session cookie ------------------------------------------------------------
-
-    def _signature(self, expires: int) -> str:
-        return hmac.new(self.api_key.encode(), f"kvforge-session:{expires}".encode(), hashlib.sha256).hexdigest()
-
-    def session_token(self, now: float | None = None) -> str:
-        expires = int((time.time() if now is None else now) + SESSION_SECONDS)
-        return f"{expires}.{self._signature(expires)}"
-
-    def token_valid(self, token: str) -> bool:
-        expires, _, signature = token.partition(".")
-        if not expires.isdigit() or int(expires) < time.time():
-            return False
-        return hmac.compare_digest(signature.encode(), self._signature(int(expires)).encode())
+    # --- the key and the browser's session cookie -------------------------------------------------
 
     def key_matches(self, given: str) -> bool:
         return secrets.compare_digest(given.encode(), self.api_key.encode())
 
-    def authenticated(self, headers: Headers) -> bool:
+    @staticmethod
+    def presented_key(headers: Headers) -> str | None:
+        """The key a request sends (Bearer or x-api-key), or None when it sends none."""
         bearer = headers.get("authorization", "")
-        if bearer[:7].lower() == "bearer " and self.key_matches(bearer[7:].strip()):
-            return True
-        if "x-api-key" in headers and self.key_matches(headers["x-api-key"].strip()):
-            return True
-        return self.token_valid(cookie_parser(headers.get("cookie", "")).get(COOKIE, ""))
+        if bearer[:7].lower() == "bearer ":
+            return bearer[7:].strip()
+        if "x-api-key" in headers:
+            return headers["x-api-key"].strip()
+        return None
+
+    def logged_in(self, headers: Headers) -> bool:
+        return self.sessions.valid(cookie_parser(headers.get("cookie", "")).get(COOKIE, ""))
 
 
 def safe_next(target: str | None) -> str:
@@ -214,9 +206,13 @@ class AccessGuard:
             if scope["path"] in (LOGIN_PATH, LOGOUT_PATH) and not websocket:
                 await self.login(scope, receive, send)
                 return
-            if not self.policy.authenticated(headers):
-                await self.unauthenticated(scope, headers, receive, send)
-                return
+            if not self.policy.logged_in(headers):
+                key = self.policy.presented_key(headers)
+                if key is None:
+                    await self.unauthenticated(scope, headers, receive, send)
+                    return
+                if not await self.key_accepted(key, scope, receive, send):
+                    return
         await self.app(scope, receive, self.cors_send(send, cross_origin))
 
     def refusal(self, scope: Scope, headers: Headers) -> tuple[int, str, str] | None:
@@ -253,6 +249,29 @@ class AccessGuard:
 
         return wrapped
 
+    async def key_accepted(self, key: str, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Check a presented key unless its address is locked out; answers the refusal itself (429 or 401)."""
+        address = client_address(scope)
+        wait = self.policy.throttle.retry_after(address)
+        if wait:
+            await self.too_many_failures(wait, scope, receive, send)
+            return False
+        if self.policy.key_matches(key):
+            self.policy.throttle.succeeded(address)
+            return True
+        self.policy.throttle.failed(address)
+        await self.unauthenticated(scope, Headers(scope=scope), receive, send)
+        return False
+
+    @staticmethod
+    async def too_many_failures(wait: int, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"too many wrong API keys from this address: try again in {wait} s"
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": message})
+            return
+        await error_response(429, message, None, "rate_limit_error", "too_many_wrong_keys",
+                             {"Retry-After": str(wait)})(scope, receive, send)
+
     async def unauthenticated(self, scope: Scope, headers: Headers, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
@@ -266,9 +285,11 @@ class AccessGuard:
                              {"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
     async def login(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """GET /login: the form; POST /login: the key -> the session cookie; /logout: the cookie cleared."""
+        """GET /login: the form; POST /login: the key -> a new session and its cookie (wrong keys count against the
+        address, as the API's do); /logout: the session ended and the cookie cleared."""
         query = parse_qs(scope["query_string"].decode("latin-1"))
         if scope["path"] == LOGOUT_PATH:
+            self.policy.sessions.close(cookie_parser(Headers(scope=scope).get("cookie", "")).get(COOKIE, ""))
             response: Response = RedirectResponse(LOGIN_PATH, 303)
             response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
         elif scope["method"] in ("GET", "HEAD"):
@@ -277,12 +298,18 @@ class AccessGuard:
             body = await read_body(receive, MAX_LOGIN_FORM_BYTES)
             form = parse_qs((body or b"").decode("utf-8", "replace"))
             target = safe_next(form.get("next", ["/"])[0])
-            if body is not None and self.policy.key_matches(form.get("key", [""])[0]):
+            address = client_address(scope)
+            wait = self.policy.throttle.retry_after(address)
+            if wait:
+                response = login_page(target, f"Too many wrong keys from this address: try again in {wait} s.", 429)
+                response.headers["Retry-After"] = str(wait)
+            elif body is not None and self.policy.key_matches(form.get("key", [""])[0]):
+                self.policy.throttle.succeeded(address)
                 response = RedirectResponse(target, 303)
-                response.set_cookie(COOKIE, self.policy.session_token(), max_age=SESSION_SECONDS, path="/",
+                response.set_cookie(COOKIE, self.policy.sessions.open(), max_age=SESSION_SECONDS, path="/",
                                     httponly=True, samesite="strict")
             else:
-                await asyncio.sleep(0.5)  # slows guessing; sleeps off the event loop's other work
+                self.policy.throttle.failed(address)
                 response = login_page(target, "Wrong API key.", 401)
         else:
             response = error_response(405, f"method {scope['method']} is not allowed on {scope['path']}", None,

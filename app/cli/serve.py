@@ -103,8 +103,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await asyncio.to_thread(host.close)
             store.close()
 
+    # proxy_headers=False: a client's address is its connection's. uvicorn would take it from the X-Forwarded-For
+    # of any local process, which could then name a new address for each wrong key it tries (app/key_throttle.py
+    # counts them per address).
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                           timeout_graceful_shutdown=5, **connection_limits(settings)))
+                                           timeout_graceful_shutdown=5, proxy_headers=False,
+                                           **connection_limits(settings)))
     ui = "" if settings.no_ui else f"chat UI on http://{settings.host}:{settings.port}/, "
     print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
           f"(sessions: {store.engine.url.render_as_string()}; KV on disk: "

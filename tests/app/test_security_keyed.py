@@ -2,8 +2,13 @@
 /metrics, /openapi.json, the UI page and every Gradio route — and only /health stays open. The routes
 come from the app object itself, so a route added later is covered. Then a real `kvforge serve` bound to
 0.0.0.0 with the key from a file: the official `gradio_client` without the key cannot read, post, delete
-or apply settings; a browser logs in (an HttpOnly, SameSite=Strict cookie) and chats; allowed hosts and
-origins are served (CORS for the allowed origin only); the key on the command line draws a warning."""
+or apply settings; a browser logs in (an HttpOnly, SameSite=Strict cookie) and chats, and its logout ends that
+session on the server (the cookie no longer opens anything); wrong keys are slowed per client address (429 with
+Retry-After past five) while another address is served; allowed hosts and origins are served (CORS for the allowed
+origin only); the key on the command line draws a warning.
+
+The module's tests share one server, and one address's wrong keys lock it out for a while: the tests that send
+wrong keys do it from loopback addresses of their own (127.0.0.x), or last."""
 
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ import httpx
 import pytest
 from starlette.routing import Mount, Route, WebSocketRoute
 
-from kvforge.app.access import AccessPolicy
+from kvforge.app.access import COOKIE, AccessPolicy
+from kvforge.app.key_throttle import KeyThrottle
 from kvforge.app.server import create_app
 from kvforge.app.threaded_server import free_port, serve_in_thread
 from kvforge.core import AsyncEngine
@@ -63,8 +69,9 @@ def in_process_app(embedded_llm, tmp_path_factory):
     """The app exactly as `kvforge serve --api-key` builds it (the sessions API and the UI mounted)."""
     engine = AsyncEngine(embedded_llm.engine)
     store = Store(f"sqlite:///{tmp_path_factory.mktemp('routes') / 'kvforge.db'}")
+    # one wrong key per route below: the default throttle (tested on the real server) would answer 429 after five
     app = create_app(engine, "SmolLM2-135M-Instruct", store=store, ui=True,
-                     access=AccessPolicy(api_key=KEY, bound_host="0.0.0.0"))
+                     access=AccessPolicy(api_key=KEY, bound_host="0.0.0.0", throttle=KeyThrottle(free_failures=10**6)))
     with serve_in_thread(app) as url:
         yield app, url
     engine.close()
@@ -189,43 +196,16 @@ def private_conversation(server):
     return created.json()["id"]
 
 
+def from_address(address: str) -> httpx.Client:
+    """An HTTP client whose connections come from `address` (a loopback address: 127.0.0.2 ...)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
+
+
 def gradio_client(url: str, key: str | None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # or gradio_client looks for a hub at construction
     from gradio_client import Client
 
     return Client(f"{url}/", headers={"Authorization": f"Bearer {key}"} if key else None, verbose=False)
-
-
-def test_gradio_client_without_the_key_cannot_read_post_delete_or_apply(server, private_conversation):
-    from gradio_client.exceptions import AuthenticationError
-
-    with pytest.raises(AuthenticationError):
-        gradio_client(server.url, None)
-    # with the key, the UI's functions do read the private conversation: the endpoints below are real ...
-    client = gradio_client(server.url, KEY)
-    shown = client.predict(api_name="/on_load")  # the page's first call: the newest conversation, shown
-    assert "4417" in str(shown) and "Remember my secret." in str(shown)
-    model_before = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
-    # ... and the same client, its key taken away, can do none of it
-    client.headers["Authorization"] = "Bearer wrong"
-    calls = [("/on_load", ()), ("/search", ("secret",)),
-             ("/send", ("And tell everyone.", "", 0.0, 1.0, 4, True, "")),
-             ("/delete", (private_conversation,)),
-             ("/new_conversation", ("injected system prompt",)),
-             ("/apply_settings", ("SmolLM2-135M-Instruct", "float16", "none", "{}", "none", "{}", None, 1))]
-    for api_name, args in calls:
-        with pytest.raises(Exception) as failure:
-            client.predict(*args, api_name=api_name)
-        assert "401" in str(failure.value) or "API key" in str(failure.value), (api_name, failure.value)
-        assert "4417" not in str(failure.value)
-    after = httpx.get(f"{server.url}/v1/sessions/{private_conversation}", headers=AUTH, timeout=30)
-    assert after.status_code == 200, "the conversation was deleted"
-    assert [m["content"] for m in after.json()["messages"]][0] == "Remember my secret."
-    assert len(after.json()["messages"]) == 2, "a message was posted"
-    titles = [s["title"] for s in httpx.get(f"{server.url}/v1/sessions", headers=AUTH, timeout=30).json()["data"]]
-    assert titles == ["medical notes"], titles
-    model_after = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
-    assert model_after["dtype"] == model_before["dtype"] != "float16", "the settings were applied"
 
 
 def test_a_browser_logs_in_with_a_strict_httponly_cookie_and_chats(server):
@@ -254,6 +234,59 @@ def test_a_browser_logs_in_with_a_strict_httponly_cookie_and_chats(server):
         assert page.url.startswith(f"{server.url}/login")
         assert page.evaluate("fetch('/v1/sessions').then(r => r.status)") == 401
         context.close()
+    # the browser's cookie, copied before the logout and replayed, opens nothing: the session ended on the server
+    assert httpx.get(f"{server.url}/v1/sessions", cookies={COOKIE: cookie["value"]}, timeout=30).status_code == 401
+
+
+def test_logout_ends_the_session_on_the_server(server):
+    """A cookie kept from before a logout (copied, or a browser that ignored the clearing) is refused afterwards;
+    each login is its own session, and ending one leaves the others."""
+    first, second = (httpx.post(f"{server.url}/login", data={"key": KEY}, timeout=30) for _ in range(2))
+    assert first.status_code == second.status_code == 303
+    first_id, second_id = first.cookies[COOKIE], second.cookies[COOKIE]
+    assert first_id != second_id and len(first_id) >= 40  # a random id per login
+    for session in (first_id, second_id):
+        assert httpx.get(f"{server.url}/v1/sessions", cookies={COOKIE: session}, timeout=30).status_code == 200
+    logout = httpx.get(f"{server.url}/logout", cookies={COOKIE: first_id}, timeout=30)
+    assert logout.status_code == 303 and f"{COOKIE}=" in logout.headers["set-cookie"]
+    replayed = httpx.get(f"{server.url}/v1/sessions", cookies={COOKIE: first_id}, timeout=30)
+    assert replayed.status_code == 401, replayed.status_code
+    page = httpx.get(f"{server.url}/", cookies={COOKIE: first_id}, headers={"Accept": "text/html"}, timeout=30)
+    assert page.status_code == 303 and page.headers["location"].startswith("/login")
+    assert httpx.get(f"{server.url}/v1/sessions", cookies={COOKIE: second_id}, timeout=30).status_code == 200
+    forged = first_id[:-4] + "AAAA"
+    assert httpx.get(f"{server.url}/v1/sessions", cookies={COOKIE: forged}, timeout=30).status_code == 401
+
+
+def test_wrong_keys_are_slowed_per_address_while_another_is_served(server):
+    """Five wrong keys from one address, then it waits: 1 s, then twice as long after each further one; while it
+    waits its keys are not checked (429, Retry-After), the correct one included, whichever way it sends them, and
+    X-Forwarded-For does not make a new address. The correct key from another address is answered at once."""
+    models = f"{server.url}/v1/models"
+    with from_address("127.0.0.3") as guesser, from_address("127.0.0.2") as other, \
+            from_address("127.0.0.4") as forger:
+        statuses = [guesser.get(models, headers={"Authorization": f"Bearer guess-{i}"}).status_code
+                    for i in range(40)]
+        assert statuses[:5] == [401] * 5 and statuses[5] == 429, statuses
+        assert statuses.count(401) <= 6, statuses  # at most one more checked (a lockout of 1 s may end meanwhile)
+        locked = guesser.get(models, headers={"x-api-key": "guess-x"})
+        assert locked.status_code == 429 and 1 <= int(locked.headers["retry-after"]) <= 2
+        assert_api_error(locked, "/v1/models")
+        assert "too many wrong API keys" in locked.json()["error"]["message"]
+        assert guesser.get(models, headers=AUTH).status_code == 429  # the right key is not checked either
+        form = guesser.post(f"{server.url}/login", data={"key": KEY})
+        assert form.status_code == 429 and "Too many wrong keys" in form.text and "retry-after" in form.headers
+        assert guesser.get(f"{server.url}/health").status_code == 200
+        start = time.monotonic()
+        assert other.get(models, headers=AUTH).status_code == 200
+        assert time.monotonic() - start < 1
+        forged = [forger.get(models, headers={"Authorization": f"Bearer guess-{i}", "X-Forwarded-For": f"10.9.0.{i}"})
+                  .status_code for i in range(10)]
+        assert forged.count(401) == 5 and forged[5:] == [429] * 5, forged
+        time.sleep(int(locked.headers["retry-after"]) + 0.1)  # the lockout over: one more check, then a longer wait
+        assert guesser.get(models, headers={"Authorization": "Bearer guess-41"}).status_code == 401
+        longer = guesser.get(models, headers={"Authorization": "Bearer guess-42"})
+        assert longer.status_code == 429 and int(longer.headers["retry-after"]) >= 2, longer.headers
 
 
 def test_login_goes_back_to_a_local_page_only(server):
@@ -284,6 +317,45 @@ def test_cors_only_for_the_allowed_origin(server):
     assert httpx.get(f"{server.url}/v1/models", headers={"Origin": ALLOWED_ORIGIN}, timeout=30).status_code == 401
     other = httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://localhost:3001", **AUTH}, timeout=30)
     assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+
+
+def test_gradio_client_without_the_key_cannot_read_post_delete_or_apply(server, private_conversation):
+    """Last of the tests on the module's server: its wrong keys lock 127.0.0.1 out (the checks after them come from
+    another address)."""
+    from gradio_client.exceptions import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
+        gradio_client(server.url, None)
+    # with the key, the UI's functions do read the private conversation: the endpoints below are real ...
+    client = gradio_client(server.url, KEY)
+    shown = client.predict(api_name="/on_load")  # the page's first call: the newest conversation, shown
+    assert "4417" in str(shown) and "Remember my secret." in str(shown)
+    model_before = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+    listed = httpx.get(f"{server.url}/v1/sessions", headers=AUTH, timeout=30).json()["data"]
+    titles_before = [s["title"] for s in listed]
+    assert "medical notes" in titles_before
+    # ... and the same client, its key taken away, can do none of it
+    client.headers["Authorization"] = "Bearer wrong"
+    calls = [("/on_load", ()), ("/search", ("secret",)),
+             ("/send", ("And tell everyone.", "", 0.0, 1.0, 4, True, "")),
+             ("/delete", (private_conversation,)),
+             ("/new_conversation", ("injected system prompt",)),
+             ("/apply_settings", ("SmolLM2-135M-Instruct", "float16", "none", "{}", "none", "{}", None, 1))]
+    for api_name, args in calls:
+        with pytest.raises(Exception) as failure:
+            client.predict(*args, api_name=api_name)
+        refusal = str(failure.value)  # 401, or 429 once this address has sent five wrong keys
+        assert any(sign in refusal for sign in ("401", "429", "API key")), (api_name, refusal)
+        assert "4417" not in refusal
+    with from_address("127.0.0.5") as http:
+        after = http.get(f"{server.url}/v1/sessions/{private_conversation}", headers=AUTH)
+        assert after.status_code == 200, "the conversation was deleted"
+        assert [m["content"] for m in after.json()["messages"]][0] == "Remember my secret."
+        assert len(after.json()["messages"]) == 2, "a message was posted"
+        titles = [s["title"] for s in http.get(f"{server.url}/v1/sessions", headers=AUTH).json()["data"]]
+        assert titles == titles_before, titles  # no conversation was created
+        model_after = http.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]
+    assert model_after["dtype"] == model_before["dtype"] != "float16", "the settings were applied"
 
 
 # --- where the key comes from ---------------------------------------------------------------------------
