@@ -17,6 +17,13 @@ the template with `reasoning_content`. Templates that drop past thinking (DeepSe
 differently from how it was generated, so the next turn's cache hit ends at that reply: the model's own design.
 So do tool calls on a template without tool syntax: they go back as `<tool_call>` blocks of their parsed JSON.
 
+A user message that no reply followed (the server was killed mid-reply, or the reply was stopped before its first
+token: nothing was kept) is merged with the user message after it into one user turn, their texts joined by a blank
+line, as LangChain's merge_message_runs and LlamaIndex's Gemini adapter turn a run of one role into one message:
+templates that require user and assistant turns to alternate (Gemma's, Mistral's) then render the conversation, and
+the model reads both messages as the one request they are. Both stay stored as they were posted; a placeholder reply
+instead would put words in the model's mouth.
+
 Branches (app/conversations.py keeps a tree): a turn may follow any stored message (`parent_id`), which renders
 the branch down to it, stores the posted message beside that message's other children and the reply under the
 posted message, named explicitly (another tab may show another branch by then). `regenerate` answers a stored
@@ -66,7 +73,18 @@ def chat_messages(conv: Conversation, history: list[Message], posted: dict[str, 
     messages += [{k: v for k, v in m.to_dict().items() if k in TEMPLATE_FIELDS} for m in history]
     if posted is not None:
         messages.append(posted)
-    return [ChatMessage.model_validate(m) for m in messages]
+    return [ChatMessage.model_validate(m) for m in merge_unanswered(messages)]
+
+
+def merge_unanswered(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user messages (the earlier ones unanswered) as one, their texts joined by a blank line."""
+    merged: list[dict[str, Any]] = []
+    for message in messages:
+        if merged and message["role"] == "user" and merged[-1]["role"] == "user":
+            merged[-1] = {**merged[-1], "content": f"{merged[-1]['content']}\n\n{message['content']}"}
+        else:
+            merged.append(message)
+    return merged
 
 
 TEMPLATE_FIELDS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id")

@@ -1,12 +1,23 @@
 """`kvforge serve`: the settings resolved (flags, KVFORGE_*, TOML, defaults), the store opened, the first
-engine built, then uvicorn until SIGTERM / Ctrl-C (open streams end with a final chunk)."""
+engine built, then uvicorn until SIGTERM / Ctrl-C (open streams end with a final chunk).
+
+Stopping is bounded whatever threads are doing: requests get GRACEFUL_SHUTDOWN_S to finish (then they are
+cancelled), the engines (writing their queued KV blocks) and the store get what is left of SHUTDOWN_DEADLINE_S, and
+the process then ends without waiting for threads a request left behind (a download, a stuck render: the interpreter
+would join them at exit). Should a thread hold the interpreter so that none of this can run, the exit watchdog
+(app/exit_watchdog.py) kills the process at SHUTDOWN_DEADLINE_S.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 from kvforge.app.settings import GIB, ServeSettings, json_options, keep_alive_seconds, resolve
+
+GRACEFUL_SHUTDOWN_S = 5  # after SIGTERM / Ctrl-C: open requests may finish within this, then they are cancelled
+SHUTDOWN_DEADLINE_S = 10  # ... and the process is gone within this (closing gets the rest; the watchdog enforces it)
 
 
 def is_loopback(host: str) -> bool:
@@ -40,13 +51,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not is_loopback(settings.host) and not settings.api_key:
         raise ValueError(f"refusing to bind {settings.host} without an API key: set KVFORGE_API_KEY or pass "
                          "--api-key-file, or bind 127.0.0.1")
-    import asyncio
+    import time
     from pathlib import Path
 
     import uvicorn
 
     from kvforge.app.access import AccessPolicy, split_list
     from kvforge.app.engine_factory import build_async_engine, spec_from_settings
+    from kvforge.app.exit_watchdog import ExitWatchdog
     from kvforge.app.limits import connection_limits
     from kvforge.app.models import ModelHost, ModelSpec
     from kvforge.app.server import create_app
@@ -89,25 +101,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      store=store, ui=not settings.no_ui, access=access, max_request_bytes=settings.max_request_bytes,
                      request_timeout_s=settings.request_timeout)
 
+    watchdog = ExitWatchdog(SHUTDOWN_DEADLINE_S)
+
     class GracefulServer(uvicorn.Server):
+        stop_signal: int | None = None
+        stop_started: float | None = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            watchdog.arm()  # uvicorn's signal handlers are in place: the watchdog's runs first, then theirs
+
         def handle_exit(self, sig, frame) -> None:
             # SIGTERM / Ctrl-C: end every open stream now (each gets its final chunk), then shut down
+            if self.stop_signal is None:
+                self.stop_signal, self.stop_started = sig, time.monotonic()
             for _, engine, _, _ in host.loaded():
                 engine.abort_all()
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None) -> None:
-            await super().shutdown(sockets)
-            # Close engines (writing queued KV blocks to disk) here: uvicorn re-raises the signal after
-            # serving, which would end the process before any code after server.run().
-            await asyncio.to_thread(host.close)
-            store.close()
+            await super().shutdown(sockets)  # requests: GRACEFUL_SHUTDOWN_S, then cancelled
+            # Close engines (writing queued KV blocks to disk) and the store, then end the process here: after
+            # serving, uvicorn re-raises the signal (SIGINT: KeyboardInterrupt, and the interpreter would then
+            # join every thread a request left running).
+            started = self.stop_started or time.monotonic()
+            if not close_within(host, store, SHUTDOWN_DEADLINE_S - 1 - (time.monotonic() - started)):
+                print("kvforge: warning: the engines did not close in time; exiting without them", file=sys.stderr)
+            exit_now(self.stop_signal, 1 if fatal else 0)
 
     # proxy_headers=False: a client's address is its connection's. uvicorn would take it from the X-Forwarded-For
     # of any local process, which could then name a new address for each wrong key it tries (app/key_throttle.py
     # counts them per address).
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                           timeout_graceful_shutdown=5, proxy_headers=False,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, proxy_headers=False,
                                            **connection_limits(settings)))
     ui = "" if settings.no_ui else f"chat UI on http://{settings.host}:{settings.port}/, "
     print(f"kvforge: serving {spec.name}: {ui}API on http://{settings.host}:{settings.port}/v1 "
@@ -120,6 +146,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host.close()
         store.close()
     return 1 if fatal else 0
+
+
+def close_within(host, store, timeout_s: float) -> bool:
+    """Close the engines and the store (and run the exit handlers: temporary files, worker pools) in a thread, for
+    at most `timeout_s`; whether it finished."""
+    import atexit
+
+    def close() -> None:
+        host.close()
+        store.close()
+        atexit._run_exitfuncs()
+
+    closing = threading.Thread(target=close, name="kvforge-close", daemon=True)
+    closing.start()
+    closing.join(max(timeout_s, 0.5))
+    return not closing.is_alive()
+
+
+def exit_now(stop_signal: int | None, code: int) -> None:
+    """End the process without waiting for other threads: by the signal that stopped it, as uvicorn does (a
+    supervisor sees "killed by SIGTERM"), else with `code`."""
+    import logging
+    import os
+    import signal
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if stop_signal is not None:
+        signal.signal(stop_signal, signal.SIG_DFL)
+        signal.raise_signal(stop_signal)
+    os._exit(code)
 
 
 def runs_on(engine) -> str:
