@@ -109,10 +109,10 @@ class AsyncEngine:
         self._thread.start()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, group: str | None = None) -> RequestStream:
         """Validate and queue a request (PoolingParams: an embedding request, core/pooling.py); returns its stream.
-        Must be called from a running event loop. Raises ValueError (RequestRejected included) for a request that
-        cannot run."""
+        `group`: the client request it is part of (LLMEngine.add_request). Must be called from a running event loop.
+        Raises ValueError (RequestRejected included) for a request that cannot run."""
         if self._stopped:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
@@ -123,7 +123,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
         self._unfinished[request_id] = params.n
-        self._commands.put(("add", request_id, prompt_ids, params))
+        self._commands.put(("add", request_id, prompt_ids, params, group))
         self._wakeup.set()
         return stream
 
@@ -211,11 +211,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, params = command
+                _, request_id, prompt_ids, params, group = command
                 if request_id not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id=request_id)
+                    self.engine.add_request(prompt_ids, params, request_id=request_id, group=group)
                 except Exception as exc:
                     self._unfinished.pop(request_id, None)
                     self._send(self._streams.pop(request_id), exc)

@@ -178,16 +178,17 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, group: str | None = None) -> str:
         """Queue a generation request, or with PoolingParams an embedding request (its one final output holds
-        the embedding)."""
+        the embedding). `group`: the client request it is part of (an embeddings request's inputs): the scheduler
+        shares the engine fairly between groups (core/scheduler.py); None: a group of its own."""
         params = params or SamplingParams()
         prompt_ids = self.validate_prompt(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
-            seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals))
+            seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals), group=group)
             self.scheduler.add(seq)
             self._requests[request_id] = [seq]
             self._totals["prompt_tokens_total"] += len(prompt_ids)
@@ -200,7 +201,7 @@ class LLMEngine:
             # Sample i of a seeded request draws from its own stream; sample 0 equals the n = 1 stream.
             generator = None if params.greedy else torch.Generator().manual_seed(
                 base_seed if index == 0 else hash((base_seed, index)) & (2**62 - 1))
-            seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival)
+            seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival, group=group)
             if params.constraint is not None:  # compiled by validate_prompt: a cache hit
                 seq.grammar = self.grammars.start(params.constraint)
             samples.append(seq)

@@ -20,14 +20,15 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: compared (and found in the scheduler's queues) by identity
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams | PoolingParams
     generator: torch.Generator | None = None  # per-sequence RNG: same seed, same tokens, any batch
     index: int = 0  # which of the request's n samples
-    arrival: int = 0  # global arrival order: FCFS admission, latest-first preemption
+    arrival: int = 0  # global arrival order: FCFS within a group, latest-first preemption
+    group: str | None = None  # the client request it is part of, which shares the engine fairly (core/scheduler.py)
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
@@ -82,3 +83,9 @@ class Sequence:
     @property
     def key(self) -> tuple[str, int]:
         return self.request_id, self.index
+
+    @property
+    def share_group(self) -> str:
+        """Whose share of the engine it takes: its group (an embeddings request's inputs), else its request (an n-sample
+        request's samples)."""
+        return self.group or self.request_id

@@ -1,12 +1,29 @@
-"""Token-budget continuous batching with chunked prefill, prefix caching and preemption: the owner of
-every sequence's progress.
+"""Token-budget continuous batching with chunked prefill, prefix caching and preemption, shared fairly between
+client requests: the owner of every sequence's progress.
 
-`schedule()` plans a step: up to `max_num_batched_tokens` under `max_num_seqs`, running sequences first,
-in arrival order (one token each when decoding -- 1 + k with k speculative draft tokens to verify -- the
-next chunk when still prefilling), then waiting sequences, first come first served. When the KV pool runs
-out, the running sequence that arrived last is preempted: its blocks are freed (its full blocks stay in
-the prefix cache) and it is recomputed later, producing the same tokens. Admission control rejects,
-before anything runs, a request that could never fit the model's context or the whole KV pool.
+`schedule()` plans a step of up to `max_num_batched_tokens` tokens and `max_num_seqs` sequences: for each running
+sequence one token when decoding (1 + k with k speculative draft tokens to verify) or the next chunk of its
+prefill, then the first chunks of waiting sequences. When the KV pool runs out, the running sequence last in the
+step's order is preempted: its blocks are freed (its full blocks stay in the prefix cache) and it is recomputed
+later, producing the same tokens. Admission control rejects, before anything runs, a request that could never fit
+the model's context or the whole KV pool.
+
+Fair sharing. A client request may bring many sequences (an embeddings request one per input, an n-sample request
+n samples): they form its group (`Sequence.share_group`), and the engine is shared between groups, not sequences,
+so that one heavy request cannot starve a small chat beside it (vLLM v1 and llama.cpp's server serve sequences
+first come first served: a 2048-input batch holds every slot until it is done):
+- Tokens: each step's budget is split max-min fairly between the running groups and the waiting line (one more
+  party): each gets what it asks for up to an equal share, and what the small ones leave goes to the others (a
+  chat's decode token is always served, a lone request still gets the whole budget). Within a group, sequences are
+  served in arrival order; the line's share goes to the newcomers in admission order (below), so requests that
+  arrive together are prefilled first come first served and the later ones reuse the earlier ones' cached prefix.
+- Slots: waiting sequences are admitted round-robin between groups, the group holding the fewest running
+  sequences first (ties: the earliest arrival), first come first served within a group. A group waiting with no
+  sequence running while every slot is taken gets one at the next step: the group holding the most slots, if it
+  holds more than an equal share, gives up its latest arrival (preempted, as above).
+- Preemption for KV: the step's order interleaves the groups (each group's first sequence, then each one's second,
+  ...), so the sequence preempted when the pool runs out is the latest arrival of the group holding the most.
+With one sequence per request all of this is first come first served, as before.
 
 `update_from_output(plan, sampled)` applies what the step produced: computed tokens, accepted and
 rejected drafts (rolled back in the KV), forks of n-sample requests at their prompt's end, new tokens,
@@ -17,7 +34,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+import heapq
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -147,21 +166,30 @@ class Scheduler:
         if self.speculator is not None:
             self._propose_drafts()
         plan = StepPlan()
+        self._make_room()
+        newcomers = self._admission_order()
+        shares = self._token_shares(newcomers)
         budget = self.max_num_batched_tokens
+        order = self._interleaved()
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(order) and budget > 0:
+            seq = order[i]
+            limit = min(budget, shares[seq.share_group])
+            if limit == 0:  # its group's share is spent: it waits for the next step
+                seq.clear_drafts()
+                i += 1
+                continue
             pending = seq.num_tokens - seq.num_computed_tokens
             if seq.spec_token_ids:
-                del seq.spec_token_ids[max(0, budget - pending):]
+                del seq.spec_token_ids[max(0, limit - pending):]
             while True:
-                n = min(pending + len(seq.spec_token_ids), budget)
+                n = min(pending + len(seq.spec_token_ids), limit)
                 if self.kv.allocate(seq, n):
                     break
                 if seq.spec_token_ids:  # drop the drafts before taking anyone's blocks
                     seq.clear_drafts()
                     continue
-                victim = self.running[-1]  # the latest arrival: possibly this very sequence
+                victim = order.pop()  # last in the step's order: possibly this very sequence
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -171,16 +199,85 @@ class Scheduler:
                     seq.spec_draft_probs = seq.spec_draft_probs[:len(seq.spec_token_ids)]
                 self._plan(plan, seq, n)
                 budget -= n
+                shares[seq.share_group] -= n
                 i += 1
                 continue
             break  # seq itself was preempted: everything after it already was too
         if not plan.preempted:
-            self._admit_waiting(plan, budget)
+            self._admit_waiting(plan, newcomers, budget, shares)
         now = time.monotonic()
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         return plan
+
+    def _interleaved(self) -> list[Sequence]:
+        """The running sequences in this step's order: each group's first (in arrival order), then each group's
+        second, ...: the budget reaches every group early, and the last in line (preempted first) belongs to the
+        group holding the most. One sequence per group: arrival order."""
+        held: Counter[str] = Counter()
+        ranked = []
+        for seq in self.running:  # in arrival order
+            ranked.append((held[seq.share_group], seq.arrival, len(ranked), seq))
+            held[seq.share_group] += 1
+        return [seq for *_, seq in sorted(ranked, key=lambda entry: entry[:3])]
+
+    def _make_room(self) -> None:
+        """A group waiting with no sequence running while every slot is taken gets a slot: the group holding the most
+        slots, beyond an equal share, gives up its latest arrival (preempted: recomputed later, its full blocks kept
+        in the prefix cache)."""
+        held = Counter(seq.share_group for seq in self.running)
+        newcomers = sum(1 for group in {seq.share_group for seq in self.waiting} if not held[group])
+        if not newcomers:
+            return
+        fair = max(1, self.max_num_seqs // (len(held) + newcomers))
+        while held and len(self.running) > self.max_num_seqs - min(newcomers, self.max_num_seqs):
+            group, count = held.most_common(1)[0]
+            if count <= fair:
+                return
+            self._preempt(max((s for s in self.running if s.share_group == group), key=lambda s: (s.arrival, s.index)))
+            held[group] -= 1
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting sequences that may take this step's free slots, in order: round-robin between groups, the
+        group holding the fewest running sequences first (ties: the earliest arrival), arrival order within one."""
+        free = self.max_num_seqs - len(self.running)
+        if free <= 0 or not self.waiting:
+            return []
+        queues: dict[str, list[Sequence]] = {}
+        for seq in self.waiting:  # in arrival order
+            queues.setdefault(seq.share_group, []).append(seq)
+        held = Counter(seq.share_group for seq in self.running)
+        turns = [(held[group], queue[0].arrival, group) for group, queue in queues.items()]
+        heapq.heapify(turns)
+        taken: Counter[str] = Counter()
+        order = []
+        while turns and len(order) < free:
+            count, _, group = heapq.heappop(turns)
+            queue = queues[group]
+            order.append(queue[taken[group]])
+            taken[group] += 1
+            if taken[group] < len(queue):
+                heapq.heappush(turns, (count + 1, queue[taken[group]].arrival, group))
+        return order
+
+    def _token_shares(self, newcomers: list[Sequence]) -> Counter[str | None]:
+        """Each running group's tokens of this step, and the waiting line's (key None: spent on the newcomers in
+        admission order): the budget split max-min fairly by what each asks for (a newcomer: what the prefix cache
+        does not hold of it)."""
+        demand: Counter[str | None] = Counter()
+        for seq in self.running:
+            demand[seq.share_group] += seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids)
+        for seq in newcomers:
+            cached = 0 if seq.pools else len(self.kv.match_prefix(seq)) * self.kv.block_size
+            demand[None] += seq.num_tokens - cached
+        shares: Counter[str | None] = Counter()
+        left = self.max_num_batched_tokens
+        ranked = sorted(demand.items(), key=lambda item: item[1])  # the smallest first: what they leave goes on
+        for k, (group, wanted) in enumerate(ranked):
+            shares[group] = min(wanted, left // (len(ranked) - k))
+            left -= shares[group]
+        return shares
 
     def _propose_drafts(self) -> None:
         """This step's draft tokens for the decoding sequences (none for those that should not draft)."""
@@ -202,23 +299,28 @@ class Scheduler:
         if item.samples and seq.key in self._forks:  # forks happen at a prompt's end
             plan.forks[seq.key] = self._forks.pop(seq.key)
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+    def _admit_waiting(self, plan: StepPlan, newcomers: list[Sequence], budget: int,
+                       shares: Counter[str | None]) -> None:
+        """Admit the newcomers in order while the waiting line's share of the budget lasts."""
+        for seq in newcomers:
+            limit = min(budget, shares[None])
+            if limit <= 0:
+                break
             if seq.pools:  # every position's hidden state is pooled: nothing is taken from the cache
-                n = self.kv.admit(seq, [], budget)
+                n = self.kv.admit(seq, [], limit)
             else:
                 hits = self.kv.match_prefix(seq)
-                n = self.kv.admit(seq, hits, budget, on_disk=self.kv.match_persisted(seq, len(hits)))
+                n = self.kv.admit(seq, hits, limit, on_disk=self.kv.match_persisted(seq, len(hits)))
             if n == 0:
-                break  # not enough KV right now; it stays first in line (FCFS, no overtaking)
+                break  # not enough KV right now; it stays in line (no overtaking)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self._insert(self.running, seq)
             self._plan(plan, seq, n)
             budget -= n
+            shares[None] -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
