@@ -1,13 +1,17 @@
 """Embeddings for every dialect (OpenAI's /v1/embeddings, Ollama's /api/embed): each input is an embedding request
 through the engine (core/pooling.py: the model's last hidden states pooled as its sentence-transformers config says,
-by default mean-pooled and L2-normalised), all of a request's inputs queued together so that they share the engine's
-batches. The model is the one the request names, or the server's --embedding-model, or the server's own. One
-admission ticket covers the request; the inputs are tokenized off the event loop; an input too long for the context
-is refused before anything runs (or, asked for, truncated to the context's first tokens, as Ollama's `truncate`)."""
+by default mean-pooled and L2-normalised). A request's inputs are one group, which the scheduler shares fairly with
+other requests (core/scheduler.py), and at most the engine's `max_num_seqs` of them are queued at a time (the next
+as each finishes): a 2048-input request cannot fill the engine's queue, and its client leaving aborts a window, not
+thousands. The model is the one the request names, or the server's --embedding-model, or the server's own. One
+admission ticket covers the request; the inputs are tokenized and checked off the event loop; an input too long for
+the context is refused before anything runs (or, asked for, truncated to the context's first tokens, as Ollama's
+`truncate`)."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
@@ -63,6 +67,10 @@ def tokenize_inputs(engine: AsyncEngine, inputs: list[str] | list[list[int]], fi
         elif window is not None and len(ids) > context:
             raise APIError(400, f"{where}: its {len(ids)} tokens do not fit the context of {context} tokens set by "
                            f"{window.field}", window.field, code="context_length_exceeded")
+        try:  # every input is checked before any is queued: they are queued a window at a time
+            engine.engine.validate_prompt(ids, PoolingParams())
+        except RequestRejected as exc:
+            raise APIError(400, f"{where}: {exc}", field, code="context_length_exceeded") from None
         prompts.append(ids)
     return prompts
 
@@ -70,11 +78,12 @@ def tokenize_inputs(engine: AsyncEngine, inputs: list[str] | list[list[int]], fi
 async def embed(admission: Admission, inputs: list[str] | list[list[int]], field: str, timeout_s: float | None,
                 truncate: bool = False, window: ContextWindow | None = None, dimensions: int | None = None,
                 model: str | None = None, keep_alive_s: float | None = None) -> Embedded:
-    """Every input's embedding, queued together; aborted (blocks freed) if the client leaves or `timeout_s` passes
-    (APIError 504). `field`: the request field the inputs came from, named in errors; `truncate`: inputs cut to the
-    context (the model's, or a smaller `window`) instead of refused; `dimensions`: the size the client asks for,
-    refused unless it is the model's (shortening embeddings is not supported); `model`: the model it names (None: the
-    server's own, or its --embedding-model), loaded on demand, kept `keep_alive_s` after (Ollama's)."""
+    """Every input's embedding (queued a window at a time, embed_windowed); aborted (blocks freed) if the client leaves
+    or `timeout_s` passes (APIError 504). `field`: the request field the inputs came from, named in errors;
+    `truncate`: inputs cut to the context (the model's, or a smaller `window`) instead of refused; `dimensions`: the
+    size the client asks for, refused unless it is the model's (shortening embeddings is not supported); `model`: the
+    model it names (None: the server's own, or its --embedding-model), loaded on demand, kept `keep_alive_s` after
+    (Ollama's)."""
     if not inputs:
         raise APIError(400, f"{field} must not be empty", field)
     host = admission.host
@@ -85,7 +94,6 @@ async def embed(admission: Admission, inputs: list[str] | list[list[int]], field
         except LookupError:
             pass  # enter() answers 404
     ticket = await admission.enter(model, keep_alive_s)
-    streams: list[RequestStream] = []
     try:
         engine = ticket.engine
         size = engine.engine.hf_config.hidden_size
@@ -93,20 +101,40 @@ async def embed(admission: Admission, inputs: list[str] | list[list[int]], field
             raise APIError(400, f"dimensions: this model embeds in {size} dimensions; shortening embeddings is not "
                            "supported", "dimensions")
         prompts = await run_in_threadpool(tokenize_inputs, engine, inputs, field, truncate, window)
-        for i, prompt in enumerate(prompts):
-            try:
-                streams.append(engine.add_request(prompt, PoolingParams()))
-            except RequestRejected as exc:
-                where = field if len(prompts) == 1 else f"{field}[{i}]"
-                raise APIError(400, f"{where}: {exc}", field, code="context_length_exceeded") from None
-        outputs = await asyncio.gather(*(_final(stream, timeout_s) for stream in streams))
+        outputs = await embed_windowed(engine, prompts, timeout_s)
     except RequestTimedOut as exc:
         raise exc.api_error() from None
     finally:
-        for stream in streams:
-            stream.abort()  # a no-op for those that finished
         ticket.release()
     return Embedded([out.embedding for out in outputs], outputs, ticket.model)
+
+
+async def embed_windowed(engine: AsyncEngine, prompts: list[list[int]], timeout_s: float | None) -> list[RequestOutput]:
+    """Each prompt's final output, in order: one group in the engine, at most `max_num_seqs` of them queued at once
+    (the request's share of the queue), all within `timeout_s` (RequestTimedOut past it). However it ends, each
+    input still queued is aborted (its blocks freed) and none is queued after."""
+    group, slots = f"embed-{uuid.uuid4().hex}", asyncio.Semaphore(engine.config.max_num_seqs)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s if timeout_s else None
+
+    async def one(prompt: list[int]) -> RequestOutput:
+        async with slots:
+            stream = engine.add_request(prompt, PoolingParams(), group=group)
+            left = None if deadline is None else max(deadline - loop.time(), 1e-3)
+            try:
+                return await _final(stream, left)
+            finally:
+                stream.abort()  # a no-op once finished
+
+    tasks = [asyncio.ensure_future(one(prompt)) for prompt in prompts]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # after one failed (gather does not stop the others), or the client left
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # seen: only the first failure is raised
 
 
 async def _final(stream: RequestStream, timeout_s: float | None) -> RequestOutput:
