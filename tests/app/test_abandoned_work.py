@@ -3,8 +3,9 @@
 short, so the test is too).
 
 - A whole (not streamed) response whose client leaves is aborted within ~2 s, on every route that queues work:
-  the engine's running and waiting sequences, the admitted requests and the KV blocks in use go back to zero.
-  Before, only streamed responses were (a completion ran on for minutes for nobody).
+  the engine's running and waiting sequences, the admitted requests and the KV blocks in use go back to zero (the
+  sessions API keeps the partial reply, finish_reason "abort"). Before, only streamed responses were (a completion
+  ran on for minutes for nobody).
 - A big embeddings batch does not starve a small chat sent meanwhile: the chat is answered within a bound of its
   unloaded latency (first come first served made it wait for the whole batch), and the batch's sequences are gone
   soon after its client leaves.
@@ -108,6 +109,17 @@ def session_message(server: ServeProcess) -> tuple[str, dict]:
                                                  "stream": False}
 
 
+def partial_reply_kept(server: ServeProcess, path: str) -> None:
+    """The sessions API keeps what was generated of a reply whose client left, as a stop button does."""
+    session_url = f"{server.url}{path.removesuffix('/messages')}"
+    deadline = time.monotonic() + 5
+    while len(messages := httpx.get(session_url, timeout=30).json()["messages"]) < 2:
+        assert time.monotonic() < deadline, messages
+        time.sleep(0.05)
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["finish_reason"] == "abort"
+    assert messages[1]["content"]
+
+
 WHOLE_RESPONSES = {  # route -> (path, body) of a long whole response, greedy
     "completions": lambda _: ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0,
                                                   "ignore_eos": True}),
@@ -132,6 +144,8 @@ def test_a_whole_response_whose_client_leaves_is_aborted(server, route):
     time.sleep(0.3)
     took = leave_and_check(server, sock)
     print(f"{route}: gone {took:.2f} s after its client left")
+    if route == "sessions":
+        partial_reply_kept(server, path)
 
 
 def embedding_batch(count: int) -> dict:
