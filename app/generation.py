@@ -21,6 +21,7 @@ from kvforge.app.completion import (
 )
 from kvforge.app.errors import APIError
 from kvforge.app.metrics import ServerMetrics
+from kvforge.app.off_loop import off_loop
 from kvforge.app.protocol import ChatCompletionRequest, SamplingFields
 from kvforge.core.async_engine import AsyncEngine, RequestStream
 from kvforge.core.constraint import Constraint
@@ -66,7 +67,7 @@ async def admit(admission: Admission, body: SamplingFields, chars: int,
     try:
         engine = ticket.engine
         check_prompt_chars(engine, chars, prompt_field)
-        rendered = await run_in_threadpool(render, engine)
+        rendered = await off_loop(render, engine)
         plan = rendered if isinstance(rendered, ChatPlan) else None
         prompt = plan.prompt if plan is not None else rendered
         if not prompt:
