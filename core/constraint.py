@@ -146,7 +146,11 @@ class GrammarCompiler:
             grammar = constraint.llguidance_grammar()
             grammars.check_size(grammar)
             error = trial_compile(self.tokenizer_spec(), grammar)
-        except (ValueError, SandboxRefused) as exc:  # SandboxRefused is one: over a limit, or it crashed the worker
+        except SandboxRefused as exc:  # over its time, or it crashed the worker
+            if exc.timed_out:  # perhaps only a busy machine: not remembered
+                raise InvalidConstraint(str(exc)) from None
+            error = str(exc)
+        except ValueError as exc:  # over the size limit, or not a grammar llguidance reads
             error = str(exc)
         if error is None:
             matcher = grammars.compile_matcher(self.lltokenizer(), grammar)

@@ -32,7 +32,12 @@ CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
 
 
 class SandboxRefused(ValueError):
-    """The job failed or hit a limit (the template raised, ran past its budget, the grammar does not compile...)."""
+    """The job failed or hit a limit (the template raised, ran past its budget, the grammar does not compile...).
+    `timed_out`: it ran past its time budget, which a busier machine may explain (not worth remembering)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class SandboxCancelled(RuntimeError):
@@ -72,7 +77,7 @@ class _Worker:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise SandboxRefused(f"{what} ran past its time budget of {budget_s:g} s and was stopped")
+                raise SandboxRefused(f"{what} ran past its time budget of {budget_s:g} s and was stopped", True)
             ready, _, _ = select.select([fd], [], [], min(POLL_S, left))
             if ready:
                 break
