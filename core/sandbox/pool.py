@@ -27,6 +27,7 @@ WORKERS = 2  # jobs at once; each worker holds ~30 MB (a tokenizer for grammars:
 GRACE_S = 1.0  # past a job's budget, the worker's own deadline check has this long to answer before it is killed
 GRAMMAR_TIME_S = 10.0  # a trial compile (the largest grammar within the limits compiles in ~1 s)
 POLL_S = 0.05
+WORKER_MODULE = "kvforge.core.sandbox.worker"  # what a worker runs (`python -m`)
 CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("kvforge_sandbox_cancel",
                                                                                 default=None)
 
@@ -47,7 +48,7 @@ class SandboxCancelled(RuntimeError):
 class _Worker:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "kvforge.core.sandbox.worker"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env)
         self.tokenizers: set[str] = set()  # tokenizers this worker already holds, by key
 

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from kvforge.core import LLM, SamplingParams
+from tests.helpers.processes import rank_processes
 from tests.helpers.server_process import ServeProcess
 
 QUESTION = "Name three primary colors."
@@ -29,7 +30,7 @@ def _serve(tmp_path) -> tuple[ServeProcess, psutil.Process]:
     # fp32: two ranks sum partial products in another order than one; in fp32 the tokens still agree exactly
     server = ServeProcess("--tp", "2", "--data-dir", str(tmp_path), "--kv-cache-gb", "0.0625", "--no-ui",
                           "--dtype", "float32")
-    (rank1,) = psutil.Process(server.process.pid).children(recursive=True)
+    (rank1,) = rank_processes(server.process.pid)
     return server, rank1
 
 
@@ -61,20 +62,20 @@ def test_serve_tp2_answers_the_openai_client_and_leaves_no_process(tmp_path, ref
         assert loaded.status_code == 200, loaded.text
         assert loaded.json()["loaded"]["tp"] == 2 and loaded.json()["loaded"]["dtype"] == "bfloat16"
         assert _gone(rank1)
-        (new_rank1,) = psutil.Process(server.process.pid).children(recursive=True)
+        (new_rank1,) = rank_processes(server.process.pid)
         assert ask(client)
         # a tensor-parallel load that fails after the old ranks went first leaves no model (and says so) ...
         refused = httpx.post(f"{server.url}/admin/models/load", json={"tp": 4}, timeout=120)
         assert refused.status_code == 400 and "3 KV heads cannot be split across 4" in refused.text, refused.text
         assert "no model is loaded" in refused.text and refused.json()["error"]["param"] == "tp"
-        assert _gone(new_rank1) and not psutil.Process(server.process.pid).children(recursive=True)
+        assert _gone(new_rank1) and not rank_processes(server.process.pid)
         loaded = httpx.post(f"{server.url}/admin/models/load", json={"tp": 1, "dtype": "float32"}, timeout=120)
         assert loaded.status_code == 200 and loaded.json()["loaded"]["tp"] == 1, loaded.text
         assert ask(client) == reference_text
         # ... while from one rank the old model keeps serving
         refused = httpx.post(f"{server.url}/admin/models/load", json={"tp": 4}, timeout=120)
         assert refused.status_code == 400 and "no model is loaded" not in refused.text, refused.text
-        assert not psutil.Process(server.process.pid).children(recursive=True)
+        assert not rank_processes(server.process.pid)
         assert ask(client) == reference_text
     finally:
         server.stop("sigterm")

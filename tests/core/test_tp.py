@@ -22,6 +22,7 @@ import torch
 
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.tp import WorkerLost
+from tests.helpers.processes import rank_processes
 from tests.helpers.tiny_models import COMMON, random_prompts, save_tiny_model
 
 NEW_TOKENS = 24
@@ -32,7 +33,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 
 def _children() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+    return rank_processes()
 
 
 def _tokens(path, prompts, rounds: int = 1, embeddings: list | None = None,
