@@ -236,14 +236,6 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
     entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
 
 
-def gguf_quantization(reader) -> str | None:
-    """A GGUF's file type as llama.cpp names it (Q4_1, Q4_K_M), from an open GGUFReader; None where the file does
-    not say."""
-    from transformers.modeling_gguf_pytorch_utils import read_field
-
-    return quantization_name(next(iter(read_field(reader, "general.file_type")), None))
-
-
 def quantization_name(file_type: int | None) -> str | None:
     """llama.cpp's name of a GGUF's `general.file_type` (Q4_1, Q4_K_M); None where the file does not say."""
     from gguf import LlamaFileType
