@@ -66,8 +66,8 @@ def test_cache_hits(report):
     assert disk["loaded_blocks"] == sum(t["cached_tokens"]["persisted"] for t in report["per_turn"]) // block
 
 
-def test_bad_arguments_are_a_clear_error():
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "kvforge.app.cli", "bench", "chat", "--turns", "0"],
-                            capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 2 and "--turns" in result.stderr and "Traceback" not in result.stderr
+def test_bad_arguments_are_a_clear_error(capsys):
+    from kvforge.app.cli import main
+
+    assert main(["bench", "chat", "--turns", "0"]) == 2  # in this process: an exception would fail the test
+    assert "--turns" in capsys.readouterr().err

@@ -88,8 +88,8 @@ def test_rounds_combine_into_medians():
     assert [r["output_tok_s"] for r in row["rounds"]] == [10.0, 30.0, 50.0]
 
 
-def test_bad_concurrency_is_a_clear_error():
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "kvforge.app.cli", "bench", "serve", "--concurrency", "0,x"],
-                            capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode != 0 and "--concurrency" in result.stderr and "Traceback" not in result.stderr
+def test_bad_concurrency_is_a_clear_error(capsys):
+    from kvforge.app.cli import main
+
+    assert main(["bench", "serve", "--concurrency", "0,x"]) == 2  # in this process: an exception would fail the test
+    assert "--concurrency" in capsys.readouterr().err
