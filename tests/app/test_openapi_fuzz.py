@@ -4,15 +4,19 @@ that break the schema), each sent with the API key. None may get a 5xx, every er
 its API's error shape (OpenAI's; Ollama's under /api/), and responses conform to the schema where it
 declares one.
 
-The server runs as a user starts it: the embedded model, the key from KVFORGE_API_KEY, the browser UI
-mounted at / (requests that fall through the API routes reach Gradio, which is part of what is fuzzed).
+The server runs as a user starts it (the key from KVFORGE_API_KEY, the browser UI mounted at /: requests that fall
+through the API routes reach Gradio, which is part of what is fuzzed), on a tiny random-weight Llama with the
+embedded model's tokenizer, chat template and context length, and one torch thread: the fuzzer's ~350 valid
+generation requests are about the API, not the weights, and each costs tens of milliseconds (with a second thread,
+on a busy machine every OpenMP barrier waits for a core: ~0.7 s a request).
 
 Bounded work per request: generation length and width are not what is fuzzed here (test_server_robustness
 does), so before a generated request is sent, numbers that only make the model run longer or wider are
-clamped (see `_bound`); a request the schema rejects keeps its invalid value. The admin routes get the same
-treatment: a load may swap the model (the embedded one only: the server has no --models-dir), but never
-with more than one tensor-parallel rank or a KV budget above _KV_GB_CAP; after a load or an unload the
-default model is loaded back, so the operations fuzzed next run on the model a user starts with.
+clamped (see `_bound`); a request the schema rejects keeps its invalid value. The admin routes that swap the
+model are fuzzed last (test_model_swaps) with the same treatment: a load may swap the model (the embedded one
+only: the server has no --models-dir), but never with more than one tensor-parallel rank or a KV budget above
+_KV_GB_CAP; after a load or an unload the default (embedded) model is loaded back, so the swaps fuzzed next start
+from a server with a model.
 
 Debugging: KVFORGE_FUZZ_REPORT=<file> keeps going after a failure (every failing request is appended to
 the file as a JSON line: method, path, body, status, response) instead of stopping at the first one of
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import zlib
 
@@ -79,6 +84,7 @@ CONFIG = {
 CHECKS = [not_a_server_error, response_schema_conformance]
 
 schema = schemathesis.pytest.from_fixture("api_schema")
+SWAPS = "^/admin/models/(load|unload)$"  # swap the served model: fuzzed last, by test_model_swaps
 
 
 @pytest.fixture(autouse=True)
@@ -90,10 +96,18 @@ def _node_id_for_schemathesis(request):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, embedded_path):
+    from kvforge.core.loader import load_config
+    from tests.helpers.tiny_models import save_tiny_model, tiny_configs
+
+    model = tmp_path_factory.mktemp("fuzz-model") / "tiny-llama"
+    config = tiny_configs()["llama3"]
+    config.max_position_embeddings = load_config(embedded_path).max_position_embeddings
+    save_tiny_model("llama3", model, embedded_path, seed=0, config=config)
+    shutil.copy(embedded_path / "chat_template.jinja", model)
     data_dir = tmp_path_factory.mktemp("fuzz-data")
-    process = ServeProcess("--data-dir", str(data_dir), "--default-max-tokens", str(MAX_TOKENS_CAP),
-                           env={"KVFORGE_API_KEY": API_KEY})
+    process = ServeProcess("--model", str(model), "--threads", "1", "--data-dir", str(data_dir),
+                           "--default-max-tokens", str(MAX_TOKENS_CAP), env={"KVFORGE_API_KEY": API_KEY})
     yield process
     process.stop()
 
@@ -203,8 +217,19 @@ def _report(case, response, error: BaseException) -> None:
             "error": f"{type(error).__name__}: {error}"[:2000]}, default=repr) + "\n")
 
 
-@schema.parametrize()
+@schema.exclude(path_regex=SWAPS).parametrize()
 def test_openapi_operations(case, client, session_ids):
+    """Every operation but the model swaps, on the model the server started with."""
+    _fuzz(case, client, session_ids)
+
+
+@schema.include(path_regex=SWAPS).parametrize()
+def test_model_swaps(case, client, session_ids):
+    """Loads and unloads (each success undone by loading the embedded model), after every other operation."""
+    _fuzz(case, client, session_ids)
+
+
+def _fuzz(case, client, session_ids) -> None:
     _bound(case.body)
     _use_existing_session(case, session_ids)
     response = None
