@@ -13,7 +13,11 @@ from kvforge.core import LLM, SamplingParams
 from tests.helpers.parity import compare, hf_greedy
 from tests.helpers.tiny_models import random_prompts, save_tiny_model
 
-NEW_TOKENS = 8  # enough steps for decode after chunked prefill; each interpreted step is costly
+# Each interpreted step is costly: 4 tokens still give decode steps beside chunked prefill (the 1- and 6-token prompts
+# decode while the longer ones prefill in 7-token chunks) and decode-only steps after it; the speculative test drafts
+# 3 tokens a step and needs more steps than that to see drafts both accepted and rejected.
+NEW_TOKENS = 4
+SPEC_TOKENS = 8
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: compiled on a GPU, else interpreted
 
 
@@ -27,11 +31,12 @@ def tiny(request, tmp_path_factory, embedded_path):
     return path, model, random_prompts((1, 6, 17, 33), seed=11)
 
 
-def _generate(path, prompts, rounds: int = 2, **config) -> tuple[LLM, list[list[list[int]]]]:
+def _generate(path, prompts, rounds: int = 2, new_tokens: int = NEW_TOKENS,
+              **config) -> tuple[LLM, list[list[list[int]]]]:
     """Greedy tokens of every round (later rounds hit the prefix cache); fp32 unless `config` says otherwise (the
     kernels must give the torch path's tokens and HF's exactly)."""
     llm = LLM(str(path), progress=False, **{"dtype": "float32", **config})
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     results = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(rounds)]
     assert llm.engine.block_pool.num_used == 0
     return llm, results
@@ -52,36 +57,41 @@ def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
 
 def test_decode_graph_buffers_give_the_eager_tokens(tiny):
     """Decode-only steps through DecodeGraphs' padded buckets (3 sequences run in the 4-bucket: one padded
-    row with slot -1 and context length 0) equal the unpadded eager steps."""
+    row with slot -1 and context length 0) equal the unpadded eager steps. One engine: eager first, then with the
+    buckets enabled (its prompts' whole blocks then come from the prefix cache; the decode steps are all new)."""
     path, _, prompts = tiny
-    common = dict(kernels="triton", device=DEVICE, num_kv_blocks=40, max_num_seqs=8)
-    _, eager = _generate(path, prompts[1:], rounds=1, **common)
-    llm = LLM(str(path), progress=False, dtype="float32", **common)
+    llm = LLM(str(path), progress=False, dtype="float32", kernels="triton", device=DEVICE, num_kv_blocks=40,
+              max_num_seqs=8)
     engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    eager = [o.token_ids for o in llm.generate(prompts[1:], params)]
+    assert engine.runner.graphs is None
     engine.runner.enable_decode_graphs(engine.max_model_len, max_batch=8, capture=False)
     graphs = engine.runner.graphs
     assert graphs.sizes == [1, 2, 4, 8]
     replays = []
     run = graphs.run
     graphs.run = lambda *args: replays.append(len(args[0])) or run(*args)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     padded = [o.token_ids for o in llm.generate(prompts[1:], params)]
-    assert padded == eager[0]
+    assert padded == eager
     assert 3 in replays  # decode steps of all three sequences went through the 4-row bucket
     assert engine.block_pool.num_used == 0
 
 
 def test_embedded_model_on_triton_kernels_matches_hf(embedded_path):
-    """The real model (30 layers, 9 query / 3 KV heads) on the Triton kernels: the HF greedy answer."""
+    """The real model (30 layers, 9 query / 3 KV heads) on the Triton kernels: the HF greedy answer. An empty system
+    prompt in place of the template's default one: 24 prompt tokens (two blocks) instead of 40, each interpreted."""
     from transformers import AutoModelForCausalLM
 
     llm = LLM(str(embedded_path), progress=False, kernels="triton", device=DEVICE, kv_cache_bytes=32 << 20,
               dtype="float32")
-    messages = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
+    messages = [{"role": "system", "content": ""},
+                {"role": "user", "content": "What is the capital of France? Answer briefly."}]
     prompt = llm.tokenizer.apply_chat_template(messages)  # token ids
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    new_tokens = 6  # "The capital of France is Paris"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens))[0]
     hf = AutoModelForCausalLM.from_pretrained(embedded_path, dtype=torch.float32).eval()
-    ids, _ = hf_greedy(hf, [prompt], 8, pad_id=0, eos_ids={2})
+    ids, _ = hf_greedy(hf, [prompt], new_tokens, pad_id=0, eos_ids={2})
     assert out.token_ids == ids[0]
     assert out.text.startswith("The capital of France is Paris")
 
@@ -94,9 +104,9 @@ def test_speculative_verification_on_triton_kernels(tmp_path, embedded_path):
     save_tiny_model("mistral", tmp_path, embedded_path, seed=99)
     prompts = random_prompts((5, 23), seed=5)
     common = dict(kernels="triton", device=DEVICE, num_kv_blocks=60)
-    _, plain = _generate(tmp_path, prompts, rounds=1, **common)
-    llm, spec = _generate(tmp_path, prompts, rounds=1, decoding="draft", decoding_options={"layers": 1, "k": 3},
-                          **common)
+    _, plain = _generate(tmp_path, prompts, rounds=1, new_tokens=SPEC_TOKENS, **common)
+    llm, spec = _generate(tmp_path, prompts, rounds=1, new_tokens=SPEC_TOKENS, decoding="draft",
+                          decoding_options={"layers": 1, "k": 3}, **common)
     assert spec == plain
     stats = llm.engine.stats()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_drafted_tokens_total, stats  # some rejected
