@@ -43,7 +43,7 @@ USER_MESSAGES = [
 ]
 SYSTEM_PROMPT = "You are a friendly gardening assistant. Answer in a few clear sentences."
 UNANSWERED = "Tell me a very long story about a gardener."  # the message a crash leaves without a reply
-MAX_TOKENS = 40
+MAX_TOKENS = 16
 
 
 class Server(ServeProcess):

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "ui.png"
 TIMEOUT_MS = 90_000
 LONG_MAX_TOKENS = 2000
-SHORT_MAX_TOKENS = 48
+SHORT_MAX_TOKENS = 16
 LONG_PROMPT = "Write a very long story, with many chapters, about a lighthouse keeper and a lost ship."
 
 # every URL any page of this module requested (checked by the last test)
@@ -227,9 +227,9 @@ def test_stop_ends_the_generation(page, server):
 
 
 def test_regenerate_and_edit_the_last_message(page, server):
+    session_id = new_chat(page, server)  # first: a new conversation shows the model's defaults in the sliders
     set_slider(page, "max-tokens", SHORT_MAX_TOKENS)
     set_slider(page, "temperature", 0)  # greedy: a regenerated reply is the same reply
-    session_id = new_chat(page, server)
     send(page, "Name three colours of the rainbow.")
     first = wait_reply(page, server)
 
@@ -253,15 +253,16 @@ def test_regenerate_and_edit_the_last_message(page, server):
 def test_conversations_new_switch_rename_delete(page, server):
     from playwright.sync_api import expect
 
-    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)  # the replies' length does not matter here
     first = new_chat(page, server)
     expect(conversation(page, first)).to_have_text("New chat")
+    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)  # the replies' length does not matter here
     send(page, "My favourite colour is teal. Say hello.")
     wait_reply(page, server)
     expect(conversation(page, first)).to_have_text("My favourite colour is teal. Say hello.")
 
     second = new_chat(page, server)
     assert chat_messages(page) == []
+    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)  # a new conversation starts at the model's defaults again
     send(page, "Name three planets.")
     wait_reply(page, server)
 
@@ -298,8 +299,8 @@ def test_conversations_new_switch_rename_delete(page, server):
 
 
 def test_reload_shows_the_same_conversations(page, server):
-    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)
     new_chat(page, server)
+    set_slider(page, "max-tokens", SHORT_MAX_TOKENS)
     send(page, "What is the capital of France?")
     wait_reply(page, server)
     listed = server.sessions()
@@ -364,8 +365,8 @@ def test_dashboard_changes_while_generating(page, server):
 
 def test_screenshot(page, server):
     """docs/ui.png: the chat after a reply, with the dashboard and its plot."""
-    set_slider(page, "max-tokens", 120)
     new_chat(page, server)
+    set_slider(page, "max-tokens", 120)
     send(page, "In three short sentences, what is a KV cache in a language model?")
     wait_reply(page, server)
     page.wait_for_selector("#tokens-plot svg.marks")
