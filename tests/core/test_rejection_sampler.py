@@ -1,5 +1,7 @@
 """The verifier (`sampler.sample_tokens`): whatever the drafts, the tokens it returns follow the target's
-distribution. Small vocabulary, 1e5 verifications in one batch, chi-square and total-variation bounds."""
+distribution. Small vocabulary, 25,000 verifications in one batch (50,000 for deterministic drafts, whose acceptance
+rate is also compared), chi-square and total-variation bounds: a verifier that resamples from the target instead of
+the residual is off by a total variation of 0.17-0.19 here, chi-square > 3,600 at 25,000 against a critical 24."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from kvforge.core.sampler import SamplingBatch, sample_tokens
 from kvforge.core.sampling import SamplingParams
 
 VOCAB = 8
-TRIALS = 100_000
+TRIALS = 25_000
 # chi-square critical values at p = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, df))
 CHI2_CRITICAL = {2: 13.82, 7: 24.32}
 
@@ -27,7 +29,7 @@ def assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
     chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
     critical = CHI2_CRITICAL[int(support.sum()) - 1]
     tv = 0.5 * float((counts / n - probs.double()).abs().sum())
-    # sqrt(V / n) is 2.5x the largest expected TV of n exact samples (0.009 at n = 1e5)
+    # sqrt(V / n) is 2.5x the largest expected TV of n exact samples (0.009 at n = 1e5, 0.018 at 25,000)
     assert chi2 < critical and tv < (VOCAB / n) ** 0.5, f"chi2 {chi2:.1f}, TV {tv:.4f} over {n} samples"
 
 
@@ -69,12 +71,13 @@ def test_deterministic_drafts_follow_the_target():
     """A drafter without probabilities (n-gram, greedy draft): q is one-hot at the draft."""
     target_logits, target, _ = distributions(2)
     first = int(target[0].argmax())  # a likely draft, so that many second tokens are drawn
-    out = run_verify(target_logits, [[first, 5]] * TRIALS, None).token_ids
+    trials = 2 * TRIALS  # the acceptance rate's standard error is then 0.0022: 0.01 is 4.5 of them
+    out = run_verify(target_logits, [[first, 5]] * trials, None).token_ids
     assert_follows([t[0] for t in out], target[0])
     seconds = [t[1] for t in out if len(t) > 1]
     assert all(t[0] == first for t in out if len(t) > 1)
     assert_follows(seconds, target[1])
-    assert len(seconds) / TRIALS == pytest.approx(float(target[0, first]), abs=0.01)  # accepted with p(draft)
+    assert len(seconds) / trials == pytest.approx(float(target[0, first]), abs=0.01)  # accepted with p(draft)
 
 
 def test_processed_distribution_is_the_target():
