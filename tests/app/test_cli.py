@@ -1,4 +1,7 @@
-"""The `kvforge` command line, run as a real subprocess on the embedded model."""
+"""The `kvforge` command line on the embedded model: what loads a model or prints a reply runs as a real
+subprocess; refusals of arguments and settings, and the plugin listing, run through main() in the test process
+(one interpreter start each saved; one refusal, the missing model, still runs as a subprocess to show that a
+refusal's stderr is one line from the interpreter's start)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,21 @@ def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subproc
     env.pop("KVFORGE_API_KEY", None)
     return subprocess.run([sys.executable, "-m", "kvforge.app.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+def run_main(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    """`kvforge ARGS` through main() in this process: (exit code, stdout, stderr)."""
+    from kvforge.app.cli import main
+
+    monkeypatch.delenv("KVFORGE_API_KEY", raising=False)
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)  # an engine that got as far as setting the process's threads
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,18 +70,18 @@ def test_missing_model_is_one_line_error_without_traceback():
     assert len(lines) == 1 and "nobody/does-not-exist" in lines[0]
 
 
-def test_invalid_sampling_value_names_the_field():
-    result = run_cli("generate", "hi", "--temperature", "-1")
-    assert result.returncode == 2
-    assert "temperature" in result.stderr and "Traceback" not in result.stderr
+def test_invalid_sampling_value_names_the_field(capsys, monkeypatch):
+    code, _, err = run_main(capsys, monkeypatch, "generate", "hi", "--temperature", "-1")
+    assert code == 2
+    assert "temperature" in err and "Traceback" not in err
 
 
-def test_plugins_lists_builtin_dense_method():
-    result = run_cli("plugins")
-    assert result.returncode == 0, result.stderr
-    assert "kvforge.quant:" in result.stdout and "none" in result.stdout
-    assert "[cpu / cuda]" in result.stdout  # the devices the method runs on
-    decoding = result.stdout.split("kvforge.decoding:")[1]  # the decoding plugins, with their options
+def test_plugins_lists_builtin_dense_method(capsys, monkeypatch):
+    code, out, err = run_main(capsys, monkeypatch, "plugins")
+    assert code == 0, err
+    assert "kvforge.quant:" in out and "none" in out
+    assert "[cpu / cuda]" in out  # the devices the method runs on
+    decoding = out.split("kvforge.decoding:")[1]  # the decoding plugins, with their options
     assert "ngram" in decoding and "draft" in decoding
     assert "max_n: integer, default 4" in decoding and "k: integer, default 4" in decoding
 
@@ -85,11 +103,11 @@ def test_generate_with_ngram_decoding_gives_the_same_greedy_text():
     (("--decoding-options", '{"k": 2}'), "without a decoding plugin"),
     (("--decoding", "medusa"), "unknown kvforge.decoding plugin 'medusa'"),
 ])
-def test_bad_decoding_plugin_or_option_is_one_line_error(args, fragment):
-    result = run_cli("generate", "hi", *args)
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
+def test_bad_decoding_plugin_or_option_is_one_line_error(args, fragment, capsys, monkeypatch):
+    code, _, err = run_main(capsys, monkeypatch, "generate", "hi", *args)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0], err
 
 
 @pytest.mark.parametrize("command", [("serve",), ("generate", "hi"), ("chat",)])
@@ -128,13 +146,13 @@ def test_tp_is_in_the_help_of_serve_generate_and_chat(monkeypatch, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_gpu_flags_without_a_gpu_are_one_clear_error():
+def test_gpu_flags_without_a_gpu_are_one_clear_error(capsys, monkeypatch):
     """--device cuda / --kernels triton on a CPU-only machine: one error line naming what is missing, exit 2."""
     for flags, fragment in ((("--device", "cuda"), "device 'cuda' is not available"),
                             (("--kernels", "triton"), "kernels='triton' needs triton and a CUDA device")):
-        result = run_cli("generate", "hi", "--max-tokens", "2", *flags)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert result.returncode == 2 and len(lines) == 1 and fragment in lines[0], result.stderr
+        code, _, err = run_main(capsys, monkeypatch, "generate", "hi", "--max-tokens", "2", *flags)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and fragment in lines[0], err
 
 
 def test_gpu_settings_reach_the_engine(tmp_path, monkeypatch):
@@ -155,27 +173,21 @@ def test_gpu_settings_reach_the_engine(tmp_path, monkeypatch):
         build_parser().parse_args(["generate", "hi", "--kernels", "cuda"])
 
 
-def test_bench_latency_prints_ratios_against_hf():
-    result = run_cli("bench", "latency", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1",
-                     "--dtypes", "float32")
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(("HF", "kvforge"))}
-    assert set(rows) == {"HF", "kvforge"}
-    assert rows["kvforge"].rstrip().endswith("x")  # decode ratio against HF fp32, measured in this run
-
-
-def test_bench_latency_measures_each_tensor_parallel_rank_count():
+def test_bench_latency_prints_ratios_against_hf_for_each_tensor_parallel_rank_count(capsys, monkeypatch):
+    """One run with --tp 1,2: the HF fp32 row, then a kvforge row per rank count, each with its decode ratio
+    against HF measured in this run (the plain run, without --tp, is its first kvforge row)."""
     result = run_cli("bench", "latency", "--prompt-tokens", "16", "--decode-tokens", "4", "--repeats", "1",
                      "--dtypes", "float32", "--tp", "1,2")
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("HF", "kvforge"))]
+    assert rows[0][0] == "HF"
     assert [row[:3] for row in rows[1:]] == [["kvforge", "float32", rows[1][2]], ["kvforge", "tp", "2"]]
     assert all(row[-1].endswith("x") for row in rows[1:])  # ratios against HF fp32, measured in this run
-    bad = run_cli("bench", "latency", "--tp", "1,two")
-    assert bad.returncode == 2 and "--tp must be rank counts" in bad.stderr
+    code, _, err = run_main(capsys, monkeypatch, "bench", "latency", "--tp", "1,two")
+    assert code == 2 and "--tp must be rank counts" in err
 
 
 def test_serve_refuses_a_public_address_without_an_api_key():
     result = run_cli("serve", "--host", "0.0.0.0", "--port", "0")
-    assert result.returncode == 2
-    assert "API key" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "refusing to bind 0.0.0.0 without an API key" in result.stderr and "KVFORGE_API_KEY" in result.stderr
