@@ -1,9 +1,9 @@
-"""`kvforge quantize`: real GPTQModel, transformers and bitsandbytes on the embedded model, through the real
-CLI in a subprocess. Each method's checkpoint is built once per module (GPTQ and AWQ take minutes on CPU; both
-with fewer calibration samples than the default and AWQ without its clip search, see BUILD_ARGS), then loaded by
-HF transformers and compared with the fp32 model on 8 chat prompts, greedy, run as one left-padded batch: on most
-prompts the first token must match and, until the first divergence, each side's token must be among the other's
-top-5 (vLLM's `check_logprobs_close` rule)."""
+"""`kvforge quantize`: real GPTQModel, transformers and bitsandbytes on the embedded model, through the real CLI in
+a subprocess (its refusals through main() in the test process). Each method's checkpoint is built once per
+module (GPTQ and AWQ take minutes on CPU; both with fewer calibration samples than the default and AWQ without
+its clip search, see BUILD_ARGS), then loaded by HF transformers and compared with the fp32 model on 8 chat
+prompts, greedy, run as one left-padded batch: on most prompts the first token must match and, until the first
+divergence, each side's token must be among the other's top-5 (vLLM's `check_logprobs_close` rule)."""
 
 from __future__ import annotations
 
@@ -77,10 +77,9 @@ def require_library(method: str) -> None:
                     "over an hour; the AWQ plugin is tested on round-to-nearest checkpoints (test_quant_accuracy)")
 
 
-def run_quantize(*args: str, prelude: str = "", timeout: float = BUILD_TIMEOUT_S,
-                 cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`kvforge quantize ARGS` in a fresh interpreter (`prelude` runs first, e.g. to hide a module)."""
-    code = f"{prelude}\nimport sys\nfrom kvforge.app.cli import main\nsys.exit(main(sys.argv[1:]))"
+def run_quantize(*args: str, timeout: float = BUILD_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`kvforge quantize ARGS` in a fresh interpreter (the builds; refusals run through main() in this process)."""
+    code = "import sys\nfrom kvforge.app.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "quantize", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=cwd)
 
@@ -285,25 +284,34 @@ def test_quantized_checkpoints_fixture(quantized_checkpoints):
 # ------------------------------------------------------------------------------------------ errors
 
 
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return [line for line in proc.stderr.splitlines() if line.startswith("kvforge: error:")][-1]
+@pytest.fixture
+def refuse(capsys):
+    """refuse(ARGS) -> the error line of `kvforge quantize ARGS` run through main() in this process (an interpreter
+    start each cost seconds): exit status 2, and an exception other than the one-line refusal fails the test."""
+    from kvforge.app.cli import main
+
+    def run(*args: str) -> str:
+        capsys.readouterr()
+        status = main(["quantize", *args])
+        err = capsys.readouterr().err
+        assert status == 2, (status, err[-3000:])
+        return [line for line in err.splitlines() if line.startswith("kvforge: error:")][-1]
+
+    return run
 
 
-def test_group_size_that_does_not_divide_the_model_is_refused(embedded_path, tmp_path):
-    line = error_line(run_quantize("--method", "gptq", "--group-size", "128", "--out", str(tmp_path / "q"),
-                                   timeout=300))
+def test_group_size_that_does_not_divide_the_model_is_refused(embedded_path, tmp_path, refuse):
+    line = refuse("--method", "gptq", "--group-size", "128", "--out", str(tmp_path / "q"))
     assert "--group-size 128 does not divide the input size 576" in line
     assert "16, 32, 64" in line
     assert not (tmp_path / "q").exists()
 
 
-def test_non_empty_out_is_refused_without_force(embedded_path, tmp_path):
+def test_non_empty_out_is_refused_without_force(embedded_path, tmp_path, refuse):
     out = tmp_path / "q"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    line = error_line(run_quantize("--method", "bnb-int8", "--out", str(out), timeout=300))
+    line = refuse("--method", "bnb-int8", "--out", str(out))
     assert f"--out {out} is not empty: pass --force" in line
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
@@ -320,30 +328,28 @@ def test_force_replaces_a_checkpoint_dir(embedded_path, tmp_path, tmp_path_facto
     assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no staging or old directory left behind
 
 
-def test_force_never_replaces_a_tree(embedded_path, tmp_path):
+def test_force_never_replaces_a_tree(embedded_path, tmp_path, refuse):
     (tmp_path / "q" / "sub").mkdir(parents=True)
-    line = error_line(run_quantize("--method", "bnb-int8", "--out", str(tmp_path / "q"), "--force", timeout=300))
+    line = refuse("--method", "bnb-int8", "--out", str(tmp_path / "q"), "--force")
     assert "holds subdirectories" in line
     assert (tmp_path / "q" / "sub").is_dir()
 
 
-def test_options_of_another_method_are_refused(tmp_path):
-    line = error_line(run_quantize("--method", "bnb-int8", "--double-quant", "--out", str(tmp_path / "q"),
-                                   timeout=120))
+def test_options_of_another_method_are_refused(tmp_path, refuse):
+    line = refuse("--method", "bnb-int8", "--double-quant", "--out", str(tmp_path / "q"))
     assert line == "kvforge: error: --double-quant does not apply to --method bnb-int8"
-    line = error_line(run_quantize("--method", "awq", "--bits", "8", "--out", str(tmp_path / "q"), timeout=120))
+    line = refuse("--method", "awq", "--bits", "8", "--out", str(tmp_path / "q"))
     assert line == "kvforge: error: --method awq takes --bits 4, not 8"
-    line = error_line(run_quantize("--method", "gptq", "--no-clip", "--out", str(tmp_path / "q"), timeout=120))
+    line = refuse("--method", "gptq", "--no-clip", "--out", str(tmp_path / "q"))
     assert line == "kvforge: error: --clip/--no-clip does not apply to --method gptq"
 
 
 @pytest.mark.parametrize("method", GPTQMODEL_METHODS)
-def test_missing_gptqmodel_says_which_extra_to_install(method, tmp_path):
+def test_missing_gptqmodel_says_which_extra_to_install(method, tmp_path, refuse, monkeypatch):
     # The interpreter finds no gptqmodel module, as on an install without the extra.
-    proc = run_quantize("--method", method, "--out", str(tmp_path / "q"),
-                        prelude="import sys; sys.modules['gptqmodel'] = None", timeout=120)
-    assert error_line(proc) == (f"kvforge: error: --method {method} needs GPTQModel, which is not installed: "
-                                "pip install 'kvforge[quantize]'")
+    monkeypatch.setitem(sys.modules, "gptqmodel", None)
+    assert refuse("--method", method, "--out", str(tmp_path / "q")) == (
+        f"kvforge: error: --method {method} needs GPTQModel, which is not installed: pip install 'kvforge[quantize]'")
     assert not (tmp_path / "q").exists()
 
 
