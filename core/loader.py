@@ -26,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvforge.core.chat_templates import save_tokenizer
+from kvforge.core.gguf_shared_reader import shared_gguf_reader
 from kvforge.core.model_files import check_checkpoint_dir, read_gguf_header
 from kvforge.core.models.registry import model_class_for
 from kvforge.core.quant_config import QuantConfig
@@ -126,7 +127,8 @@ def cached_checkpoint(gguf: Path, kind: str, version: str, write: Callable[[Path
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        write(staging)
+        with shared_gguf_reader(gguf):  # the file parsed once, not once per transformers call
+            write(staging)
         shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(staging, target)  # atomic
