@@ -286,11 +286,11 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype, linear: str = "au
             "it has no attention-logit soft-capping, which this model's layers need"
         raise ValueError(f"decode_attention={attention!r} cannot run here: {reason}")
     timed_here = (linear == "auto" and linears) or (attention == "auto" and attentions)
-    cache = ChoiceCache(cache_dir or _default_cache_dir(), cpu_signature()) if timed_here else None
+    cache = ChoiceCache(cache_dir or default_cache_dir(), cpu_signature()) if timed_here else None
     return decide(linears, linear, cache, retime) + decide(attentions, attention, cache, retime)
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
     from kvforge.core.loader import cache_dir
 
     return cache_dir()

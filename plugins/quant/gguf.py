@@ -128,14 +128,22 @@ def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> i
     """The fewest timed rows from which expanding a weight of this shape to bf16 and running the bf16 GEMM beats
     the `kind` kernel ("int4pack": torch's int4 matmul; "int8": the int8-code C kernel) at every larger timed
     count (random weights: the speed does not depend on their values); None: it never does, or the C kernels
-    cannot run here. Timed once per shape and process, on at most TIMED_OUTPUTS of the output features: both
-    paths cost in proportion to them (a 262k-vocabulary head timed whole added 10 s to loading)."""
+    cannot run here. Timed on at most TIMED_OUTPUTS of the output features (both paths cost in proportion to them:
+    a 262k-vocabulary head timed whole added 10 s to loading), once per shape and CPU signature: a steady timing is
+    kept in the kernel-choice cache (core/kernel_choice.py), so later loads on this machine read it (Gemma 3 270M's
+    six shapes took ~10 s of every load on a 2-core Zen 2)."""
+    from kvforge.core.cpu import cpu_signature
     from kvforge.core.cpu_kernels import dequant_int4, dequant_int8, pack_nibbles, unavailable
-    from kvforge.core.kernel_choice import time_calls
+    from kvforge.core.kernel_choice import ChoiceCache, default_cache_dir, time_calls
 
     if unavailable() is not None:
         return None
     out_features = min(out_features, TIMED_OUTPUTS)
+    cache = ChoiceCache(default_cache_dir(), cpu_signature())
+    key = f"gguf_wide_rows:{kind}:{out_features}x{in_features}:rows={','.join(map(str, WIDE_ROWS))}:t{threads}"
+    known = cache.read().get(key)
+    if known is not None:
+        return known["choice"]
     inputs = {rows: torch.randn(rows, in_features, dtype=COMPUTE_DTYPE) for rows in WIDE_ROWS}
     if kind == "int4pack":
         q = torch.randint(0, 16, (out_features, in_features))
@@ -152,12 +160,14 @@ def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> i
                 torch.rand(out_features, in_features // 32) / 64, None)
         kernel = {r: (lambda x=x: int8_layer_linear(x, int8)) for r, x in inputs.items()}
         expand = {r: (lambda x=x: expanded_linear(x, dequant_int8(*int8))) for r, x in inputs.items()}
-    us = time_calls({kind: kernel, "expand": expand}, min_total=0.002).us
+    timing = time_calls({kind: kernel, "expand": expand}, min_total=0.002)
     threshold = None
     for rows in reversed(WIDE_ROWS):
-        if us["expand"][rows] >= us[kind][rows]:
+        if timing.us["expand"][rows] >= timing.us[kind][rows]:
             break
         threshold = rows
+    if timing.steady:  # a busy machine's answer serves this process only
+        cache.write({key: {"choice": threshold, "us": timing.us}})
     return threshold
 
 

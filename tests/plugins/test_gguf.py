@@ -10,11 +10,13 @@ from importlib.resources import files
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvforge.core import LLM
+from kvforge.core.config import resolve_dtype
 from kvforge.core.loader import embedded_gguf_path
+from kvforge.core.model_files import read_gguf_header
 from kvforge.core.perplexity import perplexity
 from kvforge.core.sampling import SamplingParams
 from kvforge.plugins.quant.cpu_kernels import int4pack_available
@@ -32,15 +34,22 @@ def test_decoding_reproduces_gguf_dequantize_bit_for_bit(qtype):
 
 
 def test_decoding_real_files_tensors(gemma_gguf_path):
-    """The first tensor of every quantized type in the embedded Q4_1 file and Gemma 3's Q4_K_M file."""
+    """The first tensor of every quantized type in the embedded Q4_1 file and Gemma 3's Q4_K_M file (its first 64
+    rows, located by the header reader: GGUFReader walks Gemma's 262k-token vocabulary into numpy for ~20 s)."""
     seen = set()
     for path in (embedded_gguf_path(), gemma_gguf_path):
-        for tensor in GGUFReader(str(path)).tensors:
-            if tensor.tensor_type in DECODERS and (tensor.tensor_type not in seen):
-                seen.add(tensor.tensor_type)
-                rows = np.asarray(tensor.data[:64])
-                assert torch.equal(decode(rows, tensor.tensor_type).dequantize(),
-                                   torch.from_numpy(dequantize(rows, tensor.tensor_type))), tensor.name
+        header = read_gguf_header(path)
+        for tensor in header.tensors:
+            qtype = T(tensor.ggml_type)
+            if qtype in DECODERS and qtype not in seen:
+                seen.add(qtype)
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                row_bytes = tensor.shape[0] // block * type_size
+                n_rows = min(64, tensor.n_bytes // row_bytes)
+                rows = np.fromfile(path, np.uint8, n_rows * row_bytes, offset=header.data_offset + tensor.offset)
+                rows = rows.reshape(n_rows, row_bytes)
+                assert torch.equal(decode(rows, qtype).dequantize(), torch.from_numpy(dequantize(rows, qtype))), \
+                    tensor.name
     assert {T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K} <= seen
 
 
@@ -107,6 +116,37 @@ def test_wider_codes_take_the_int8_kernel(qtype, rows):
         gguf_layer(qtype, torch.float32, "int8")
 
 
+def test_wide_rows_timing_is_kept_for_the_next_load(tmp_path, monkeypatch):
+    """A steady timing of where expanding beats a kernel goes to the kernel-choice cache of this CPU signature; a
+    later process reads it there instead of timing again (an unsteady one is not kept)."""
+    from kvforge.core import kernel_choice
+    from kvforge.core.cpu import cpu_signature
+    from kvforge.plugins.quant.gguf import wide_rows
+
+    _c_kernels()
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    real_time_calls, timed = kernel_choice.time_calls, []
+
+    def time_calls(*args, steady: bool, **kwargs):
+        timed.append(real_time_calls(*args, **kwargs))
+        return kernel_choice.Timing(timed[-1].us, steady)
+
+    threads = torch.get_num_threads()
+    cache = kernel_choice.ChoiceCache(tmp_path, cpu_signature())
+    monkeypatch.setattr(kernel_choice, "time_calls", lambda *a, **k: time_calls(*a, steady=False, **k))
+    wide_rows.__wrapped__("int8", 64, 256, threads)  # __wrapped__: past the per-process memo
+    assert len(timed) == 1 and cache.read() == {}
+    monkeypatch.setattr(kernel_choice, "time_calls", lambda *a, **k: time_calls(*a, steady=True, **k))
+    first = wide_rows.__wrapped__("int8", 64, 256, threads)
+    (key, entry), = cache.read().items()
+    assert len(timed) == 2 and entry == {"choice": first, "us": {k: {str(n): t for n, t in v.items()}
+                                                                 for k, v in timed[-1].us.items()}}
+    cache.write({key: {**entry, "choice": 64}})  # what an earlier process found
+    assert wide_rows.__wrapped__("int8", 64, 256, threads) == 64 and len(timed) == 2  # read, not timed
+    wide_rows.__wrapped__("int4pack", 64, 256, threads)
+    assert len(timed) == 3  # another kind, another entry
+
+
 def test_int8_kernel_rows_do_not_depend_on_the_batch():
     """A row's result is the same alone or among others (the kernel's blocks of rows and outputs, and a tail of
     outputs past them): bit for bit."""
@@ -163,10 +203,11 @@ def test_the_embedded_model_from_its_q4_1_blocks(embedded_llm):
     greedy = SamplingParams(max_tokens=16, temperature=0)
     assert [o.token_ids for o in native32.generate(prompts, greedy)] == \
         [o.token_ids for o in embedded_llm.generate(prompts, greedy)]
-    del native32
 
     reference = _run(embedded_llm)
-    native = LLM(progress=False, kv_cache_bytes=64 << 20)
+    # where the default dtype is fp32 (CPUs without native bf16) the default engine is native32's configuration
+    native = native32 if resolve_dtype("auto") == "float32" else LLM(progress=False, kv_cache_bytes=64 << 20)
+    del native32
     ids, tops, ppl = _run(native)
     dense_bytes = embedded_llm.engine.runtime().weight_bytes
     native_bytes = native.engine.runtime().weight_bytes
