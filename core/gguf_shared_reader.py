@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _lock = threading.Lock()
-_shared: dict[str, list] = {}  # resolved path -> [reader or None, open count, the lock its first parse holds]
+# resolved path -> [reader or None, open count, the lock its first parse holds]; the stand-in is installed in gguf
+# exactly while this is not empty
+_shared: dict[str, list] = {}
 _real = None  # gguf's own GGUFReader (kept: a caller may hold the stand-in after it is uninstalled)
-_installed = False
 
 
 def _reader(path, mode: str = "r"):
@@ -36,14 +37,14 @@ def _reader(path, mode: str = "r"):
 @contextlib.contextmanager
 def shared_gguf_reader(path: Path) -> Iterator[None]:
     """Within the block, every read-only GGUFReader of `path` is one reader, parsed at its first use."""
-    global _real, _installed
+    global _real
     import gguf
 
     key = os.path.realpath(path)
     with _lock:
-        if not _installed:
+        if not _shared:
             _real = _real or gguf.GGUFReader
-            gguf.GGUFReader, _installed = _reader, True
+            gguf.GGUFReader = _reader
         _shared.setdefault(key, [None, 0, threading.Lock()])[1] += 1
     try:
         yield
@@ -53,4 +54,4 @@ def shared_gguf_reader(path: Path) -> Iterator[None]:
             if not _shared[key][1]:
                 del _shared[key]
             if not _shared:
-                gguf.GGUFReader, _installed = _real, False
+                gguf.GGUFReader = _real

@@ -122,8 +122,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
     else:
         g_idx.copy_(torch.arange(k) // group_size)
     scale_dtype = weight.dtype if weight.is_floating_point() else torch.float16
-    return Quantized(q.T.contiguous(), torch.empty(groups, n, dtype=torch.int64).copy_(zeros.T),
-                     torch.empty(groups, n, dtype=scale_dtype).copy_(scales.T), g_idx, bits)
+    return Quantized(q.T.contiguous(), zeros.T.contiguous(), scales.T.to(scale_dtype).contiguous(), g_idx, bits)
 
 
 def pack_gptq(quant: Quantized, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
