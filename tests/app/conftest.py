@@ -7,7 +7,6 @@ started no process, as the tensor-parallel tests do)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -52,8 +51,7 @@ def models_server(tmp_path_factory, embedded_path, hub):
     config = tiny_configs()["qwen2"]
     config.max_position_embeddings = 4096
     for seed, name in enumerate(TINY_MODELS):
-        save_tiny_model("qwen2", models / name, embedded_path, seed=seed, config=config)
-        shutil.copy(embedded_path / "chat_template.jinja", models / name)
+        save_tiny_model("qwen2", models / name, embedded_path, seed=seed, config=config, chat_template=True)
     (models / "broken").mkdir()
     (models / "broken" / "config.json").write_text('{"model_type": "llama"}')
     save_tiny_embedding_model(models / "tiny-embed", embedded_path, seed=5)

@@ -16,7 +16,6 @@ short, so the test is too).
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import statistics
 import time
@@ -48,8 +47,7 @@ def server(tmp_path_factory, embedded_path):
     model = tmp_path_factory.mktemp("model") / MODEL
     config = tiny_configs()["qwen2"]
     config.max_position_embeddings = 4096  # room for LONG tokens
-    save_tiny_model("qwen2", model, embedded_path, seed=1, config=config)
-    shutil.copy(embedded_path / "chat_template.jinja", model)
+    save_tiny_model("qwen2", model, embedded_path, seed=1, config=config, chat_template=True)
     process = ServeProcess("--no-ui", "--model", str(model), "--data-dir", str(tmp_path_factory.mktemp("data")),
                            "--no-persist-kv")
     process.health = HealthWatch(process.url)  # /health polled throughout the module

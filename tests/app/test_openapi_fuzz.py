@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import zlib
 
@@ -103,8 +102,7 @@ def server(tmp_path_factory, embedded_path):
     model = tmp_path_factory.mktemp("fuzz-model") / "tiny-llama"
     config = tiny_configs()["llama3"]
     config.max_position_embeddings = load_config(embedded_path).max_position_embeddings
-    save_tiny_model("llama3", model, embedded_path, seed=0, config=config)
-    shutil.copy(embedded_path / "chat_template.jinja", model)
+    save_tiny_model("llama3", model, embedded_path, seed=0, config=config, chat_template=True)
     data_dir = tmp_path_factory.mktemp("fuzz-data")
     process = ServeProcess("--model", str(model), "--threads", "1", "--data-dir", str(data_dir),
                            "--default-max-tokens", str(MAX_TOKENS_CAP), env={"KVFORGE_API_KEY": API_KEY})

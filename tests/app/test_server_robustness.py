@@ -45,14 +45,11 @@ def fuzz_server(engine):
 
 @pytest.fixture(scope="module")
 def load_engine(tmp_path_factory, embedded_path):
-    import shutil
-
     from kvforge.core import LLM
     from tests.helpers.tiny_models import save_tiny_model
 
     model = tmp_path_factory.mktemp("load-model") / "tiny-llama"
-    save_tiny_model("llama3", model, embedded_path, seed=0)
-    shutil.copy(embedded_path / "chat_template.jinja", model)
+    save_tiny_model("llama3", model, embedded_path, seed=0, chat_template=True)
     engine = AsyncEngine(LLM(str(model), progress=False, dtype="float32", kv_cache_bytes=64 << 20).engine)
     yield engine
     engine.close()

@@ -60,9 +60,10 @@ def phi3_config(original_context: int):
 ATTENTION = {"gemma2": "eager"}
 
 
-def save_tiny_model(name: str, path: Path, embedded_path: Path, seed: int, config=None):
-    """Build the `name` model (or `config`'s) with random weights (seeded), save it with the embedded tokenizer to
-    `path`; returns the HF model (fp32, eval) as the reference."""
+def save_tiny_model(name: str, path: Path, embedded_path: Path, seed: int, config=None, chat_template: bool = False):
+    """Build the `name` model (or `config`'s) with random weights (seeded), save it with the embedded tokenizer (and,
+    with `chat_template`, the embedded chat template: a model served to chat clients) to `path`; returns the HF
+    model (fp32, eval) as the reference."""
     from transformers import AutoModelForCausalLM
 
     config = config or tiny_configs()[name]
@@ -72,7 +73,7 @@ def save_tiny_model(name: str, path: Path, embedded_path: Path, seed: int, confi
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                              attn_implementation=ATTENTION.get(name, "sdpa")).eval()
     model.save_pretrained(path)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
+    for file in ("tokenizer.json", "tokenizer_config.json") + (("chat_template.jinja",) if chat_template else ()):
         shutil.copy(embedded_path / file, path / file)
     return model
 
