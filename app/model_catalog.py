@@ -217,19 +217,11 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
     entry.size_bytes, entry.modified_ns = info.st_size, info.st_mtime_ns
     entry.architecture, entry.quantization = facts.architecture, facts.quantization
     element = DTYPES[dtype].itemsize
-    weights, parameters, names = 0.0, 0, set()
-    for name, tensor_type, count, dims in facts.tensors:  # projections (and a separate head) as the gguf plugin
-        parameters += count                                 # holds them; the rest dense
-        names.add(name)
-        held = None if dims != 2 or name.startswith("token_embd") else \
-            held_bytes_per_weight(tensor_type, DTYPES[dtype])
+    weights, parameters = 0.0, 0
+    for _, tensor_type, count, _ in facts.tensors:  # block types served from the file itself (a tied head shares the
+        parameters += count                          # embedding's blocks), the rest dense in the dtype
+        held = held_bytes_per_weight(tensor_type, DTYPES[dtype])
         weights += count * (held[0] if held else element)
-    embed = next((t for t in facts.tensors if t[0] == "token_embd.weight"), None)
-    if "output.weight" not in names and embed is not None:  # a tied head, from the embedding's blocks
-        held = held_bytes_per_weight(embed[1], DTYPES[dtype])
-        weights += embed[2] * (held[0] if held else element)
-        if held and held[1] == "int8":  # the embedding reads its rows from the head's codes: no dense copy
-            weights -= embed[2] * element
     f = facts.fields
     head_dim = f.get("attention.key_length") or f["embedding_length"] // f["attention.head_count"]
     kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype])

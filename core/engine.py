@@ -25,7 +25,7 @@ from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
-from kvforge.core.loader import load_config, resolve_model, safetensors_files
+from kvforge.core.loader import load_config, resolve_model, weight_files
 from kvforge.core.metrics import EngineStats, RateMeter, available_memory_bytes, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import DraftTarget, resolve_quant
@@ -467,7 +467,7 @@ class LLMEngine:
 
 def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) -> bytes:
     """Root of every block hash: anything that changes the KV of a prefix changes it."""
-    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in safetensors_files(model_path)]
+    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files(model_path)]
     identity = {
         "weights": weights, "config": (model_path / "config.json").read_text(),
         "dtype": str(config.torch_dtype), "quant": config.quant, "quant_options": config.quant_options,

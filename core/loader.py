@@ -48,9 +48,9 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
-    """Return a directory holding config.json, safetensors weights and the tokenizer. A GGUF source (the
-    embedded default is one) becomes a dense directory, or with `native_gguf` one that keeps its quantized
-    weights for the `gguf` quant method (core/gguf_checkpoint.py)."""
+    """Return a directory holding config.json, the tokenizer and the weights: safetensors, or for a GGUF source (the
+    embedded default is one) a dense safetensors conversion, or with `native_gguf` an index of the GGUF file whose
+    weights are then read from the file itself, in place (core/gguf_source.py; the `gguf` quant method)."""
     if model in EMBEDDED_ALIASES:
         return _from_gguf(embedded_gguf_path(), native_gguf)
     path = Path(model).expanduser()
@@ -72,9 +72,9 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
 def _from_gguf(gguf: Path, native: bool) -> Path:
     if not native:
         return convert_gguf(gguf)
-    from kvforge.core.gguf_checkpoint import NATIVE_CONVERTER_VERSION, write_native
+    from kvforge.core.gguf_source import INDEX_FILE, INDEX_VERSION, write_index
 
-    return cached_checkpoint(gguf, "gguf", NATIVE_CONVERTER_VERSION, lambda out: write_native(gguf, out))
+    return cached_checkpoint(gguf, "gguf-index", INDEX_VERSION, lambda out: write_index(gguf, out), INDEX_FILE)
 
 
 def embedded_gguf_path() -> Path:
@@ -114,14 +114,16 @@ def _hub_reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
 
 
-def cached_checkpoint(gguf: Path, kind: str, version: str, write: Callable[[Path], None]) -> Path:
+def cached_checkpoint(gguf: Path, kind: str, version: str, write: Callable[[Path], None],
+                      done: str = "model.safetensors") -> Path:
     """The checkpoint directory `write(directory)` makes of `gguf`, in the cache: written once per file (path, size,
-    mtime), kind and version, into a staging directory renamed into place (a half-written one is never used)."""
+    mtime), kind and version, into a staging directory renamed into place (a half-written one is never used; `done`
+    names the file whose presence says it is complete)."""
     gguf = gguf.resolve()
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{kind}-{version}".encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"{gguf.stem}-{kind}-{key}"
-    if (target / "model.safetensors").exists():
+    if (target / done).exists():
         return target
     read_gguf_header(gguf)  # its counts and sizes checked before the `gguf` package believes them
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +135,7 @@ def cached_checkpoint(gguf: Path, kind: str, version: str, write: Callable[[Path
         try:
             os.replace(staging, target)  # atomic
         except OSError:
-            if not (target / "model.safetensors").exists():  # not a concurrent conversion that won
+            if not (target / done).exists():  # not a concurrent conversion that won
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -182,6 +184,13 @@ def build_model(config, dtype: torch.dtype, quant: QuantConfig, context_len: int
     return model_class_for(config)(config, quant, dtype, context_len=context_len)
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The files a model directory's weights are read from: its safetensors, or the GGUF file an index serves."""
+    from kvforge.core.gguf_source import is_index, source_of
+
+    return [source_of(path)] if is_index(path) else safetensors_files(path)
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -194,6 +203,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iterate_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from kvforge.core import gguf_source
+
+    if gguf_source.is_index(path):
+        yield from gguf_source.tensors(path)
+        return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -208,9 +222,12 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
     """Copy checkpoint tensors into the model through each parameter's weight_loader, then let
     every layer post-process (transpose, repack, quantize) what it loaded. `transform` (the quant
     method's `checkpoint_tensors`) may rewrite the tensor stream first."""
+    from kvforge.core.gguf_source import dequantized, is_blocks
+
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
-    tied = {source: target for target, source in model.tied_weights().items() if target in params}
+    tied = {source: target for target, source in model.tied_weights().items()
+            if target in params or _blocks_param(target) in params}
     loaded: set[str] = set()
     total = sum(1 for _ in _tensor_names(path))
     tensors = iterate_tensors(path) if transform is None else transform(iterate_tensors(path))
@@ -230,6 +247,11 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             targets.append((tied[name], None))
         for target, shard_id in targets:
             param = params.get(target)
+            if is_blocks(tensor) and _blocks_param(target) in params:  # a GGUF's blocks, read in place
+                param = params[_blocks_param(target)]
+                target = _blocks_param(target)
+            elif is_blocks(tensor) and not getattr(param, "takes_gguf_blocks", False):
+                tensor = dequantized(tensor)  # a layer that does not serve blocks: the weight dequantized
             if param is None:
                 if target in model.tied_weights():  # the checkpoint stores a tied head anyway
                     continue
@@ -237,7 +259,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
                     continue
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
             loader = getattr(param, "weight_loader", None)
-            value = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
+            value = tensor if tensor.dtype == param.dtype or is_blocks(tensor) else tensor.to(param.dtype)
             if loader is None:
                 if param.shape != value.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
@@ -255,7 +277,17 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
         model.after_loading()
 
 
+def _blocks_param(name: str) -> str:
+    """The parameter a layer that serves a GGUF's blocks in place loads them into (plugins/quant/gguf.py)."""
+    return name.removesuffix(".weight") + ".qblocks"
+
+
 def _tensor_names(path: Path) -> Iterator[str]:
+    from kvforge.core import gguf_source
+
+    if gguf_source.is_index(path):
+        yield from gguf_source.tensor_names(path)
+        return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             yield from f.keys()

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.c; all include common.h
+SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.c, gguf_blocks.c; all include common.h
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -37,6 +37,8 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
+    "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32],
+    "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
 }
 
 
@@ -235,4 +237,67 @@ def dequant_int8(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     out = torch.empty(codes.shape, dtype=torch.bfloat16)
     _run("dequant_int8", codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
          out.data_ptr(), codes.shape[0], codes.shape[1], group, torch.get_num_threads())
+    return out
+
+
+# ---- GGUF blocks read in place (core/cpu_kernels/gguf_blocks.c) ----
+GGUF_SUPER = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+              14: (256, 210)}  # ggml type number -> (weights per block, bytes per block)
+
+
+class GgufSegments:
+    """The weights of one GGUF-block matmul, side by side in its output (a fused q / k / v or gate / up may mix
+    types): per weight its ggml type number and its blocks, uint8 [out_features, row bytes] (any row stride: a
+    memory-mapped file's tensor, or a slice of one), as ctypes arrays built once."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> None:
+        for qtype, blocks in parts:
+            block, size = GGUF_SUPER.get(qtype, (0, 0))
+            if not block:
+                raise ValueError(f"GGUF type number {qtype} has no block kernel")
+            if in_features % block or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
+                    blocks.shape[1] != in_features // block * size or blocks.stride(1) != 1:
+                raise ValueError(f"GGUF blocks of type {qtype}: uint8 [rows, {in_features // max(block, 1) * size}] "
+                                 f"with unit column stride expected for {in_features} input features, got "
+                                 f"{blocks.dtype} {tuple(blocks.shape)}")
+        self.parts = parts  # keeps the tensors (and the mapping under them) alive
+        self.in_features = in_features
+        self.out_features = sum(b.shape[0] for _, b in parts)
+        n = len(parts)
+        self.types = (_I32 * n)(*(q for q, _ in parts))
+        self.pointers = (ctypes.c_void_p * n)(*(b.data_ptr() for _, b in parts))
+        self.row_bytes = (_I64 * n)(*(b.stride(0) for _, b in parts))
+        self.outs = (_I64 * n)(*(b.shape[0] for _, b in parts))
+
+
+def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False) -> torch.Tensor:
+    """x [..., in_features] @ W.T for the GGUF-block weights, in x's dtype (fp32 / bf16 / fp16; fp32 math, x
+    quantized per 32 values to int8 as ggml does: the error bound is in gguf_blocks.c). `portable`: the plain C dot
+    products even where the AVX2 ones run."""
+    cols = weights.in_features
+    rows = x.reshape(-1, cols) if x.dtype in DTYPE_CODES else x.reshape(-1, cols).float()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weights.out_features, dtype=rows.dtype)
+    if rows.shape[0]:
+        _run("gguf_linear", rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype],
+             len(weights.parts), weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
+             torch.get_num_threads(), portable)
+    return out.view(*x.shape[:-1], weights.out_features).to(x.dtype)
+
+
+def gguf_dequant(qtype: int, blocks: torch.Tensor, in_features: int, ids: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` (all when None) of a GGUF-block weight (uint8 [rows, row bytes], unit column stride) dequantized
+    into `dtype`: in fp32 bit for bit the `gguf` package's values."""
+    GgufSegments([(qtype, blocks)], in_features)  # checks the layout
+    if ids is not None:
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= blocks.shape[0]):
+            raise IndexError(f"row ids outside [0, {blocks.shape[0]})")
+    count = blocks.shape[0] if ids is None else ids.numel()
+    out = torch.empty(count, in_features, dtype=dtype)
+    if count:
+        _run("gguf_dequant", qtype, blocks.data_ptr(), blocks.stride(0), None if ids is None else ids.data_ptr(),
+             count, in_features, out.data_ptr(), DTYPE_CODES[dtype], torch.get_num_threads())
     return out

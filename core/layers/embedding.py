@@ -23,12 +23,14 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = rows
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_gguf_blocks = True  # a GGUF's quantized table is served from its blocks (weight_loader)
         self.shared_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def share_rows(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Read rows (this rank's vocabulary shard, by local index) from another holder of the same table -- a tied
         head's codes, dequantized to exactly the values of the dense copy -- and free the dense copy."""
-        self.dtype = self.weight.dtype
+        if self.weight is not None:
+            self.dtype = self.weight.dtype
         self.shared_rows = lookup
         self.weight = None
 
@@ -43,6 +45,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.shared_rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if getattr(loaded, "gguf_type", None) is not None:  # a GGUF's blocks: rows dequantized as they are looked up
+            from kvforge.core.gguf_source import row_reader
+
+            self.share_rows(row_reader(loaded, self.vocab_start, self.rows))
+            return
         rows = loaded.narrow(0, self.vocab_start, param.shape[0])
         if rows.shape != param.shape:
             raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")

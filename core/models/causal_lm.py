@@ -30,8 +30,8 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def after_loading(self) -> None:
-        """A tied head that keeps its codes (a GGUF's, core/gguf_checkpoint.py) also serves the embedding's rows: one
-        copy of the table instead of a dense one beside the codes (Gemma's 262k x 640: 320 MiB in bf16)."""
+        """A tied head that keeps its codes or blocks (a GGUF's, core/gguf_source.py) also serves the embedding's
+        rows: one copy of the table instead of a dense one beside the codes (Gemma's 262k x 640: 320 MiB in bf16)."""
         lookup = getattr(self.lm_head.quant_method, "row_lookup", None)
         rows = lookup(self.lm_head) if self.tie_word_embeddings and lookup is not None else None
         if rows is not None:

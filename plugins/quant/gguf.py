@@ -1,33 +1,34 @@
 """The `gguf` plugin: a GGUF file's projections served from its own quantized blocks.
 
-Chosen automatically for a GGUF source (core/gguf_checkpoint.py writes the checkpoint it loads: per layer
-int8 codes, fp32 scales and offsets per group of 16 input features, W = scale * code + offset, exactly
-GGUF's dequantized values). After loading, each layer goes to the fastest exact path on its device:
+Chosen automatically for a GGUF source. The loader reads the file in place (core/gguf_source.py): each projection
+arrives as its blocks, a view of the memory-mapped file, loaded into the layer's `qblocks` parameter without a copy
+(q / k / v and gate / up each keep their own tensor, of their own type: a fused layer is a list of them). After
+loading, each layer goes to the fastest path of its device:
 
-- `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4
-  matmul (cpu_kernels.py), groups of 32, scale and zero rounded to bf16 -- the kernel's own rounding. That
-  kernel is the fastest for a few rows but recomputes the weight for every few rows, so from the row count
-  where it loses (timed once per shape on this machine, `wide_rows`) a call expands the weight to bf16 with a
-  C kernel (core/cpu_kernels/dequant.c, from a second copy of the codes: +0.5 byte per weight) and runs
-  oneDNN's bf16 GEMM; where that never wins, or the C kernels cannot build, the copy is not kept;
-- `int8` (CPU, bf16 compute, where the C kernels build): the other types (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K) as their
-  int8 codes with fp32 scales (and offsets where the type has them) per group of 16 or 32: a C matmul reading the
-  codes (1.1-1.3 bytes per weight instead of bf16's 2: a decode step is bound by reading weights) with fp32 math
-  (core/cpu_kernels/dequant.c); from the row count where it loses (timed per shape, `wide_rows`) a call expands the
-  weight to bf16 and runs the bf16 GEMM. A GGUF's LM head is one of these layers (the tied embedding's codes);
+- `blocks` (CPU, any model dtype: fp32, bf16, fp16): the blocks read in place by the C kernels of
+  core/cpu_kernels/gguf_blocks.c (every type of gguf_blocks.DECODERS): x quantized per 32 values to int8, integer
+  dot products, fp32 scales -- ggml's method, within the bound stated there of x @ dequantize(W). The process holds
+  the file's pages and nothing else per weight. Llama's Q / K rows, which GGUF files store permuted, are put back
+  in order on the layer's output (a gather of a few columns) instead of in the weight;
+- `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4 matmul
+  (cpu_kernels.py), groups of 32, scale and zero rounded to bf16; from the row count where it loses (timed once per
+  shape, `wide_rows`) a call expands the weight to bf16 (core/cpu_kernels/dequant.c) and runs oneDNN's bf16 GEMM;
+- `int8` (CPU, bf16 compute): the other types as int8 codes with fp32 scales (and offsets) per group of 16 or 32,
+  through a C matmul reading the codes (core/cpu_kernels/dequant.c), expanded for wide batches likewise;
 - `triton` (CUDA; on CPU under TRITON_INTERPRET=1 when named): every type through the Triton dequantize-GEMM
   (plugins/quant/triton_gemm.py) from its codes packed in 4 or 8 bits, an integer zero and the fp32 scales and
   offsets: W = scale * (q - zero) + offset, GGUF's values, dequantized tile by tile;
 - `dense`: the weight dequantized once into the model dtype (exact in fp32: bit for bit what transformers'
-  GGUF loader gives; fp32 models on CPU take it), then whatever the dense method runs (F.linear or oneDNN's
-  prepacked linear, chosen by timing).
-`auto` picks int4pack where the layer's codes are 4-bit and int8 for the others where the model computes in bf16
-on CPU, triton on CUDA where triton is installed, dense elsewhere.
+  GGUF loader gives), then whatever the dense method runs.
+The last four decode the blocks into codes, scales and offsets at load (plugins/quant/gguf_blocks.py: a copy in
+their own layout). `auto` picks blocks on CPU where the C kernels build, triton on CUDA where triton is
+installed, dense elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -36,9 +37,10 @@ from gguf import GGMLQuantizationType
 
 from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
-from kvforge.plugins.quant.gguf_blocks import FOUR_BIT, affine_weight
+from kvforge.plugins.quant.gguf_blocks import affine_weight
 
-KERNELS = ("auto", "int4pack", "int8", "triton", "dense")
+KERNELS = ("auto", "blocks", "int4pack", "int8", "triton", "dense")
+DECODED_GROUP = 16  # the group the decoding paths store scales at (the finest type's: a fused layer's parts share it)
 # the int8 path's group (scales kept at 32 where the type's groups are) and whether the type has offsets
 INT8_GROUPS = {GGMLQuantizationType.Q5_0: (32, False), GGMLQuantizationType.Q5_1: (32, True),
                GGMLQuantizationType.Q8_0: (32, False), GGMLQuantizationType.Q5_K: (32, True),
@@ -47,32 +49,16 @@ WIDE_ROWS = (4, 8, 16, 32, 64, 128)  # row counts at which the expand-then-GEMM 
 TIMED_OUTPUTS = 16384
 
 
-def int4_bytes_per_weight() -> float:
-    """What a 4-bit layer holds per weight after loading (for estimates): torch's int4 layout (a nibble, a bf16 scale
-    and zero per 32 weights) and, where the C kernels build, the codes again for the wide path (typically kept:
-    it wins at prefill-sized batches)."""
-    from kvforge.core.cpu_kernels import unavailable
+def held_bytes_per_weight(qtype: int, dtype: torch.dtype) -> tuple[float, str] | None:
+    """What `auto` holds per weight of a tensor of ggml type `qtype` after loading on CPU, and the path, for estimates
+    before loading: a block type's own bytes where the blocks kernel runs (the file's pages, read in place); None:
+    dense in the dtype."""
+    from kvforge.core.cpu_kernels import GGUF_SUPER, unavailable
 
-    return 0.5 + 4 / 32 + (0.5 if unavailable() is None else 0.0)
-
-
-def int8_bytes_per_weight(group: int, offsets: bool) -> float | None:
-    """What a layer on the int8 path holds per weight (for estimates): its codes, an fp32 scale (and offset) per
-    group; None where the C kernels cannot build (the layer is then dense)."""
-    from kvforge.core.cpu_kernels import unavailable
-
-    return None if unavailable() is not None else 1 + (8 if offsets else 4) / group
-
-
-def held_bytes_per_weight(qtype: GGMLQuantizationType, dtype: torch.dtype) -> tuple[float, str] | None:
-    """What `auto` holds per weight of a projection of `qtype` after loading on CPU in `dtype`, and the path
-    ("int4pack" / "int8"), for estimates before loading; None: dense in the dtype."""
-    if dtype != COMPUTE_DTYPE:
+    if qtype not in GGUF_SUPER or unavailable() is not None:
         return None
-    if qtype in FOUR_BIT and int4pack_available():
-        return int4_bytes_per_weight(), "int4pack"
-    held = int8_bytes_per_weight(*INT8_GROUPS[qtype]) if qtype in INT8_GROUPS else None
-    return None if held is None else (held, "int8")
+    block, size = GGUF_SUPER[qtype]
+    return size / block, "blocks"
 
 
 def expanded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,39 +159,29 @@ def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> i
 
 class GgufMethod(DenseMethod):
     name = "gguf"
-    description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K): 4-bit types "
-                   "through torch's int4 kernel in bf16, the others through an int8-code kernel in bf16; "
-                   "dequantized once into the model dtype in fp32 and on CUDA.")
+    description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place "
+                   "from the memory-mapped file by C kernels on CPU in any dtype; torch's int4 kernel or an int8-code "
+                   "kernel in bf16, Triton on CUDA, or dequantized once.")
     settings = {
-        "group_size": {"type": "integer", "enum": [16], "default": 16,
-                       "description": "input features per stored scale / offset (the checkpoint's layout)"},
         "kernel": {"type": "string", "enum": list(KERNELS), "default": "auto",
-                   "description": "int4pack (CPU, 4-bit types, bf16 compute), int8 (CPU, any type, bf16 compute), "
-                                  "triton (CUDA), dense (dequantized once) or auto"},
+                   "description": "blocks (CPU: the file's blocks read in place), int4pack (CPU, 4-bit types, bf16), "
+                                  "int8 (CPU, bf16), triton (CUDA), dense (dequantized once) or auto"},
     }
 
     @classmethod
     def options_for_checkpoint(cls, quantization_config: dict[str, Any]) -> dict[str, Any] | None:
-        if quantization_config.get("quant_method") != "gguf":
-            return None
-        return {"group_size": int(quantization_config.get("group_size", 16))}
+        return {} if quantization_config.get("quant_method") == "gguf" else None
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
-        group = self.options["group_size"]
-        if in_features % group:
-            raise ValueError(f"gguf: {in_features} input features are not whole groups of {group}")
-        n = sum(out_features_per_shard)
-        for name, shape, dtype, axes in (
-                ("qcodes", (n, in_features), torch.int8, {}),
-                ("qscales", (n, in_features // group), torch.float32, {"packed_dim": 1, "pack_factor": group}),
-                ("qoffsets", (n, in_features // group), torch.float32, {"packed_dim": 1, "pack_factor": group})):
-            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            for axis, value in axes.items():
-                setattr(param, axis, value)
-            param.weight_loader = layer.weight_loader
-            layer.register_parameter(name, param)
+        # filled by _load_blocks with views of the file, one per projection (shard), never copied
+        param = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        param.weight_loader = functools.partial(self._load_blocks, layer)
+        layer.register_parameter("qblocks", param)
+        layer.gguf_parts = {}  # shard index -> (ggml type number, uint8 blocks [rows, row bytes], row order or None)
         layer.params_dtype = params_dtype
         layer.weight = None
+        layer.segments = None  # the blocks path's GgufSegments
+        layer.output_order = None  # HF order of the output columns where the file permutes rows (Llama's Q / K)
         layer.packed_weight = None
         layer.int4 = None
         layer.int8 = None  # (codes, scales, offsets or None) on the int8 path
@@ -214,16 +190,77 @@ class GgufMethod(DenseMethod):
         layer.wide_rows = None
         layer.weight_bytes = 0
 
+    @staticmethod
+    def _load_blocks(layer, param, loaded: torch.Tensor, shard_id=None) -> None:
+        """One projection's blocks (core/gguf_source.py's view): this layer's rows of it (its shard, its
+        tensor-parallel rank's slice), as a view."""
+        from kvforge.core.cpu_kernels import GGUF_SUPER
+
+        qtype, order = loaded.gguf_type, loaded.gguf_rows
+        sizes = getattr(layer, "output_sizes", [layer.out_features])
+        if shard_id is None and len(sizes) > 1:  # a file that fused the projections already (Phi-3's qkv)
+            start = 0
+            for sid, size in zip(layer.shard_ids, sizes):
+                part = loaded[start: start + size]
+                part.gguf_type, part.gguf_in_features = qtype, loaded.gguf_in_features
+                part.gguf_rows = None if order is None else order[start: start + size] - start
+                GgufMethod._load_blocks(layer, param, part, sid)
+                start += size
+            return
+        if getattr(layer, "full_in_features", layer.in_features) != layer.in_features:  # a row-parallel rank's inputs
+            block, size = GGUF_SUPER[qtype]
+            first = layer.input_first
+            if first % block or layer.in_features % block:
+                raise ValueError(f"gguf: {layer.prefix}: this rank's inputs [{first}, {first + layer.in_features}) do "
+                                 f"not start and end on blocks of {block}")
+            loaded = loaded[:, first // block * size: (first + layer.in_features) // block * size]
+        index = 0 if shard_id is None else layer._shard_index(shard_id)
+        start = layer._source_start(index) if hasattr(layer, "_source_start") else 0
+        count = layer.out_features_per_shard[index]
+        if start + count > loaded.shape[0]:
+            raise ValueError(f"gguf: {layer.prefix}: {loaded.shape[0]} rows in the file, {start + count} expected")
+        rows = loaded[start: start + count]
+        if order is not None:
+            order = order[start: start + count] - start
+            if order.min() < 0 or order.max() >= count:
+                raise ValueError(f"gguf: {layer.prefix}: a tensor-parallel slice splits the file's permuted heads")
+        layer.gguf_parts[index] = (qtype, rows, order)
+
     def process_after_loading(self, layer) -> None:
-        codes, scales, offsets = layer.qcodes.data, layer.qscales.data, layer.qoffsets.data
-        for name in ("qcodes", "qscales", "qoffsets"):
-            delattr(layer, name)
+        parts = [layer.gguf_parts[i] for i in range(len(layer.out_features_per_shard))]
+        device = layer.qblocks.device  # where the model was built
+        del layer.qblocks
+        layer.gguf_parts = None
+        if self._use_blocks(layer, parts, device):
+            return
+        codes, scales, offsets = (t.to(device) for t in decoded_parts(parts, layer.in_features))
         if self._use_triton(layer, codes, scales, offsets) or self._use_int4pack(layer, codes, scales, offsets) or \
                 self._use_int8(layer, codes, scales, offsets):
             return
-        weight = affine_weight(codes, scales, offsets, self.options["group_size"])
+        weight = affine_weight(codes, scales, offsets, DECODED_GROUP)
         layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
         layer.weight_bytes = layer.weight.numel() * layer.weight.element_size()
+
+    def _use_blocks(self, layer, parts: list, device: torch.device) -> bool:
+        from kvforge.core.cpu_kernels import GgufSegments, unavailable
+
+        wanted = self.options["kernel"]
+        if wanted not in ("auto", "blocks"):
+            return False
+        why = unavailable()
+        if device.type != "cpu":
+            why = "it runs on CPU"
+        if why is not None:
+            if wanted == "blocks":
+                raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the blocks kernel: {why}")
+            return False
+        layer.segments = GgufSegments([(qtype, rows) for qtype, rows, _ in parts], layer.in_features)
+        if any(order is not None for _, _, order in parts):
+            starts = [0, *itertools.accumulate(rows.shape[0] for _, rows, _ in parts)]
+            layer.output_order = torch.cat([(torch.arange(rows.shape[0]) if order is None else order) + start
+                                            for (_, rows, order), start in zip(parts, starts)])
+        layer.weight_bytes = sum(rows.numel() for _, rows, _ in parts)  # the file's pages this layer reads
+        return True
 
     def _use_int4pack(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
         wanted = self.options["kernel"]
@@ -299,8 +336,13 @@ class GgufMethod(DenseMethod):
 
     @staticmethod
     def row_lookup(layer):
-        """The layer's weight rows by index, dequantized from its int8 codes in fp32 (exactly GGUF's values): a tied
-        embedding served from the head's codes; None where the layer keeps no int8 codes."""
+        """The layer's weight rows by index, dequantized in fp32 (exactly GGUF's values) from its blocks or its int8
+        codes: a tied embedding served from the head's; None where the layer keeps neither."""
+        if layer.segments is not None and layer.output_order is None and len(layer.segments.parts) == 1:
+            from kvforge.core.cpu_kernels import gguf_dequant
+
+            qtype, blocks = layer.segments.parts[0]
+            return lambda ids: gguf_dequant(qtype, blocks, layer.in_features, ids)
         if layer.int8 is None:
             return None
         codes, scales, offsets = layer.int8
@@ -308,6 +350,13 @@ class GgufMethod(DenseMethod):
         return lambda ids: affine_weight(codes[ids], scales[ids], None if offsets is None else offsets[ids], group)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.segments is not None:
+            from kvforge.core.cpu_kernels import gguf_linear
+
+            out = gguf_linear(x, layer.segments)
+            if layer.output_order is not None:
+                out = out[..., layer.output_order]
+            return out if bias is None else out + bias.to(out.dtype)
         if layer.triton is not None:
             from kvforge.plugins.quant.triton_gemm import dequant_gemm
 
@@ -327,3 +376,20 @@ class GgufMethod(DenseMethod):
                 return expanded_linear(x, dequant_int8(*layer.int8), bias)
             return int8_layer_linear(x, layer.int8, bias)
         return super().apply(layer, x, bias)
+
+
+def decoded_parts(parts: list, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's projections (ggml type, blocks, row order) decoded into one set of int8 codes [N, K] and fp32 scales
+    and offsets [N, K / DECODED_GROUP], in HF row order (gguf_blocks.decode: lossless): the layout of the paths that do
+    not read blocks."""
+    from gguf import GGMLQuantizationType
+
+    from kvforge.plugins.quant.gguf_blocks import decode
+
+    decoded = []
+    for qtype, rows, order in parts:
+        stored = decode(rows.contiguous().numpy(), GGMLQuantizationType(qtype)).stored(DECODED_GROUP)
+        decoded.append([t if order is None else t[order] for t in stored])
+    if any(t[0].shape[1] != in_features for t in decoded):
+        raise ValueError(f"gguf: blocks of {decoded[0][0].shape[1]} features for a layer of {in_features}")
+    return tuple(torch.cat(ts) for ts in zip(*decoded))

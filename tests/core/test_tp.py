@@ -62,8 +62,17 @@ def chat_prompts(embedded_path):
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_path, chat_prompts):
-    (tokens,), _ = _tokens(embedded_path, chat_prompts)
+def tp1_llm(embedded_path):
+    """One rank, fp32: the reference and the one-rank side of the forked samples."""
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32")
+    yield llm
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tp1_llm, chat_prompts):
+    tokens = [o.token_ids for o in tp1_llm.generate(chat_prompts, GREEDY)]
+    assert tp1_llm.engine.stats().kv_blocks_used == 0
     return tokens
 
 
@@ -82,22 +91,6 @@ def test_tp2_equals_tp1_on_the_embedded_model(embedded_path, chat_prompts, refer
     if config:
         assert stats.spec_drafted_tokens_total > 0 and stats.spec_accepted_tokens_total > 0
     assert not _children()
-
-
-def test_forked_samples_get_their_partial_block_copied_on_every_rank(embedded_path, chat_prompts):
-    """n = 3 seeded samples fork at the prompt's end: each gets a copy of its partial last block, on every
-    rank (a rank that skipped the copy would attend to another sample's KV)."""
-    params = SamplingParams(temperature=0.8, top_p=0.95, n=3, seed=11, max_tokens=16)
-    samples = {}
-    for tp in (1, 2):
-        llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, tp_size=tp, dtype="float32")
-        try:
-            (outs,) = llm.generate([chat_prompts[1]], params)
-            samples[tp] = [o.token_ids for o in outs]
-        finally:
-            llm.engine.close()
-    assert len(chat_prompts[1]) % 16 and len({tuple(t) for t in samples[1]}) > 1
-    assert samples[2] == samples[1]
 
 
 def _tiny(tmp_path_factory, embedded_path, name: str, config=None) -> tuple:
@@ -128,33 +121,63 @@ def test_tp2_equals_tp1_on_tiny_models(tmp_path_factory, embedded_path, arch):
     assert torch.allclose(torch.tensor(embeddings[1]), torch.tensor(embeddings[0]), atol=1e-5)
 
 
-def test_estimate_of_the_largest_rank_share_matches_rank_0(embedded_path):
-    """The settings panel's estimate for TP = 2: rank 0 (2 of the 3 KV heads) holds what it says."""
-    from kvforge.core.estimate import estimate_memory
-
+@pytest.fixture(scope="class")
+def tp2_llm(embedded_path):
+    """A two-rank engine of the embedded model (fp32, 64 KV blocks a rank) for one class of tests, closed after it."""
     llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, tp_size=2, dtype="float32")
-    try:
-        runner = llm.engine.runner
-        estimate = estimate_memory(llm.engine.hf_config, "float32", 64 * 16, tp_size=2)
+    yield llm
+    llm.engine.close()
+    assert not _children()
+
+
+class TestOneTP2EngineOfTheEmbeddedModel:
+    """Checks that each need a two-rank engine of the embedded model and leave it as it was share one."""
+
+    def test_forked_samples_get_their_partial_block_copied_on_every_rank(self, tp1_llm, tp2_llm, chat_prompts):
+        """n = 3 seeded samples fork at the prompt's end: each gets a copy of its partial last block, on every
+        rank (a rank that skipped the copy would attend to another sample's KV)."""
+        params = SamplingParams(temperature=0.8, top_p=0.95, n=3, seed=11, max_tokens=16)
+        samples = {}
+        for tp, llm in ((1, tp1_llm), (2, tp2_llm)):
+            (outs,) = llm.generate([chat_prompts[1]], params)
+            samples[tp] = [o.token_ids for o in outs]
+            assert llm.engine.stats().kv_blocks_used == 0
+        assert len(chat_prompts[1]) % 16 and len({tuple(t) for t in samples[1]}) > 1
+        assert samples[2] == samples[1]
+
+    def test_estimate_of_the_largest_rank_share_matches_rank_0(self, tp2_llm):
+        """The settings panel's estimate for TP = 2: rank 0 (2 of the 3 KV heads) holds what it says."""
+        from kvforge.core.estimate import estimate_memory
+
+        runner = tp2_llm.engine.runner
+        estimate = estimate_memory(tp2_llm.engine.hf_config, "float32", 64 * 16, tp_size=2)
         assert estimate["rank_kv_bytes"] == runner.kv_cache_bytes
         assert abs(estimate["rank_weights_bytes"] / runner.local.weight_bytes() - 1) < 0.02
         assert estimate["rank_total_bytes"] < 0.7 * estimate["total_bytes"]
-    finally:
-        llm.engine.close()
+
+    def test_whole_blocks_are_gathered_from_and_handed_to_the_ranks(self, tp2_llm):
+        """The persisted tier's view of the pool: a block of every KV head, split unevenly (2 + 1 heads); what is
+        written is read back exactly (a free block, put back as it was)."""
+        _assert_whole_blocks_round_trip(tp2_llm.engine.runner)
 
 
-@pytest.mark.parametrize("arch", ["embedded", "llama-1-kv-head"])
-def test_whole_blocks_are_gathered_from_and_handed_to_the_ranks(tmp_path_factory, embedded_path, arch):
-    """The persisted tier's view of the pool: a block of every KV head, split unevenly (2 + 1 heads) or
-    replicated (1 head on both ranks); what is written is read back exactly."""
-    path = embedded_path if arch == "embedded" else _tiny(tmp_path_factory, embedded_path, arch)[0]
-    llm = LLM(str(path), progress=False, num_kv_blocks=8, tp_size=2)
+def _assert_whole_blocks_round_trip(runner) -> None:
+    before = runner.read_block(5)
+    data = torch.randn(runner.kv_block_shape).to(runner.kv_dtype)
+    runner.write_block(5, data)
     try:
-        runner = llm.engine.runner
-        data = torch.randn(runner.kv_block_shape).to(runner.kv_dtype)
-        runner.write_block(5, data)
         assert torch.equal(runner.read_block(5), data)
         assert not torch.equal(runner.read_block(4), data)
+    finally:
+        runner.write_block(5, before)
+
+
+def test_whole_blocks_of_a_replicated_kv_head_are_gathered_and_handed_to_the_ranks(tmp_path_factory, embedded_path):
+    """The same with a single KV head, replicated on both ranks."""
+    path, _ = _tiny(tmp_path_factory, embedded_path, "llama-1-kv-head")
+    llm = LLM(str(path), progress=False, num_kv_blocks=8, tp_size=2)
+    try:
+        _assert_whole_blocks_round_trip(llm.engine.runner)
     finally:
         llm.engine.close()
 
@@ -169,64 +192,76 @@ def test_persisted_kv_written_by_tp2_is_loaded_by_a_restarted_tp2_engine(embedde
     assert stats.kv_disk_loaded_blocks_total >= sum(len(p) // 16 for p in chat_prompts) - len(chat_prompts)
 
 
-# The quantized tests quantize only the embedded model's first layers: each has every projection the ranks split
-# (q / k / v and gate / up by output, o_proj's 384 + 192 and down_proj's 768 + 768 inputs), and the dense rest keeps
-# the real model's answers (no near-ties) while sparing the dequant kernel's per-step cost on 28 more layers.
-QUANTIZED_LAYERS = 2
-DENSE_LAYERS = [f"model.layers.{i}" for i in range(QUANTIZED_LAYERS, 30)]  # modules_to_not_convert
+# The quantized tests run a 2-layer random model with the embedded model's layer shapes (9 query / 3 KV heads of 64,
+# hidden 576, intermediate 1536): each layer has every projection the ranks split (q / k / v and gate / up by output,
+# o_proj's 384 + 192 and down_proj's 768 + 768 inputs), every layer quantized. What is tested is how the quantized
+# shards are cut, not the weights: the embedded model's 30 layers cost two full loads and its decode steps per case.
+QUANT_CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=512, initializer_range=0.1, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
-def quantized(embedded_path, tmp_path_factory):
-    """Round-to-nearest GPTQ / AWQ checkpoints of the embedded model, its first QUANTIZED_LAYERS layers quantized
-    (its o_proj splits 384 + 192 inputs)."""
+def quant_model(tmp_path_factory, embedded_path):
+    """The dense 2-layer model (embedded shapes, random weights) and its prompts: one with a partial last block."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("quant-dense")
+    save_tiny_model("embedded-shapes", path, embedded_path, seed=21, config=LlamaConfig(**QUANT_CONFIG))
+    return path, random_prompts((17, 40), seed=3)
+
+
+@pytest.fixture(scope="module")
+def quantized(quant_model, tmp_path_factory):
+    """Round-to-nearest GPTQ / AWQ checkpoints of quant_model (its o_proj splits 384 + 192 inputs)."""
     from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
 
     made = {}
 
     def get(name: str, **options):
         if name not in made:
-            made[name] = write_rtn_checkpoint(embedded_path, tmp_path_factory.mktemp(name),
-                                              modules_to_not_convert=DENSE_LAYERS, **options)
+            made[name] = write_rtn_checkpoint(quant_model[0], tmp_path_factory.mktemp(name), **options)
         return made[name]
 
     return get
 
 
 @pytest.mark.parametrize("case", ["bnb-int8", "bnb-nf4", "gptq-act-order", "gptq", "awq"])
-def test_quantized_tp2_equals_tp1(embedded_path, chat_prompts, quantized, case):
+def test_quantized_tp2_equals_tp1(quant_model, quantized, case):
     """bitsandbytes quantizes each rank's shard (nf4's 64-value blocks stay aligned); GPTQ / AWQ shards stay
     group-aligned (act-order keeps every group's scales on each rank; plain GPTQ renumbers a row shard's
-    groups). The first QUANTIZED_LAYERS layers are quantized, the others dense."""
+    groups). Every matmul in fp32, bitsandbytes' too (its default compute dtype is bf16, whose rounding of the
+    row-parallel partial sums flips near-ties of a random model)."""
+    dense, prompts = quant_model
     if case.startswith("bnb"):
-        path, config = embedded_path, {"quant": case, "quant_options": {"modules_to_not_convert": DENSE_LAYERS}}
+        path, config = dense, {"quant": case, "quant_options": {"compute_dtype": "float32"}}
     else:
         options = {"gptq-act-order": dict(method="gptq", group_size=64, sym=False, desc_act=True),
                    "gptq": dict(method="gptq", group_size=64, sym=True),
                    "awq": dict(method="awq", group_size=64, sym=False)}[case]
         path, config = quantized(case, **options), {"quant_options": {"kernel": "dequant"}}
-    (tp1,), _ = _tokens(path, chat_prompts[:2], **config)
-    (tp2,), _ = _tokens(path, chat_prompts[:2], tp_size=2, **config)
+    (tp1,), _ = _tokens(path, prompts, **config)
+    (tp2,), _ = _tokens(path, prompts, tp_size=2, **config)
     assert tp2 == tp1
 
 
-def test_bnb_int8_row_shards_take_the_whole_rows_scale(embedded_path):
+def test_bnb_int8_row_shards_take_the_whole_rows_scale(quant_model):
     """A row-parallel layer's int8 scale is per output row: rank 0's share of o_proj (its first 384 of 576
     inputs) holds exactly the codes and scales of those columns of the one-rank layer."""
     def o_proj(llm):
-        layer = llm.engine.runner.model.model.layers[3].self_attn.o_proj
+        layer = llm.engine.runner.model.model.layers[1].self_attn.o_proj
         return layer.bnb_codes.clone(), layer.bnb_scb.clone()
 
-    only_layer_3 = {"modules_to_not_convert": [f"model.layers.{i}" for i in range(30) if i != 3]}
-    one = LLM(str(embedded_path), progress=False, num_kv_blocks=8, quant="bnb-int8", quant_options=only_layer_3)
+    dense, _ = quant_model
+    one = LLM(str(dense), progress=False, num_kv_blocks=8, quant="bnb-int8")
     codes, scb = o_proj(one)
     one.engine.close()
-    two = LLM(str(embedded_path), progress=False, num_kv_blocks=8, quant="bnb-int8", quant_options=only_layer_3,
-              tp_size=2)
+    two = LLM(str(dense), progress=False, num_kv_blocks=8, quant="bnb-int8", tp_size=2)
     try:
         shard_codes, shard_scb = o_proj(two)
     finally:
         two.engine.close()
+    assert codes.shape == (576, 576)
     assert torch.equal(shard_scb, scb)
     assert torch.equal(shard_codes, codes[:, :384])
 

@@ -1,5 +1,5 @@
-"""GGUF test weights: random blocks of each type, and a gguf-method linear layer loaded with them as the native
-checkpoint stores them (tests/plugins/test_gguf.py, test_gguf_triton.py)."""
+"""GGUF test weights: random blocks of each type, and a gguf-method linear layer loaded with them as the loader reads
+them from a file (tests/plugins/test_gguf.py, test_gguf_triton.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from gguf.quants import dequantize, quantize
 
 from kvforge.core.layers.linear import ReplicatedLinear
 from kvforge.plugins.quant.gguf import GgufMethod
-from kvforge.plugins.quant.gguf_blocks import decode
 
 T = GGMLQuantizationType
 # byte offsets of each type's fp16 scale(s): random bytes elsewhere are valid codes, there they could be NaN
@@ -30,14 +29,20 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
     return raw
 
 
+def blocks_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, cols: int) -> torch.Tensor:
+    """Blocks [rows, row bytes] as core/gguf_source.py yields a GGUF's quantized tensor (file row order)."""
+    blocks = torch.from_numpy(raw)
+    blocks.gguf_type, blocks.gguf_in_features, blocks.gguf_rows = int(qtype), cols, None
+    return blocks
+
+
 def gguf_layer(qtype: GGMLQuantizationType, dtype: torch.dtype, kernel: str, rows: int = 64, cols: int = 512):
-    """A linear layer of the gguf method loaded with `qtype` weights as the converter stores them; and W."""
+    """A linear layer of the gguf method loaded with `qtype` blocks as the loader gives them; and W."""
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):  # gguf-py quantizes these from real values
         raw = quantize(np.random.default_rng(1).normal(0, 0.05, size=(rows, cols)).astype(np.float32), qtype)
     else:
         raw = random_blocks(qtype, rows, cols, seed=1)
     layer = ReplicatedLinear(cols, rows, quant_method=GgufMethod(kernel=kernel), params_dtype=dtype)
-    for param, value in zip((layer.qcodes, layer.qscales, layer.qoffsets), decode(raw, qtype).stored(16)):
-        layer.weight_loader(param, value)
+    layer.qblocks.weight_loader(layer.qblocks, blocks_tensor(raw, qtype, cols))
     layer.process_after_loading()
     return layer, torch.from_numpy(dequantize(raw, qtype))

@@ -1,7 +1,7 @@
 """The `gguf` quant method: GGUF block types decoded losslessly (against the `gguf` package's own dequantizer),
-each kernel's matmul against x @ dequantize(W), and the embedded model served from its Q4_1 blocks: in fp32 the
-same tokens as the dense conversion, in bf16 (torch's int4 kernel) close to fp32 by the top-5 rule with the
-perplexity within +3%."""
+each kernel's matmul against x @ dequantize(W), and the embedded model served from its Q4_1 blocks read in place:
+with the dense kernel in fp32 the same tokens as the dense conversion, with the blocks kernels (the default) close
+to fp32 by the top-5 rule with the perplexity within +3%."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 
 from kvforge.core import LLM
 from kvforge.core.config import resolve_dtype
+from kvforge.core.layers.linear import ReplicatedLinear
 from kvforge.core.loader import embedded_gguf_path
 from kvforge.core.model_files import read_gguf_header
 from kvforge.core.perplexity import perplexity
@@ -22,7 +23,7 @@ from kvforge.core.sampling import SamplingParams
 from kvforge.plugins.quant.cpu_kernels import int4pack_available
 from kvforge.plugins.quant.gguf import GgufMethod
 from kvforge.plugins.quant.gguf_blocks import DECODERS, FOUR_BIT, decode
-from tests.helpers.gguf_layers import gguf_layer, random_blocks
+from tests.helpers.gguf_layers import blocks_tensor, gguf_layer, random_blocks
 from tests.helpers.optional_parts import require
 from tests.helpers.parity import logprobs_close
 
@@ -71,8 +72,8 @@ def test_dense_kernel_is_exact_in_fp32(qtype):
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_int4pack_kernel_matches_the_dequantized_weight(qtype, rows):
     """bf16 compute with bf16 scales and zeros: within bf16 rounding of x @ W.T (fp32 reference)."""
-    layer, weight = gguf_layer(qtype, torch.bfloat16, "auto")
-    assert layer.int4 is not None  # auto picks the int4 kernel for 4-bit codes in bf16
+    layer, weight = gguf_layer(qtype, torch.bfloat16, "int4pack")
+    assert layer.int4 is not None
     x = torch.randn(rows, weight.shape[1])
     expected = x @ weight.T
     got = layer(x.to(torch.bfloat16)).float()
@@ -89,15 +90,15 @@ def _c_kernels():
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q6_K, T.Q8_0, T.Q5_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_wider_codes_take_the_int8_kernel(qtype, rows):
-    """Codes wider than 4 bits: int4pack refuses them by name; auto runs them from their int8 codes (groups of 32
+    """Codes wider than 4 bits: int4pack refuses them by name; int8 runs them from their int8 codes (groups of 32
     kept at 32, offsets only where the type has them) in fp32 math, within bf16 output rounding of x @ W.T; from
-    `wide_rows` rows the weight is expanded to bf16 (exactly bf16(W)) for the bf16 GEMM; fp32 models stay dense."""
+    `wide_rows` rows the weight is expanded to bf16 (exactly bf16(W)) for the bf16 GEMM; it refuses fp32 models."""
     from kvforge.core.cpu_kernels import dequant_int8
 
     _c_kernels()
     with pytest.raises(ValueError, match="cannot use the int4pack kernel: its codes are wider than 4 bits"):
         gguf_layer(qtype, torch.bfloat16, "int4pack")
-    layer, weight = gguf_layer(qtype, torch.bfloat16, "auto")
+    layer, weight = gguf_layer(qtype, torch.bfloat16, "int8")
     codes, scales, offsets = layer.int8
     assert layer.int4 is None and layer.weight is None
     assert scales.shape[1] == weight.shape[1] // (32 if qtype in (T.Q5_0, T.Q5_1, T.Q8_0, T.Q5_K) else 16)
@@ -111,7 +112,6 @@ def test_wider_codes_take_the_int8_kernel(qtype, rows):
     assert ((got.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6 * expected.abs().max()).all()
     layer.wide_rows = 1  # the expand-then-GEMM path
     assert torch.equal(layer(x), torch.nn.functional.linear(x, weight.to(torch.bfloat16)))
-    assert gguf_layer(qtype, torch.float32, "auto")[0].int8 is None
     with pytest.raises(ValueError, match="cannot use the int8 kernel: it computes in bf16"):
         gguf_layer(qtype, torch.float32, "int8")
 
@@ -166,17 +166,45 @@ def test_int8_kernel_rows_do_not_depend_on_the_batch():
 
 
 def test_fused_projections_of_different_types_share_one_layer():
-    """Q4_K_M files mix types inside a fused q/k/v layer (e.g. Q4_K, Q4_K, Q6_K): written at groups of 16,
-    the fused layer holds each part's exact weight."""
+    """Q4_K_M files mix types inside a fused layer (e.g. Q4_K, Q6_K): each part keeps its own blocks, read in place
+    by the blocks kernel; decoded, the fused layer holds each part's exact weight."""
     from kvforge.core.layers.linear import MergedColumnParallelLinear
 
-    parts = [decode(random_blocks(t, 32, 256, seed=i), t) for i, t in enumerate((T.Q4_K, T.Q6_K))]
-    layer = MergedColumnParallelLinear(256, [32, 32], quant_method=GgufMethod(), params_dtype=torch.float32)
-    for shard, codes in enumerate(parts):
-        for param, value in zip((layer.qcodes, layer.qscales, layer.qoffsets), codes.stored(16)):
-            layer.weight_loader(param, value, shard)
-    layer.process_after_loading()
-    assert torch.equal(layer.weight, torch.cat([p.dequantize() for p in parts]))
+    raws = [(random_blocks(t, 32, 256, seed=i), t) for i, t in enumerate((T.Q4_K, T.Q6_K))]
+    weight = torch.cat([torch.from_numpy(dequantize(r, t)) for r, t in raws])
+    layers = {}
+    for kernel in ("blocks", "dense"):
+        layer = MergedColumnParallelLinear(256, [32, 32], quant_method=GgufMethod(kernel=kernel),
+                                           params_dtype=torch.float32)
+        for shard, (raw, qtype) in enumerate(raws):
+            layer.qblocks.weight_loader(layer.qblocks, blocks_tensor(raw, qtype, 256), shard)
+        layer.process_after_loading()
+        layers[kernel] = layer
+    assert torch.equal(layers["dense"].weight, weight)
+    blocks = layers["blocks"]
+    assert [b.data_ptr() for _, b in blocks.segments.parts] == [torch.from_numpy(r).data_ptr() for r, _ in raws]
+    x = torch.randn(3, 256)
+    assert torch.allclose(blocks(x), x @ weight.T, rtol=0.05, atol=0.05 * (x @ weight.T).abs().max().item())
+
+
+def test_permuted_rows_are_reordered_on_the_output():
+    """Llama's Q / K rows lie permuted in GGUF files: the blocks path reorders its output columns, the decoding paths
+    their rows; both give the HF-ordered projection."""
+    raw = random_blocks(T.Q4_0, 64, 256, seed=3)
+    order = torch.randperm(64)
+    weight = torch.from_numpy(dequantize(raw, T.Q4_0))[order]
+    x = torch.randn(2, 256)
+    outputs = {}
+    for kernel in ("blocks", "dense"):
+        layer = ReplicatedLinear(256, 64, quant_method=GgufMethod(kernel=kernel), params_dtype=torch.float32)
+        blocks = blocks_tensor(raw, T.Q4_0, 256)
+        blocks.gguf_rows = order
+        layer.qblocks.weight_loader(layer.qblocks, blocks)
+        layer.process_after_loading()
+        outputs[kernel] = layer(x)
+    assert torch.equal(outputs["dense"], torch.nn.functional.linear(x, weight))
+    scale = outputs["dense"].abs().max().item()
+    assert torch.allclose(outputs["blocks"], outputs["dense"], rtol=0.05, atol=0.05 * scale)
 
 
 PROMPTS = ["What is machine learning?", "Who painted the Mona Lisa?", "What is the capital of Japan?",
@@ -193,34 +221,37 @@ def _run(llm: LLM, top: int = 5):
 
 
 def test_the_embedded_model_from_its_q4_1_blocks(embedded_llm):
-    """The default: the embedded GGUF loads through the gguf method. fp32: the dense conversion's tokens exactly
-    (the weights are bit for bit transformers' dequantization); the default dtype (bf16 where native): the int4
-    kernel, close to fp32 by the top-5 rule on every prompt, perplexity within +3%, under a third of the dense
-    fp32 weights' memory (0.4 with the wide path's copy of the codes)."""
-    native32 = LLM(progress=False, dtype="float32", kv_cache_bytes=64 << 20)
-    assert native32.engine.config.quant == "gguf"
-    prompts = [native32.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    """The default: the embedded GGUF is served from its own blocks, read in place from the memory-mapped file. With
+    the dense kernel, fp32 gives the dense conversion's tokens exactly (the weights are bit for bit transformers'
+    dequantization); the default (blocks kernels, x quantized per 32 values) is close to fp32 by the top-5 rule on
+    every prompt with the perplexity within +3%, in fp32 and in the default dtype, every projection and the head
+    reading the one mapping of the file, and holding under a fifth of the dense fp32 weights' bytes."""
+    dense32 = LLM(progress=False, dtype="float32", kv_cache_bytes=64 << 20, quant_options={"kernel": "dense"})
+    assert dense32.engine.config.quant == "gguf"
+    prompts = [dense32.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=16, temperature=0)
-    assert [o.token_ids for o in native32.generate(prompts, greedy)] == \
+    assert [o.token_ids for o in dense32.generate(prompts, greedy)] == \
         [o.token_ids for o in embedded_llm.generate(prompts, greedy)]
+    del dense32
 
     reference = _run(embedded_llm)
-    # where the default dtype is fp32 (CPUs without native bf16) the default engine is native32's configuration
-    native = native32 if resolve_dtype("auto") == "float32" else LLM(progress=False, kv_cache_bytes=64 << 20)
-    del native32
-    ids, tops, ppl = _run(native)
     dense_bytes = embedded_llm.engine.runtime().weight_bytes
-    native_bytes = native.engine.runtime().weight_bytes
-    print(f"\ngguf native ({native.engine.config.dtype}): perplexity {ppl:.3f} vs dense fp32 {reference[2]:.3f}; "
-          f"weights {native_bytes / 2**20:.1f} MiB vs {dense_bytes / 2**20:.1f} MiB")
-    diverged = [why for i in range(len(PROMPTS))
-                if (why := logprobs_close(ids[i], tops[i], reference[0][i], reference[1][i], f"prompt {i}"))]
-    assert not diverged, diverged
-    assert ppl / reference[2] <= 1.03
-    if native.engine.config.dtype == "bfloat16" and int4pack_available():
-        int4 = [m for m in native.engine.runner.model.modules() if getattr(m, "int4", None) is not None]
-        wide_copies = sum(m.nibbles.numel() for m in int4 if m.nibbles is not None)  # the wide path's codes
-        assert native_bytes - wide_copies <= dense_bytes / 3 and native_bytes <= 0.4 * dense_bytes
+    for dtype in dict.fromkeys(["float32", resolve_dtype("auto")]):
+        native = LLM(progress=False, dtype=dtype, kv_cache_bytes=64 << 20)
+        layers = [m for m in native.engine.runner.model.modules() if getattr(m, "segments", None) is not None]
+        storages = {blocks.untyped_storage().data_ptr() for m in layers for _, blocks in m.segments.parts}
+        assert len(layers) == 30 * 4 + 1 and len(storages) == 1  # q/k/v, o, gate/up, down per layer; the head
+        assert next(iter(storages)) == layers[0].segments.parts[0][1].untyped_storage().data_ptr()
+        ids, tops, ppl = _run(native)
+        native_bytes = native.engine.runtime().weight_bytes
+        print(f"\ngguf blocks ({dtype}): perplexity {ppl:.3f} vs dense fp32 {reference[2]:.3f}; "
+              f"weights {native_bytes / 2**20:.1f} MiB vs {dense_bytes / 2**20:.1f} MiB")
+        diverged = [why for i in range(len(PROMPTS))
+                    if (why := logprobs_close(ids[i], tops[i], reference[0][i], reference[1][i], f"prompt {i}"))]
+        assert not diverged, diverged
+        assert ppl / reference[2] <= 1.03
+        assert native_bytes <= dense_bytes / 5
+        del native
 
 
 @pytest.mark.skipif(not int4pack_available(), reason="torch has no CPU int4 kernel")
@@ -233,7 +264,7 @@ def test_the_wide_path_expands_the_int4_weight_exactly():
 
     if unavailable() is not None:
         pytest.skip(f"the C kernels do not build here: {unavailable()}")
-    layer, weight = gguf_layer(T.Q4_K, torch.bfloat16, "auto", rows=96, cols=512)
+    layer, weight = gguf_layer(T.Q4_K, torch.bfloat16, "int4pack", rows=96, cols=512)
     sz = layer.int4.scales_and_zeros.float()  # [K / 32, N, 2]
     codes = decode(random_blocks(T.Q4_K, 96, 512, seed=1), T.Q4_K).codes
     expected = ((codes.float() - 8) * sz[:, :, 0].T.repeat_interleave(32, 1)

@@ -1,0 +1,625 @@
+// GGUF's quantized blocks read in place (plugins/quant/gguf.py serves a GGUF's projections with these): a matmul
+// x @ W.T for W stored as Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks exactly as they lie in the
+// file, and the rows of such a W dequantized (embedding lookups; bit for bit the `gguf` package's values).
+//
+// The matmul follows ggml's approach (learned from, written here): each row of x is quantized per 32 values to int8
+// with one fp32 scale (round to nearest), and each 32-weight sub-block's codes meet those int8 values in integer dot
+// products (AVX2: maddubs + madd, 32 multiplies per instruction pair), scaled once per sub-block in fp32. Weights
+// are decoded tile by tile (TILE output rows at a time, into a per-thread buffer: codes, 8 scale lanes and one
+// offset per sub-block), then every row of x is multiplied with the decoded tile, so a weight is decoded once per
+// call however many rows x has. Offsets (the types' mins) meet the exact fp32 sum of x's 32 values; the centring of
+// the symmetric 4/5-bit types (q - 8, q - 16) meets the sum of x's quantized values, so that the error is the one of
+// their signed codes.
+//
+// Error, per output: |y - x @ W| <= sum over x's 32-blocks b of (max|x_b| / 254) * sum_{i in b} |s_i c_i| (the
+// rounding of x to int8: at most half a step per value, times the weight's scaled signed code, W = s c + offset),
+// plus fp32 rounding. tests/core/test_gguf_kernels.py checks that bound per type, SIMD and portable.
+#include "common.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// ggml's type numbers (the `gguf` package's GGMLQuantizationType)
+enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
+enum { SUB = 32 };     // weights per sub-block (one x scale each)
+enum { TILE = 4 };     // output rows decoded and multiplied together
+enum { FEW_ROWS = 4 }; // up to this many rows of x, weights are decoded in registers as they are used (AVX2)
+enum { UNIT = 16 };    // output rows per scheduling unit of that path
+// multiply-adds per thread below which a call runs on one thread: a team's start and join cost more than they save
+// on small matmuls (a 135M model's decode), and a busy machine delays a team until its last thread is scheduled
+#define PARALLEL_MIN ((int64_t)1 << 19)
+
+typedef struct {
+    int super;       // weights per block as stored (32, or 256 for the K types)
+    int bytes;       // bytes per block
+    int signed_codes;// codes are int8 (-128..127); else uint8 0..63
+    int centred;     // the offset is a centring (-8 d, -16 d): it meets the sum of x's quantized values
+} block_type;
+
+static int block_type_of(int type, block_type *t) {
+    switch (type) {
+    case GG_Q4_0: *t = (block_type){32, 18, 0, 1}; return 1;
+    case GG_Q4_1: *t = (block_type){32, 20, 0, 0}; return 1;
+    case GG_Q5_0: *t = (block_type){32, 22, 0, 1}; return 1;
+    case GG_Q5_1: *t = (block_type){32, 24, 0, 0}; return 1;
+    case GG_Q8_0: *t = (block_type){32, 34, 1, 0}; return 1;
+    case GG_Q4_K: *t = (block_type){256, 144, 0, 0}; return 1;
+    case GG_Q5_K: *t = (block_type){256, 176, 0, 0}; return 1;
+    case GG_Q6_K: *t = (block_type){256, 210, 1, 0}; return 1;
+    default: return 0;
+    }
+}
+
+static inline float half_at(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
+
+static inline void fill8(float *lanes, float lo, float hi) {  // lanes 0-3 scale weights 0-15, lanes 4-7 16-31
+    for (int l = 0; l < 4; l++) { lanes[l] = lo; lanes[l + 4] = hi; }
+}
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (12 packed bytes)
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// One block (`super` weights) -> per sub-block: 32 codes, 8 scale lanes, one offset. W = lanes * code + offset.
+static inline void decode_block(int type, const uint8_t *b, uint8_t *codes, float *lanes, float *offsets) {
+    switch (type) {
+    case GG_Q4_0: case GG_Q4_1: {
+        const int header = type == GG_Q4_0 ? 2 : 4;
+        const float d = half_at(b);
+        for (int j = 0; j < 16; j++) { codes[j] = b[header + j] & 15; codes[j + 16] = b[header + j] >> 4; }
+        fill8(lanes, d, d);
+        offsets[0] = type == GG_Q4_0 ? -8.0f * d : half_at(b + 2);
+        break;
+    }
+    case GG_Q5_0: case GG_Q5_1: {
+        const int header = type == GG_Q5_0 ? 2 : 4;
+        const float d = half_at(b);
+        uint32_t qh;
+        memcpy(&qh, b + header, 4);
+        const uint8_t *qs = b + header + 4;
+        for (int j = 0; j < 16; j++) {
+            codes[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+            codes[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        }
+        fill8(lanes, d, d);
+        offsets[0] = type == GG_Q5_0 ? -16.0f * d : half_at(b + 2);
+        break;
+    }
+    case GG_Q8_0: {
+        const float d = half_at(b);
+        memcpy(codes, b + 2, 32);
+        fill8(lanes, d, d);
+        offsets[0] = 0.0f;
+        break;
+    }
+    case GG_Q4_K: case GG_Q5_K: {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == GG_Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k_scale_min(scales, j, &sc, &mn);
+            const uint8_t *q = qs + (j / 2) * 32;
+            uint8_t *c = codes + j * 32;
+            const int shift = (j & 1) * 4;
+            for (int i = 0; i < 32; i++) c[i] = (q[i] >> shift) & 15;
+            if (type == GG_Q5_K)
+                for (int i = 0; i < 32; i++) c[i] |= ((qh[i] >> j) & 1) << 4;
+            fill8(lanes + j * 8, d * (float)sc, d * (float)sc);
+            offsets[j] = -(dmin * (float)mn);
+        }
+        break;
+    }
+    case GG_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int j = 0; j < 8; j++) {
+            const int h = j / 4, g = j % 4;
+            const uint8_t *low = ql + h * 64 + (g % 2) * 32, *high = qh + h * 32;
+            const int low_shift = (g / 2) * 4;
+            int8_t *c = (int8_t *)codes + j * 32;
+            for (int i = 0; i < 32; i++)
+                c[i] = (int8_t)((((low[i] >> low_shift) & 15) | (((high[i] >> (2 * g)) & 3) << 4)) - 32);
+            fill8(lanes + j * 8, d * (float)sc[h * 8 + g * 2], d * (float)sc[h * 8 + g * 2 + 1]);
+            offsets[j] = 0.0f;
+        }
+        break;
+    }
+    }
+}
+
+// `count` weight rows (row stride `row_bytes`) decoded: codes [count][cols], lanes [count][cols / 32 * 8],
+// offsets [count][cols / 32]
+static void decode_rows(int type, const block_type *t, const uint8_t *rows, int64_t row_bytes, int count, int cols,
+                        uint8_t *codes, float *lanes, float *offsets, int portable);
+
+// ---- x quantized per 32 values ----
+typedef struct {
+    int8_t *q;        // [rows][cols]
+    float *scale;     // [rows][cols / 32]: max|x| / 127
+    float *sum;       // the exact fp32 sum of the 32 values
+    float *qsum;      // scale * the sum of the quantized values
+} quantized_x;
+
+static void quantize_row(const float *x, int cols, int8_t *q, float *scale, float *sum, float *qsum) {
+    for (int b = 0; b < cols / SUB; b++) {
+        const float *v = x + b * SUB;
+        float amax = 0.0f, s = 0.0f;
+        for (int i = 0; i < SUB; i++) { const float a = fabsf(v[i]); amax = a > amax ? a : amax; s += v[i]; }
+        const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int total = 0;
+        for (int i = 0; i < SUB; i++) {
+            const int code = (int)nearbyintf(v[i] * inverse);
+            q[b * SUB + i] = (int8_t)code;
+            total += code;
+        }
+        scale[b] = d;
+        sum[b] = s;
+        qsum[b] = d * (float)total;
+    }
+}
+
+// ---- the dot products of a decoded tile with rows of x ----
+// out[r][o] = sum over sub-blocks s of lanes . (codes * xq) * xscale + offset * (centred ? qsum : sum)
+
+static void dot_tile_portable(const block_type *t, int tile, int xrows, int cols, const uint8_t *codes,
+                              const float *lanes, const float *offsets, const quantized_x *x, float *out) {
+    const int subs = cols / SUB;
+    for (int r = 0; r < xrows; r++) {
+        const int8_t *xq = x->q + (size_t)r * cols;
+        const float *xs = x->scale + (size_t)r * subs, *xo = (t->centred ? x->qsum : x->sum) + (size_t)r * subs;
+        for (int o = 0; o < tile; o++) {
+            const uint8_t *c = codes + (size_t)o * cols;
+            const float *l = lanes + (size_t)o * subs * 8, *off = offsets + (size_t)o * subs;
+            float acc = 0.0f;
+            for (int s = 0; s < subs; s++) {
+                int part[8] = {0};
+                for (int i = 0; i < SUB; i++) {
+                    const int w = t->signed_codes ? (int)(int8_t)c[s * SUB + i] : (int)c[s * SUB + i];
+                    part[i / 4] += w * xq[s * SUB + i];
+                }
+                float block = 0.0f;
+                for (int k = 0; k < 8; k++) block += (float)part[k] * l[s * 8 + k];
+                acc += block * xs[s] + off[s] * xo[s];
+            }
+            out[(size_t)r * tile + o] = acc;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// RR rows of x (from xrow) against TILE decoded weight rows: sums[r][o] (no offsets). Inlined with RR and
+// IS_SIGNED constant, so the TILE * RR accumulators stay in registers.
+static inline __attribute__((always_inline)) void dot_pass(const int RR, const int IS_SIGNED, int cols,
+                                                           const uint8_t *const *c, const float *const *l,
+                                                           const int8_t *const *xq, const float *const *xs,
+                                                           float sums[][TILE]) {
+    const int subs = cols / SUB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][TILE];
+    for (int r = 0; r < RR; r++)
+        for (int o = 0; o < TILE; o++) acc[r][o] = _mm256_setzero_ps();
+    for (int s = 0; s < subs; s++) {
+        __m256i w[TILE], magnitude[TILE];
+        for (int o = 0; o < TILE; o++) {
+            w[o] = _mm256_load_si256((const __m256i *)(c[o] + s * SUB));
+            magnitude[o] = IS_SIGNED ? _mm256_abs_epi8(w[o]) : w[o];
+        }
+        for (int r = 0; r < RR; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(xq[r] + s * SUB));
+            const __m256 d = _mm256_broadcast_ss(xs[r] + s);
+            for (int o = 0; o < TILE; o++) {
+                // u8 x s8 pairs into int16 (no overflow: |w| <= 128 and |x| <= 127), then into int32 per 4
+                const __m256i p = _mm256_maddubs_epi16(magnitude[o], IS_SIGNED ? _mm256_sign_epi8(v, w[o]) : v);
+                const __m256 part = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                acc[r][o] = _mm256_fmadd_ps(part, _mm256_mul_ps(_mm256_load_ps(l[o] + s * 8), d), acc[r][o]);
+            }
+        }
+    }
+    for (int r = 0; r < RR; r++)
+        for (int o = 0; o < TILE; o++) sums[r][o] = hsum8(acc[r][o]);
+}
+
+// TILE weight rows x every row of x; `tile` < TILE only for a layer's last rows (those lanes read the tile's first
+// row again and are not stored)
+static void dot_tile_avx2(const block_type *t, int tile, int xrows, int cols, const uint8_t *codes,
+                          const float *lanes, const float *offsets, const quantized_x *x, float *out) {
+    const int subs = cols / SUB;
+    const uint8_t *c[TILE];
+    const float *l[TILE];
+    for (int o = 0; o < TILE; o++) {
+        c[o] = codes + (size_t)(o < tile ? o : 0) * cols;
+        l[o] = lanes + (size_t)(o < tile ? o : 0) * subs * 8;
+    }
+    for (int r0 = 0; r0 < xrows; r0 += 2) {
+        const int nr = xrows - r0 < 2 ? 1 : 2;
+        const int8_t *xq[2] = {x->q + (size_t)r0 * cols, x->q + (size_t)(r0 + nr - 1) * cols};
+        const float *xs[2] = {x->scale + (size_t)r0 * subs, x->scale + (size_t)(r0 + nr - 1) * subs};
+        float sums[2][TILE];
+        if (t->signed_codes) {
+            if (nr == 2) dot_pass(2, 1, cols, c, l, xq, xs, sums); else dot_pass(1, 1, cols, c, l, xq, xs, sums);
+        } else {
+            if (nr == 2) dot_pass(2, 0, cols, c, l, xq, xs, sums); else dot_pass(1, 0, cols, c, l, xq, xs, sums);
+        }
+        for (int r = 0; r < nr; r++) {
+            const float *xo = (t->centred ? x->qsum : x->sum) + (size_t)(r0 + r) * subs;
+            for (int o = 0; o < tile; o++) {
+                const float *off = offsets + (size_t)o * subs;
+                float shift = 0.0f;
+                for (int s = 0; s < subs; s++) shift = fmaf(off[s], xo[s], shift);  // the order of row_dot
+                out[(size_t)(r0 + r) * tile + o] = sums[r][o] + shift;
+            }
+        }
+    }
+}
+
+static inline void store8(float *lanes, float lo, float hi) {
+    _mm256_store_ps(lanes, _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)));
+}
+
+// 32 bytes whose bit i (of the little-endian 32-bit word at p) is set -> 0x10, else 0 (the fifth bit of Q5 codes)
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
+
+// 16 bytes of nibbles -> 32 codes: low nibbles first, then the high ones
+static inline __m256i nibbles32(const uint8_t *p) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+}
+
+// decode_block's SIMD twin (the same codes, lanes and offsets; tests compare the two paths)
+static inline void decode_block_avx2(int type, const uint8_t *b, uint8_t *codes, float *lanes, float *offsets) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    switch (type) {
+    case GG_Q4_0: case GG_Q4_1: {
+        const float d = half_at(b);
+        _mm256_store_si256((__m256i *)codes, nibbles32(b + (type == GG_Q4_0 ? 2 : 4)));
+        store8(lanes, d, d);
+        offsets[0] = type == GG_Q4_0 ? -8.0f * d : half_at(b + 2);
+        break;
+    }
+    case GG_Q5_0: case GG_Q5_1: {
+        const int header = type == GG_Q5_0 ? 2 : 4;
+        const float d = half_at(b);
+        _mm256_store_si256((__m256i *)codes, _mm256_or_si256(nibbles32(b + header + 4), fifth_bits(b + header)));
+        store8(lanes, d, d);
+        offsets[0] = type == GG_Q5_0 ? -16.0f * d : half_at(b + 2);
+        break;
+    }
+    case GG_Q8_0: {
+        const float d = half_at(b);
+        _mm256_store_si256((__m256i *)codes, _mm256_loadu_si256((const __m256i *)(b + 2)));
+        store8(lanes, d, d);
+        offsets[0] = 0.0f;
+        break;
+    }
+    case GG_Q4_K: case GG_Q5_K: {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + (j / 2) * 32));
+            __m256i v = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+            if (type == GG_Q5_K)  // bit j of each qh byte -> bit 4
+                v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j),
+                                                                          _mm256_set1_epi8(1)), 4));
+            _mm256_store_si256((__m256i *)(codes + j * 32), v);
+            store8(lanes + j * 8, d * (float)sc, d * (float)sc);
+            offsets[j] = -(dmin * (float)mn);
+        }
+        break;
+    }
+    case GG_Q6_K: {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + h * 64));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + h * 64 + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+            for (int g = 0; g < 4; g++) {
+                const __m256i low = _mm256_and_si256(g >= 2 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0),
+                                                     low4);
+                const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g),
+                                                                        _mm256_set1_epi8(3)), 4);
+                const int j = h * 4 + g;
+                _mm256_store_si256((__m256i *)(codes + j * 32),
+                                   _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32)));
+                store8(lanes + j * 8, d * (float)sc[h * 8 + g * 2], d * (float)sc[h * 8 + g * 2 + 1]);
+                offsets[j] = 0.0f;
+            }
+        }
+        break;
+    }
+    }
+}
+#endif
+
+#if defined(__AVX2__)
+// ---- a few rows of x: each weight sub-block decoded in registers and used at once (no tile buffer) ----
+
+// sub-block j of block b in registers: its 32 codes, 8 scale lanes and offset (decode_block_avx2's values)
+static inline __attribute__((always_inline)) void sub_block(const int type, const uint8_t *b, int j, __m256i *codes,
+                                                            __m256 *lanes, float *offset) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    switch (type) {
+    case GG_Q4_0: case GG_Q4_1: {
+        const float d = half_at(b);
+        *codes = nibbles32(b + (type == GG_Q4_0 ? 2 : 4));
+        *lanes = _mm256_set1_ps(d);
+        *offset = type == GG_Q4_0 ? -8.0f * d : half_at(b + 2);
+        break;
+    }
+    case GG_Q5_0: case GG_Q5_1: {
+        const int header = type == GG_Q5_0 ? 2 : 4;
+        const float d = half_at(b);
+        *codes = _mm256_or_si256(nibbles32(b + header + 4), fifth_bits(b + header));
+        *lanes = _mm256_set1_ps(d);
+        *offset = type == GG_Q5_0 ? -16.0f * d : half_at(b + 2);
+        break;
+    }
+    case GG_Q8_0:
+        *codes = _mm256_loadu_si256((const __m256i *)(b + 2));
+        *lanes = _mm256_set1_ps(half_at(b));
+        *offset = 0.0f;
+        break;
+    case GG_Q4_K: case GG_Q5_K: {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == GG_Q4_K ? 16 : 48) + (j / 2) * 32));
+        __m256i v = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if (type == GG_Q5_K) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+        }
+        *codes = v;
+        *lanes = _mm256_set1_ps(half_at(b) * (float)sc);
+        *offset = -(half_at(b + 2) * (float)mn);
+        break;
+    }
+    case GG_Q6_K: {
+        const int h = j / 4, g = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + h * 64 + (g & 1) * 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+        const __m256i low = _mm256_and_si256(g >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4);
+        *codes = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        *lanes = _mm256_set_m128(_mm_set1_ps(d * (float)sc[h * 8 + g * 2 + 1]), _mm_set1_ps(d * (float)sc[h * 8 + g * 2]));
+        *offset = 0.0f;
+        break;
+    }
+    }
+}
+
+// out[r] = W row . x row r for `xrows` (1 or 2) rows of x, the weight row decoded once
+static inline __attribute__((always_inline)) void row_dot(const int type, const int xrows, const uint8_t *row,
+                                                          int cols, const quantized_x *x, int r0, float *out) {
+    block_type t;
+    block_type_of(type, &t);
+    const int subs = cols / SUB, per_block = t.super / SUB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float shift[2] = {0.0f, 0.0f};
+    const float *sums = t.centred ? x->qsum : x->sum;
+    for (int blk = 0; blk < cols / t.super; blk++) {
+        const uint8_t *b = row + (size_t)blk * t.bytes;
+        for (int j = 0; j < per_block; j++) {
+            __m256i c;
+            __m256 lanes;
+            float offset;
+            sub_block(type, b, j, &c, &lanes, &offset);
+            const int s = blk * per_block + j;
+            const __m256i magnitude = t.signed_codes ? _mm256_abs_epi8(c) : c;
+            for (int r = 0; r < xrows; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(x->q + (size_t)(r0 + r) * cols + s * SUB));
+                const __m256i p = _mm256_maddubs_epi16(magnitude, t.signed_codes ? _mm256_sign_epi8(v, c) : v);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                         _mm256_mul_ps(lanes, _mm256_set1_ps(x->scale[(size_t)(r0 + r) * subs + s])),
+                                         acc[r]);
+                shift[r] = fmaf(offset, sums[(size_t)(r0 + r) * subs + s], shift[r]);
+            }
+        }
+    }
+    for (int r = 0; r < xrows; r++) out[r] = hsum8(acc[r]) + shift[r];
+}
+
+// rows [first, first + count) of one weight against rows r0 .. r0 + xrows - 1 of x: out[r][o] (row stride `total`)
+static inline __attribute__((always_inline)) void rows_dot(const int type, const int xrows, const uint8_t *weight,
+                                                           int64_t row_bytes, int64_t first, int64_t count, int cols,
+                                                           const quantized_x *x, int r0, float *out, int64_t total) {
+    for (int64_t o = first; o < first + count; o++) {
+        float sums[2];
+        row_dot(type, xrows, weight + o * row_bytes, cols, x, r0, sums);
+        for (int r = 0; r < xrows; r++) out[(size_t)r * total + o] = sums[r];
+    }
+}
+
+#define ROWS_DOT_CASES(XROWS) \
+    case GG_Q4_0: rows_dot(GG_Q4_0, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q4_1: rows_dot(GG_Q4_1, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q5_0: rows_dot(GG_Q5_0, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q5_1: rows_dot(GG_Q5_1, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q8_0: rows_dot(GG_Q8_0, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q4_K: rows_dot(GG_Q4_K, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q5_K: rows_dot(GG_Q5_K, XROWS, w, rb, first, count, cols, x, r0, out, total); break; \
+    case GG_Q6_K: rows_dot(GG_Q6_K, XROWS, w, rb, first, count, cols, x, r0, out, total); break;
+
+// one type's rows against one or two rows of x, specialised per type (the switch is outside the loops)
+static void rows_dot_any(int type, int xrows, const uint8_t *w, int64_t rb, int64_t first, int64_t count, int cols,
+                         const quantized_x *x, int r0, float *out, int64_t total) {
+    if (xrows == 2) {
+        switch (type) { ROWS_DOT_CASES(2) }
+    } else {
+        switch (type) { ROWS_DOT_CASES(1) }
+    }
+}
+#endif
+
+// `count` weight rows (row stride `row_bytes`) decoded: codes [count][cols], lanes [count][cols / 32 * 8],
+// offsets [count][cols / 32]; codes and lanes 32-byte aligned
+static void decode_rows(int type, const block_type *t, const uint8_t *rows, int64_t row_bytes, int count, int cols,
+                        uint8_t *codes, float *lanes, float *offsets, int portable) {
+    const int subs = cols / SUB, per_block = t->super / SUB;
+    for (int r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_bytes;
+        for (int blk = 0; blk < cols / t->super; blk++) {
+            const uint8_t *block = row + (int64_t)blk * t->bytes;
+            uint8_t *c = codes + (size_t)r * cols + blk * t->super;
+            float *l = lanes + ((size_t)r * subs + blk * per_block) * 8, *o = offsets + (size_t)r * subs + blk * per_block;
+#if defined(__AVX2__)
+            if (!portable) {
+                decode_block_avx2(type, block, c, l, o);
+                continue;
+            }
+#endif
+            decode_block(type, block, c, l, o);
+        }
+    }
+}
+
+// out[n][segment's columns] = x[n] @ W.T for each of `segments` weights (a fused projection: q / k / v or gate / up,
+// possibly of different types), their outputs side by side in `out` (contiguous [rows][sum of outs], `dtype`); x
+// [rows][cols] of `dtype` with row stride x_stride. Weight s: `types[s]`, `weights[s]` its first row, `row_bytes[s]`
+// between rows, `outs[s]` rows. `portable`: the plain C dot products even where AVX2 runs (the tests check both).
+void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype, int32_t segments,
+                     const int32_t *types, const void *const *weights, const int64_t *row_bytes, const int64_t *outs,
+                     void *out, int32_t threads, int32_t portable) {
+    const size_t es = dtype_size(dtype);
+    const int subs = cols / SUB;
+    int64_t total = 0, tiles = 0;
+    for (int s = 0; s < segments; s++) { total += outs[s]; tiles += (outs[s] + TILE - 1) / TILE; }
+    if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
+        threads = 1;
+    // x quantized once for every segment
+    quantized_x xq = {aligned_alloc(64, ((size_t)rows * cols + 63) & ~(size_t)63),
+                      scratch_floats((size_t)rows * subs), scratch_floats((size_t)rows * subs),
+                      scratch_floats((size_t)rows * subs)};
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+    for (int n = 0; n < rows; n++) {
+        float *row = scratch_floats((size_t)cols);
+        load_row((const char *)x + (size_t)n * x_stride * es, dtype, cols, row);
+        quantize_row(row, cols, xq.q + (size_t)n * cols, xq.scale + (size_t)n * subs, xq.sum + (size_t)n * subs,
+                     xq.qsum + (size_t)n * subs);
+        free(row);
+    }
+#if defined(__AVX2__)
+    if (!portable && rows <= FEW_ROWS) {  // decoded in registers, once per two rows of x
+        float *sums = scratch_floats((size_t)rows * total);
+        const int64_t units = (total + UNIT - 1) / UNIT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t first = u * UNIT, column = 0;
+            int s = 0;
+            while (first >= outs[s]) { first -= outs[s]; column += outs[s]; s++; }
+            int64_t count = outs[s] - first < UNIT ? outs[s] - first : UNIT;
+            // a unit may cross into the next segments: each part with its own weight
+            while (count > 0) {
+                for (int r0 = 0; r0 < rows; r0 += 2)
+                    rows_dot_any(types[s], rows - r0 >= 2 ? 2 : 1, weights[s], row_bytes[s], first, count, cols, &xq, r0,
+                                 sums + (size_t)r0 * total + column, total);
+                int64_t left = (u + 1) * UNIT - (column + first + count);
+                if (left <= 0 || ++s >= segments) break;
+                column += outs[s - 1];
+                first = 0;
+                count = outs[s] < left ? outs[s] : left;
+            }
+        }
+        for (int n = 0; n < rows; n++) store_row(sums + (size_t)n * total, dtype, (int)total, (char *)out + (size_t)n * total * es);
+        free(sums);
+        free(xq.q);
+        free(xq.scale);
+        free(xq.sum);
+        free(xq.qsum);
+        return;
+    }
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *codes = aligned_alloc(64, (size_t)TILE * cols);
+        float *lanes = scratch_floats((size_t)TILE * subs * 8), *offsets = scratch_floats((size_t)TILE * subs);
+        float *sums = scratch_floats((size_t)rows * TILE);
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < tiles; k++) {
+            int s = 0;  // the tile's segment and first row
+            int64_t first = k, column = 0;
+            while (first >= (outs[s] + TILE - 1) / TILE) { first -= (outs[s] + TILE - 1) / TILE; column += outs[s]; s++; }
+            first *= TILE;
+            block_type t;
+            block_type_of(types[s], &t);
+            const int tile = outs[s] - first < TILE ? (int)(outs[s] - first) : TILE;
+            decode_rows(types[s], &t, (const uint8_t *)weights[s] + first * row_bytes[s], row_bytes[s], tile, cols,
+                        codes, lanes, offsets, portable);
+#if defined(__AVX2__)
+            if (!portable)
+                dot_tile_avx2(&t, tile, rows, cols, codes, lanes, offsets, &xq, sums);
+            else
+#endif
+                dot_tile_portable(&t, tile, rows, cols, codes, lanes, offsets, &xq, sums);
+            for (int n = 0; n < rows; n++)
+                store_row(sums + (size_t)n * tile, dtype, tile, (char *)out + ((size_t)n * total + column + first) * es);
+        }
+        free(codes);
+        free(lanes);
+        free(offsets);
+        free(sums);
+    }
+    free(xq.q);
+    free(xq.scale);
+    free(xq.sum);
+    free(xq.qsum);
+}
+
+// out[n] = W[ids[n]] dequantized (fp32 / bf16 / fp16, `dtype`), W [.., cols] of `type` with row stride row_bytes;
+// ids NULL: rows 0 .. count - 1. In fp32, bit for bit the `gguf` package's dequantize: every product here is exact
+// (an fp16 scale times a small integer) and the one addition rounds as numpy's does.
+void kvf_gguf_dequant(int32_t type, const void *weight, int64_t row_bytes, const int64_t *ids, int64_t count,
+                      int32_t cols, void *out, int32_t dtype, int32_t threads) {
+    block_type t;
+    block_type_of(type, &t);
+    const int subs = cols / SUB;
+#pragma omp parallel num_threads(threads) if (count * cols >= 65536)
+    {
+        uint8_t *codes = aligned_alloc(64, (size_t)cols);
+        float *lanes = scratch_floats((size_t)subs * 8), *offsets = scratch_floats((size_t)subs);
+        float *row = scratch_floats((size_t)cols);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < count; n++) {
+            const int64_t id = ids ? ids[n] : n;
+            decode_rows(type, &t, (const uint8_t *)weight + id * row_bytes, row_bytes, 1, cols, codes, lanes, offsets, 0);
+            for (int s = 0; s < subs; s++)
+                for (int i = 0; i < SUB; i++) {
+                    const float code = t.signed_codes ? (float)(int8_t)codes[s * SUB + i] : (float)codes[s * SUB + i];
+                    row[s * SUB + i] = lanes[s * 8 + i / 4] * code + offsets[s];
+                }
+            store_row(row, dtype, cols, (char *)out + (size_t)n * cols * dtype_size(dtype));
+        }
+        free(codes);
+        free(lanes);
+        free(offsets);
+        free(row);
+    }
+}

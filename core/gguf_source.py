@@ -1,0 +1,229 @@
+"""A GGUF file served in place: its tensors memory-mapped under the names the model classes load, the quantized
+ones as their blocks exactly as they lie in the file, nothing rewritten or copied.
+
+Once per file (loader.cached_checkpoint) a small index directory is written into the cache: config.json, the
+tokenizer, and `gguf_index.json` (the file's path, each tensor's HF name, the row order of Llama's Q / K
+projections, which projections are served dense). What that needs -- the config, the tokenizer, the tensor names
+and the per-architecture fix-ups -- comes from transformers' GGUF reader, as for a dense conversion; reading it
+takes seconds, and no weights are written.
+
+At every load (`tensors`) the file is mapped (a private mapping: pages come from the page cache, shared with any
+other reader of the file, and are never written) and each tensor yielded as a view of the mapping:
+- a projection, the LM head or the embedding in a block type: uint8 [rows, row bytes] with three attributes,
+  `gguf_type` (ggml's type number), `gguf_in_features` and `gguf_rows` (None, or the HF row order as indices of the
+  file's rows: Llama's Q / K rows are permuted in GGUF files; a layer reorders its outputs instead of its weight);
+- a float tensor (norms, biases, F32 / F16 / BF16 projections) as an array, with the architecture's fix-up
+  (Gemma's norm offset) applied -- small, or served dense anyway;
+- a quantized tensor that is served dense (a fused layer whose parts mix float and block types) dequantized.
+A tensor in another type fails with its name and type (`--gguf-dense` dequantizes those files as transformers does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = "1"  # bump when the index written here changes
+INDEX_FILE = "gguf_index.json"
+FLOAT_DTYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml type number -> torch dtype
+
+
+def is_index(path: Path) -> bool:
+    """Whether `path` is an index directory written here (its weights are a GGUF file's)."""
+    return (path / INDEX_FILE).is_file()
+
+
+def source_of(path: Path) -> Path:
+    """The GGUF file an index directory serves."""
+    return Path(json.loads((path / INDEX_FILE).read_text())["source"])
+
+
+def block_types() -> dict[int, tuple[int, int]]:
+    from kvforge.core.cpu_kernels import GGUF_SUPER
+
+    return GGUF_SUPER
+
+
+def write_index(gguf: Path, out: Path) -> None:
+    """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    from kvforge.core.chat_templates import save_tokenizer
+    from kvforge.core.model_files import read_gguf_header
+    from kvforge.core.models.registry import model_class_for
+
+    log.warning("indexing %s (once; its weights are served from the file itself)", gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
+        reference = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(reference).__name__]
+    packed = getattr(model_class_for(config), "packed_modules_mapping", {})  # unsupported families fail here
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    header = read_gguf_header(gguf)
+    arch = str(header.metadata.get("general.architecture"))
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(reference, processor)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    blocks = block_types()
+    entries: dict[str, dict] = {}
+    for tensor in header.tensors:
+        name = names.get(tensor.name)
+        if name is None:
+            continue
+        entry: dict = {"hf": name}
+        if tensor.ggml_type in blocks and len(tensor.shape) == 2:
+            rows = processor.process(weights=np.arange(tensor.shape[1], dtype=np.float64)[:, None],
+                                     name=tensor.name).weights[:, 0].astype(np.int64)
+            if not np.array_equal(rows, np.arange(tensor.shape[1])):
+                entry["rows"] = rows.tolist()
+        elif tensor.ggml_type not in FLOAT_DTYPES:
+            _unsupported(tensor)
+        entries[tensor.name] = entry
+    hf_types = {e["hf"]: header_type for e, header_type in
+                ((entries[t.name], t.ggml_type) for t in header.tensors if t.name in entries)}
+    head = "lm_head.weight" if "lm_head.weight" in hf_types else ("model.embed_tokens.weight" if tied else None)
+    dense = _dense_projections(hf_types, packed, set(blocks))
+    for entry in entries.values():
+        if entry["hf"].removesuffix(".weight") in dense:
+            entry["dense"] = True
+    config.quantization_config = {"quant_method": "gguf", "layout": "blocks",
+                                  "lm_head": head is not None and hf_types[head] in blocks,
+                                  "modules_to_not_convert": sorted(dense), "source": gguf.name}
+    config.save_pretrained(out)
+    save_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), config.model_type, out)
+    index = {"version": INDEX_VERSION, "source": str(gguf.resolve()), "arch": arch,
+             "processor_config": parsed["config"], "tensors": entries}
+    (out / INDEX_FILE).write_text(json.dumps(index, default=_jsonable))
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _unsupported(tensor) -> None:
+    from gguf import GGMLQuantizationType
+
+    from kvforge.plugins.quant.gguf_blocks import SUPPORTED
+
+    try:
+        kind = GGMLQuantizationType(tensor.ggml_type).name
+    except ValueError:
+        kind = f"number {tensor.ggml_type}"
+    raise ValueError(f"GGUF tensor {tensor.name} has type {kind}, which is not supported natively (supported: "
+                     f"{', '.join(SUPPORTED)}); load the file with --gguf-dense to dequantize it")
+
+
+def _dense_projections(hf_types: dict[str, int], packed: dict, blocks: set[int]) -> set[str]:
+    """Projections served dense: float ones, and every part of a fused layer (q/k/v, gate/up) whose parts are not all
+    in block types (a fused layer is one matmul)."""
+    groups: dict[str, list[str]] = {}
+    for name in hf_types:
+        if not name.endswith("_proj.weight"):
+            continue
+        module = name.removesuffix(".weight")
+        parent, _, leaf = module.rpartition(".")
+        groups.setdefault(f"{parent}.{packed.get(leaf, (leaf, None))[0]}", []).append(module)
+    dense: set[str] = set()
+    for parts in groups.values():
+        if not all(hf_types[f"{p}.weight"] in blocks for p in parts):
+            dense.update(parts)
+    return dense
+
+
+def _mapped(gguf: Path) -> torch.Tensor:
+    """The whole file as a uint8 tensor over a private read mapping (copy-on-write: writable as torch wants, never
+    written, so its pages stay the page cache's)."""
+    with open(gguf, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def tensor_names(path: Path) -> list[str]:
+    index = json.loads((path / INDEX_FILE).read_text())
+    return [entry["hf"] for entry in index["tensors"].values()]
+
+
+def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The index directory `path`'s tensors under their HF names, read in place from its GGUF file (see above)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from kvforge.core.model_files import read_gguf_header
+
+    index = json.loads((path / INDEX_FILE).read_text())
+    gguf = Path(index["source"])
+    header = read_gguf_header(gguf)
+    flat = _mapped(gguf)
+    processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=index["processor_config"])
+    blocks = block_types()
+    for tensor in header.tensors:
+        entry = index["tensors"].get(tensor.name)
+        if entry is None:
+            continue
+        start = header.data_offset + tensor.offset
+        data = flat[start: start + tensor.n_bytes]
+        shape = tuple(reversed(tensor.shape))
+        if tensor.ggml_type in blocks and len(shape) == 2:
+            view = data.view(shape[0], -1)
+            view.gguf_type, view.gguf_in_features = tensor.ggml_type, shape[1]
+            view.gguf_rows = torch.tensor(entry["rows"]) if "rows" in entry else None
+            yield entry["hf"], dequantized(view) if entry.get("dense") else view
+        elif tensor.ggml_type in FLOAT_DTYPES:
+            values = data.view(FLOAT_DTYPES[tensor.ggml_type]).view(shape)
+            array = values.float().numpy() if values.dtype == torch.bfloat16 else values.numpy()
+            fixed = processor.process(weights=array, name=tensor.name).weights
+            yield entry["hf"], values if fixed is array else torch.from_numpy(np.ascontiguousarray(fixed))
+        else:
+            _unsupported(tensor)
+
+
+def is_blocks(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a GGUF tensor's blocks as `tensors` yields them."""
+    return getattr(tensor, "gguf_type", None) is not None
+
+
+def dequantized(blocks: torch.Tensor) -> torch.Tensor:
+    """A blocks tensor as its fp32 weight in HF row order (bit for bit the `gguf` package's values)."""
+    from kvforge.core.cpu_kernels import gguf_dequant, unavailable
+
+    if unavailable() is None:
+        weight = gguf_dequant(blocks.gguf_type, blocks, blocks.gguf_in_features)
+    else:  # no C compiler: the `gguf` package's numpy dequantizer
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        weight = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType(blocks.gguf_type)))
+    return weight if blocks.gguf_rows is None else weight[blocks.gguf_rows]
+
+
+def row_reader(blocks: torch.Tensor, first: int = 0, count: int | None = None):
+    """A lookup of rows [first, first + count) of a blocks tensor by local index, dequantized in fp32 (the `gguf`
+    package's values): an embedding table served from the file."""
+    from kvforge.core.cpu_kernels import gguf_dequant, unavailable
+
+    qtype, width = blocks.gguf_type, blocks.gguf_in_features
+    rows = blocks.narrow(0, first, blocks.shape[0] - first if count is None else count)
+    if unavailable() is None:
+        return lambda ids: gguf_dequant(qtype, rows, width, ids)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType(qtype)
+    return lambda ids: torch.from_numpy(dequantize(rows[ids.reshape(-1)].numpy(), kind))

@@ -1,0 +1,104 @@
+"""The GGUF-block C kernels (core/cpu_kernels/gguf_blocks.c), on every block type, SIMD and portable: rows
+dequantized bit for bit as the `gguf` package dequantizes them, and the matmul within its stated bound of x @ W
+(fp64 reference): the rounding of x to int8 per 32 values, half a step per value times the weight's scaled code,
+plus fp32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvforge.core.cpu_kernels import GGUF_SUPER, GgufSegments, gguf_dequant, gguf_linear, unavailable
+from kvforge.plugins.quant.gguf_blocks import DECODERS, decode
+from tests.helpers.gguf_layers import random_blocks
+from tests.helpers.optional_parts import require
+
+T = GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    require(unavailable() is None, f"the C kernels cannot be built here: {unavailable()}")
+
+
+def test_every_decoded_type_has_a_kernel():
+    assert {int(t) for t in DECODERS} == set(GGUF_SUPER)
+
+
+def error_bound(x: torch.Tensor, raw, qtype) -> torch.Tensor:
+    """Per output: sum over x's 32-blocks of max|x_b| / 254 * sum |s c| over the block's weights (s c: the weight
+    less its offset, as gguf_blocks.decode splits it), plus 1e-5 of sum |x| |W| for fp32 rounding."""
+    codes = decode(raw, qtype)
+    scaled = (codes.scales.repeat_interleave(codes.group, 1) * codes.codes.float()).abs().double()
+    n, k = scaled.shape
+    amax = x.abs().double().view(x.shape[0], k // 32, 32).amax(-1)
+    bound = (amax[:, None, :] / 254 * scaled.view(n, k // 32, 32).sum(-1)[None]).sum(-1)
+    weight = torch.from_numpy(dequantize(raw, qtype)).double()
+    return bound + 1e-5 * (x.abs().double() @ weight.abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
+def test_rows_dequantize_bit_for_bit(qtype):
+    raw = random_blocks(qtype, 21, 512, seed=3)
+    blocks = torch.from_numpy(raw)
+    expected = torch.from_numpy(dequantize(raw, qtype))
+    assert torch.equal(gguf_dequant(int(qtype), blocks, 512), expected)
+    ids = torch.tensor([20, 0, 7, 7])
+    assert torch.equal(gguf_dequant(int(qtype), blocks, 512, ids), expected[ids])
+    assert torch.equal(gguf_dequant(int(qtype), blocks, 512, ids, torch.bfloat16), expected[ids].bfloat16())
+    with pytest.raises(IndexError):
+        gguf_dequant(int(qtype), blocks, 512, torch.tensor([21]))
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
+def test_matmul_within_the_bound(qtype, portable):
+    torch.manual_seed(0)
+    raw = random_blocks(qtype, 37, 512, seed=1)  # 37 rows: a last tile of one row
+    weights = GgufSegments([(int(qtype), torch.from_numpy(raw))], 512)
+    reference = torch.from_numpy(dequantize(raw, qtype)).double()
+    for rows in (1, 2, 5):  # one row, a whole pass of two, and a remainder
+        x = torch.randn(rows, 512) * torch.rand(rows, 512) ** 4  # uneven magnitudes within a block
+        got = gguf_linear(x, weights, portable=portable)
+        error = (got.double() - x.double() @ reference.T).abs()
+        ratio = (error / error_bound(x, raw, qtype)).max().item()
+        assert ratio <= 1, (rows, ratio)
+        assert ratio > 1e-3  # the kernel does quantize x: an exact fp32 matmul would not come near the bound
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q6_K], ids=lambda t: t.name)
+def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype):
+    raw = torch.from_numpy(random_blocks(qtype, 64, 1024, seed=2))
+    weights = GgufSegments([(int(qtype), raw)], 1024)
+    x = torch.randn(7, 1024)
+    batch = gguf_linear(x, weights)
+    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights) for i in range(7)]), batch)
+    # the same integer sums, fp32 sums in another order
+    assert (gguf_linear(x, weights, portable=True) - batch).abs().max() <= 1e-5 * batch.abs().max()
+
+
+def test_fused_segments_of_mixed_types_and_strided_rows():
+    """q / k / v of a Q4_K_M file: Q4_K, Q4_K, Q6_K side by side in one output; x in bf16 with a row stride (a
+    slice of a wider tensor); a segment that is a row slice of a bigger tensor (tensor parallelism)."""
+    parts = [(T.Q4_K, random_blocks(T.Q4_K, 32, 512, seed=4)), (T.Q4_K, random_blocks(T.Q4_K, 8, 512, seed=5)),
+             (T.Q6_K, random_blocks(T.Q6_K, 16, 512, seed=6)[4:12])]
+    weights = GgufSegments([(int(t), torch.from_numpy(r)) for t, r in parts], 512)
+    wide = torch.randn(3, 700).to(torch.bfloat16)
+    x = wide[:, 100:612]
+    got = gguf_linear(x, weights)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 48)
+    separate = torch.cat([gguf_linear(x, GgufSegments([(int(t), torch.from_numpy(r))], 512)) for t, r in parts], 1)
+    assert torch.equal(got, separate)
+    reference = torch.cat([torch.from_numpy(dequantize(r, t)) for t, r in parts]).double()
+    bound = torch.cat([error_bound(x.float(), r, t) for t, r in parts], 1)
+    # bf16 output: one more rounding (2^-8 relative)
+    assert ((got.double() - x.double() @ reference.T).abs() <= bound + got.double().abs() / 256).all()
+
+
+def test_layout_errors_are_named():
+    with pytest.raises(ValueError, match="no block kernel"):
+        GgufSegments([(int(T.IQ2_XXS), torch.zeros(1, 66, dtype=torch.uint8))], 256)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, 18\]"):
+        GgufSegments([(int(T.Q4_0), torch.zeros(2, 20, dtype=torch.uint8))], 32)
