@@ -14,7 +14,8 @@ appended as each one ends, so a crash keeps the finished ones).
 At batch B an engine serves `requests[B]` of the prompts in waves of B submitted at once (a wave starts when
 the previous one has finished), each request greedy and forced to `output_tokens` tokens (EOS ignored),
 prefix caching off (every request computes its whole prompt). Each line written is either
-{"info": {...}} (the library's version, the load time) or a measurement {"batch", "requests",
+{"info": {...}} (the library's version, the load time, the memory after load and at the end: `memory()`) or a
+measurement {"batch", "requests",
 "generated_tokens", "wall_s", "ttft_s": [per request] | null, "tpot_s": [...] | null, "timing"} or
 {"batch", "skipped": why} for a batch the engine cannot run.
 """
@@ -40,6 +41,15 @@ class Job:
     def emit(self, row: dict) -> None:
         self._out.write(json.dumps(row) + "\n")
         self._out.flush()
+
+    def loaded(self, info: dict) -> None:
+        """The library and load time, with the memory held once the model is loaded."""
+        after = memory()
+        self.emit({"info": info | {f"{k}_after_load": v for k, v in after.items() if k != "peak_rss_bytes"}})
+
+    def finished(self) -> None:
+        """The memory at the end, with the peak (called while the engine, and any process of its own, still runs)."""
+        self.emit({"info": {f"{k}_end" if k != "peak_rss_bytes" else k: v for k, v in memory().items()}})
 
     def workloads(self):
         """(batch, its waves of prompts) per batch, in order."""
@@ -71,8 +81,8 @@ def run_hf(job: Job) -> None:
     torch.set_num_threads(job.threads)
     start = perf()
     model = load_hf(job.spec["model"], job.spec["dtype"])
-    job.emit({"info": {"library": f"transformers {transformers.__version__}, torch {torch.__version__}",
-                       "load_s": perf() - start}})
+    job.loaded({"library": f"transformers {transformers.__version__}, torch {torch.__version__}",
+                "load_s": perf() - start})
     pad = job.spec["pad_id"]
     hf_generate(model, [job.warm_ids()], 2, pad)
     for batch, waves in job.workloads():
@@ -90,6 +100,7 @@ def run_hf(job: Job) -> None:
             tpot += [(full - first) / (job.tokens - 1) if job.tokens > 1 and full > first else None] * len(wave)
         job.measured(batch, waves, generated, wall, ttft, _known(tpot),
                      "TTFT: a 1-token generate of the wave; TPOT: (full - that) / (tokens - 1)")
+    job.finished()
 
 
 def run_kvforge(job: Job) -> None:
@@ -106,7 +117,7 @@ def run_kvforge(job: Job) -> None:
                           enable_prefix_caching=False, kv_cache_bytes=int(job.spec["kv_cache_gib"] * (1 << 30)),
                           max_num_seqs=max(64, largest))
     version = getattr(kvforge, "__version__", None) or _dist_version("kvforge")
-    job.emit({"info": {"library": f"kvforge {version}, torch {torch.__version__}", "load_s": perf() - start}})
+    job.loaded({"library": f"kvforge {version}, torch {torch.__version__}", "load_s": perf() - start})
     try:
         warm_up(engine, job.warm_ids(), ignore_eos=True)
         params = SamplingParams(temperature=0, max_tokens=job.tokens, ignore_eos=True)
@@ -126,6 +137,7 @@ def run_kvforge(job: Job) -> None:
                     ttft.append(metrics.get("ttft"))
                     tpot.append(metrics.get("tpot"))
             job.measured(batch, waves, generated, wall, _known(ttft), _known(tpot), "the engine's request metrics")
+        job.finished()
     finally:
         engine.close()
 
@@ -142,7 +154,7 @@ def run_vllm(job: Job) -> None:
     llm = LLM(model=job.spec["model"], dtype=job.spec["dtype"], max_model_len=max(2048, longest),
               max_num_seqs=max(64, max(job.spec["batches"])), enable_prefix_caching=False, disable_log_stats=False,
               seed=0)
-    job.emit({"info": {"library": f"vLLM {vllm.__version__}", "load_s": perf() - start}})
+    job.loaded({"library": f"vLLM {vllm.__version__}", "load_s": perf() - start})
     llm.generate([{"prompt_token_ids": job.warm_ids()}], SamplingParams(temperature=0, max_tokens=2),
                  use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=job.tokens, min_tokens=job.tokens, ignore_eos=True)
@@ -161,6 +173,7 @@ def run_vllm(job: Job) -> None:
                 ttft.append(first)
                 tpot.append(span / (n - 1) if first and n > 1 and span > 0 else None)
         job.measured(batch, waves, generated, wall, _known(ttft), _known(tpot), "RequestOutput.metrics")
+    job.finished()  # while the LLM, and its engine-core process, are alive
 
 
 def run_llama_cpp(job: Job) -> None:
@@ -184,8 +197,8 @@ def run_llama_cpp(job: Job) -> None:
         return scores
 
     processors = LogitsProcessorList([no_eos])
-    job.emit({"info": {"library": f"llama-cpp-python {llama_cpp.__version__}", "load_s": perf() - start,
-                       "eos_masked": banned}})
+    job.loaded({"library": f"llama-cpp-python {llama_cpp.__version__}", "load_s": perf() - start,
+                "eos_masked": banned})
 
     def one(ids: list[int], n: int) -> tuple[float, list[float]]:
         llm.reset()  # no reuse of the previous request's prefix
@@ -210,6 +223,55 @@ def run_llama_cpp(job: Job) -> None:
             if len(times) > 1:
                 tpot.append((times[-1] - times[0]) / (len(times) - 1))
         job.measured(batch, waves, generated, wall, ttft, tpot or None, "timed at each token the generator yields")
+    job.finished()
+
+
+def memory() -> dict:
+    """This process's memory with its descendants' (vLLM's engine core is a child process), in bytes, from
+    /proc/PID/status: rss_bytes (VmRSS: resident now, the mapped model file's pages included), rss_anon_bytes
+    (RssAnon: what is not file-backed) and peak_rss_bytes (VmHWM, each process's own peak, summed), and the number
+    of processes. Off Linux: this process's ru_maxrss as the peak, the rest unknown."""
+    try:
+        pids = _process_tree(os.getpid())
+        totals = {"VmRSS": 0, "RssAnon": 0, "VmHWM": 0}
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        key, _, value = line.partition(":")
+                        if key in totals:
+                            totals[key] += int(value.split()[0]) * 1024  # kB
+            except OSError:  # exited meanwhile
+                continue
+        return {"rss_bytes": totals["VmRSS"], "rss_anon_bytes": totals["RssAnon"], "peak_rss_bytes": totals["VmHWM"],
+                "processes": len(pids)}
+    except OSError:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, kB elsewhere
+        return {"rss_bytes": None, "rss_anon_bytes": None, "processes": 1,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process below it (parents read from /proc/PID/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])  # after the command name, which may hold spaces
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
 
 
 def _known(values: list) -> list | None:

@@ -19,6 +19,16 @@ ratios: medians of each round's own ratios, also listed).
 
 With --http the same engines run as OpenAI-compatible servers under a load generator (peers_http.py), on the
 same files.
+
+With --shape 1.7b|3b|8b [--quant q4_0|q4_k_m|q8_0] the engines run random-weight models of a real model's shape
+(real_shapes.py, cached): llama.cpp and kvforge-gguf a GGUF of that shape and quantization, the dense engines (HF,
+vLLM, kvforge fp32 / bf16) its bf16 safetensors twin (random values of their own: speed and memory only, no
+multi-GB GGUF is converted). The default engines are then kvforge-gguf, llama.cpp and vllm-bf16 (each a peer
+skipped where it is not installed; HF fp32 or kvforge's dense engines on an 8B shape only when --engines names
+them), the default batches 1,16, prompts 4 and output tokens 64. The report adds the machine's streaming-read
+bandwidth (roofline.py), the bytes of the GGUF a decode step reads and their ratio, the roofline batch-1 decode rate,
+and per engine its load time, memory after load and peak (the worker's process tree), batch-1 decode rate (1 /
+TPOT p50) as a fraction of the roofline, and batch-16 throughput.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from kvforge.app.bench.peer_engines import (
     vllm_cpu_binding,
 )
 from kvforge.app.bench.peers_http import LLAMA_SERVER_MODULES, HttpSetup, choose_load_generator, run_http_engine
-from kvforge.app.bench.peers_report import measurement_rows, median_rows, print_report
+from kvforge.app.bench.peers_report import engine_summary, measurement_rows, median_rows, print_report
 from kvforge.app.bench.workloads import chat_messages
 
 WORKER = Path(__file__).with_name("peer_worker.py")
@@ -105,6 +115,37 @@ def bench_gguf(args: argparse.Namespace) -> Path:
     return path
 
 
+SHAPE_ENGINES = ("kvforge-gguf", "llama.cpp", "vllm-bf16")  # --shape's default engines
+SHAPE_DEFAULTS = {"batches": "1,16", "prompts": 4, "output_tokens": 64}  # --shape's defaults (else PLAIN_DEFAULTS)
+PLAIN_DEFAULTS = {"batches": "1,16,64", "prompts": 16, "output_tokens": 128}
+DENSE_KINDS = ("hf", "vllm", "kvforge")  # the engines that read a safetensors directory (but kvforge-gguf / -4bit)
+
+
+def reads_safetensors(engine: Engine) -> bool:
+    return engine.kind in DENSE_KINDS and engine.name not in ("kvforge-gguf", "kvforge-4bit")
+
+
+def check_shape_options(args: argparse.Namespace):
+    """--shape / --quant checked before anything loads; the Shape, or None without --shape. The defaults of
+    --batches, --prompts and --output-tokens are filled in (--shape's smaller ones with it)."""
+    shape = None
+    if args.shape is not None:
+        from kvforge.app.bench.real_shapes import check_quant, get_shape
+
+        shape = get_shape(args.shape)
+        if args.gguf:
+            raise ValueError("--shape and --gguf: choose one (--shape writes its own GGUF)")
+        args.quant = check_quant(args.quant or "q4_0")
+    elif args.quant is not None:
+        raise ValueError("--quant is for --shape (a --gguf file has its own quantization)")
+    for name, value in (SHAPE_DEFAULTS if shape else PLAIN_DEFAULTS).items():
+        if name == "batches" and args.http:
+            continue  # --http takes --concurrency
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return shape
+
+
 def _selected(args: argparse.Namespace) -> list[Engine]:
     names = [e.name for e in ENGINES]
     kinds = {e.name: e.kind for e in ENGINES}
@@ -115,6 +156,8 @@ def _selected(args: argparse.Namespace) -> list[Engine]:
             raise ValueError(f"--engines: unknown engine {unknown[0]!r} (choose from {', '.join(names)})")
         if "kvforge-4bit" in wanted and not args.kvforge_4bit:
             raise ValueError("--engines kvforge-4bit needs --kvforge-4bit DIR (a 4-bit GPTQ / AWQ checkpoint)")
+    elif getattr(args, "shape", None):  # --shape's defaults
+        wanted = list(SHAPE_ENGINES) + (["kvforge-4bit"] if args.kvforge_4bit else [])
     else:
         wanted = [n for n in names if (n != "kvforge-4bit" or args.kvforge_4bit)
                   and (not args.http or kinds[n] in SERVERS)]
@@ -128,28 +171,46 @@ def _selected(args: argparse.Namespace) -> list[Engine]:
 # --- the command ------------------------------------------------------------------------------------------------
 
 def run_peers(args: argparse.Namespace) -> int:
+    from kvforge.app.bench.roofline import cpu_identity
     from kvforge.app.model_catalog import gguf_facts
     from kvforge.core.cpu import cpu_model_and_flags, isa
     from kvforge.core.loader import EMBEDDED_MODEL, resolve_model
     from kvforge.core.tokenizer import Tokenizer
 
+    shape = check_shape_options(args)
     if args.http and args.batches is not None:
         raise ValueError("--batches is for the offline engines: with --http use --concurrency")
     if not args.http and args.concurrency is not None:
         raise ValueError("--concurrency is for --http (the offline engines take --batches)")
     batches = (int_list(args.concurrency or "1,16,64", "concurrency") if args.http
-               else int_list(args.batches or "1,16,64", "batches"))
+               else int_list(args.batches, "batches"))
     for name in ("prompts", "output_tokens", "threads", "input_tokens", "rounds"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    selected, gguf = _selected(args), bench_gguf(args)
+    selected = _selected(args)
+    threads = args.threads or len(usable_cpus())
+    shape_info, twin = None, {}
+    if shape:
+        from kvforge.app.bench.real_shapes import shape_gguf
+        from kvforge.app.bench.roofline import decode_bytes, roofline_tok_s, stream_bandwidth
+
+        gguf = shape_gguf(shape, args.quant, log=say)
+        say(f"measuring the streaming-read bandwidth ({threads} thread{'s' if threads > 1 else ''})")
+        bandwidth = stream_bandwidth(threads)
+        step = decode_bytes(gguf)
+        shape_info = {"shape": shape.name, "description": shape.describe(), "quant": args.quant, "gguf": str(gguf),
+                      "gguf_bytes": gguf.stat().st_size, "twin": None, "bandwidth": bandwidth, "decode_step": step,
+                      "roofline_tok_s": roofline_tok_s(bandwidth["bytes_per_s"], step["bytes"])}
+    else:
+        gguf = bench_gguf(args)
     # llama.cpp runs the file as it is; its type from the header alone (GGUFReader walks a 262k-token vocabulary
     # into numpy views: ~20 s for Gemma 3's, ~5 s for the embedded model's)
     file_type = (gguf_facts(gguf).quantization or "gguf").lower()
     engines = [replace(e, dtype=file_type) if e.kind == "llama.cpp" else e for e in selected]
     quantized = str(resolve_model(args.kvforge_4bit)) if args.kvforge_4bit else None
-    model_dir = resolve_model(str(gguf))  # the dense engines read kvforge's conversion of the GGUF
-    threads = args.threads or len(usable_cpus())
+    # the dense engines read kvforge's conversion of the GGUF; with --shape the twin, written when one runs (below),
+    # and the prompts come from the embedded model's tokenizer (the GGUF's)
+    model_dir = resolve_model(None if shape else str(gguf))
     requests = requests_per_batch(args.prompts, batches)
     tokenizer = Tokenizer(model_dir)
     messages = chat_messages(max(requests.values()))
@@ -160,7 +221,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
     cpu_model, _ = cpu_model_and_flags()
     cpu = {"model": cpu_model, "machine": os.uname().machine, "isa": isa(), "logical_cpus": os.cpu_count(),
-           "usable_cpus": len(usable_cpus()), "threads": threads}
+           "usable_cpus": len(usable_cpus()), "threads": threads} | cpu_identity()
     vllm_cpus = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or vllm_cpu_binding(threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1",
@@ -169,6 +230,17 @@ def run_peers(args: argparse.Namespace) -> int:
     models["kvforge-gguf"] = str(gguf)  # the file llama.cpp runs, served from its own quantized blocks
     if quantized:
         models["kvforge-4bit"] = quantized
+
+    def model_of(engine: Engine) -> str:
+        """The engine's model; with --shape the twin for those that read safetensors, written on first use."""
+        if shape and reads_safetensors(engine):
+            if "dir" not in twin:
+                from kvforge.app.bench.real_shapes import shape_twin
+
+                twin["dir"] = str(shape_twin(shape, tokenizer_dir=model_dir, log=say))
+                shape_info["twin"] = twin["dir"]
+            return twin["dir"]
+        return models[engine.name]
 
     setup, needs = None, {}  # needs: the modules a peer's server needs besides the peer's own
     if args.http:
@@ -201,11 +273,13 @@ def run_peers(args: argparse.Namespace) -> int:
                 else:
                     run.python = sys.executable
                 say(f"{name}: running ({run.python})")
+                model = model_of(engine)
                 if setup:
+                    setup.models[engine.name] = model
                     run_http_engine(run, setup, Path(tmp))
                 else:
-                    run_engine(run, {**common, "kind": engine.kind, "model": models[engine.name],
-                                     "dtype": engine.dtype}, Path(tmp), args.timeout, env)
+                    run_engine(run, {**common, "kind": engine.kind, "model": model, "dtype": engine.dtype}, Path(tmp),
+                               args.timeout, env)
                 say(f"{name}: {run.status} in {run.seconds:.0f} s" + (f" ({run.why})" if run.why else ""))
 
     every_run = [run for runs in rounds for run in runs]
@@ -224,12 +298,18 @@ def run_peers(args: argparse.Namespace) -> int:
             prompt_info = {"source": "random", "input_tokens": args.input_tokens, "seed": args.seed}
         else:
             prompt_info["source"] = "chat"
-    model = str(gguf) if args.gguf else f"{EMBEDDED_MODEL} (the embedded model)"
-    report = {"command": "kvforge bench peers" + (" --http" if setup else ""), "model": model, "cpu": cpu,
-              "options": options, "prompts": prompt_info,
+    if shape:
+        model = f"random-weight {args.quant.upper()} GGUF of the {shape.body} shape ({gguf})"
+    else:
+        model = str(gguf) if args.gguf else f"{EMBEDDED_MODEL} (the embedded model)"
+    command = "kvforge bench peers" + (" --http" if setup else "") + (f" --shape {shape.name} --quant {args.quant}"
+                                                                       if shape else "")
+    rows = median_rows([measurement_rows(runs, args.output_tokens, lengths) for runs in rounds])
+    report = {"command": command, "model": model, "cpu": cpu, "options": options, "prompts": prompt_info,
               "requests_per_batch": {str(b): n for b, n in requests.items()},
               "engines": [r.summary() | {"round": number} for number, runs in enumerate(rounds, 1) for r in runs],
-              "rows": median_rows([measurement_rows(runs, args.output_tokens, lengths) for runs in rounds])}
+              "rows": rows, "shape": shape_info,
+              "summary": engine_summary(rounds, rows, shape_info["roofline_tok_s"] if shape_info else None)}
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -243,18 +323,29 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                       "each in its own process, same prompts and token counts (--http: their servers under load)")
     peers.add_argument("--engines", default=None,
                        help=f"comma-separated, from {', '.join(e.name for e in ENGINES)} (default: all; "
-                            "kvforge-4bit only with --kvforge-4bit; hf-fp32 not with --http; a peer that is not "
-                            "installed is skipped)")
-    peers.add_argument("--batches", default=None, help="requests submitted at once (default: 1,16,64)")
-    peers.add_argument("--prompts", type=int, default=16,
-                       help="chat prompts per batch: at batch B, ceil(N / B) * B requests (default: 16)")
-    peers.add_argument("--output-tokens", type=int, default=128, help="tokens per request, EOS ignored (default: 128)")
+                            "kvforge-4bit only with --kvforge-4bit; hf-fp32 not with --http; with --shape "
+                            f"{', '.join(SHAPE_ENGINES)}; a peer that is not installed is skipped)")
+    peers.add_argument("--batches", default=None,
+                       help="requests submitted at once (default: 1,16,64; with --shape 1,16)")
+    peers.add_argument("--prompts", type=int, default=None,
+                       help="chat prompts per batch: at batch B, ceil(N / B) * B requests (default: 16; with "
+                            "--shape 4)")
+    peers.add_argument("--output-tokens", type=int, default=None,
+                       help="tokens per request, EOS ignored (default: 128; with --shape 64)")
     peers.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: the usable CPUs)")
     peers.add_argument("--kv-cache-gb", type=float, default=2.0,
                        help="KV cache of kvforge and vLLM (VLLM_CPU_KVCACHE_SPACE) in GiB (default: 2)")
     peers.add_argument("--gguf", default=None, metavar="FILE",
                        help="the GGUF to compare on (default: the embedded model's): llama.cpp and kvforge-gguf run "
                             "the file, the dense engines kvforge's safetensors conversion of it")
+    peers.add_argument("--shape", default=None, metavar="SHAPE",
+                       help="run on random-weight models of a real shape instead: 1.7b (SmolLM2-1.7B), 3b "
+                            "(Llama-3.2-3B), 8b (Llama-3-8B), tiny (a smoke test), each with the embedded 49152-token "
+                            "vocabulary: a GGUF for llama.cpp and kvforge-gguf, a bf16 safetensors twin for the dense "
+                            "engines (written once into the cache dir's bench_shapes/); default engines kvforge-gguf, "
+                            "llama.cpp, vllm-bf16; adds the memory bandwidth, the roofline and memory per engine")
+    peers.add_argument("--quant", default=None, metavar="QUANT",
+                       help="--shape's GGUF quantization: q4_0 (default), q4_k_m, q8_0")
     peers.add_argument("--kvforge-4bit", default=None, metavar="DIR",
                        help="also kvforge on this 4-bit GPTQ / AWQ checkpoint in bf16 (e.g. from `kvforge quantize`)")
     peers.add_argument("--peers-dir", default=None,

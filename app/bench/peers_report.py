@@ -34,6 +34,38 @@ def measurement_rows(runs: list[EngineRun], output_tokens: int, prompt_lens: lis
     return rows
 
 
+def engine_summary(rounds: list[list[EngineRun]], rows: list[dict], roofline_tok_s: float | None) -> list[dict]:
+    """Per engine that ran: its load time and memory (the worker's process tree: resident after load, the peak; the
+    medians over the rounds, the peak their largest), its batch-1 decode rate (1 / TPOT p50 of the batch-1 row;
+    its output tok/s where TPOT is unknown) and that as a fraction of the roofline (--shape), and its output tok/s
+    per batch (the rows': medians over the rounds)."""
+    by_engine: dict[str, list[EngineRun]] = {}
+    for runs in rounds:
+        for run in runs:
+            if run.status != "skipped":
+                by_engine.setdefault(run.engine.name, []).append(run)
+    summary = []
+    for name, runs in by_engine.items():
+        def median(key: str, runs: list[EngineRun] = runs):
+            known = [r.info[key] for r in runs if r.info.get(key) is not None]
+            return percentile(known, 50) if known else None
+
+        peaks = [r.info["peak_rss_bytes"] for r in runs if r.info.get("peak_rss_bytes") is not None]
+        mine = {r["batch"]: r for r in rows if r["engine"] == name}
+        one = mine.get(1)
+        tpot = (one or {}).get("tpot_s") or {}
+        decode = 1 / tpot["p50"] if tpot.get("p50") else (one["output_tok_s"] if one else None)
+        summary.append({
+            "engine": name, "status": "ok" if any(r.status == "ok" for r in runs) else "failed",
+            "load_s": median("load_s"), "rss_after_load_bytes": median("rss_bytes_after_load"),
+            "rss_anon_after_load_bytes": median("rss_anon_bytes_after_load"),
+            "peak_rss_bytes": max(peaks) if peaks else None, "processes": median("processes_end"),
+            "decode_tok_s_batch_1": decode, "decode_from": "1 / TPOT p50" if tpot.get("p50") else "output tok/s",
+            "of_roofline": decode / roofline_tok_s if decode and roofline_tok_s else None,
+            "output_tok_s": {str(b): r["output_tok_s"] for b, r in sorted(mine.items())}})
+    return summary
+
+
 def median_rows(rounds: list[list[dict]]) -> list[dict]:
     """One row per engine and batch from each round's rows: tok/s, TTFT and TPOT the medians over the rounds that
     measured it, each ratio the median of the rounds' own same-run ratios; `rounds_tok_s` and `rounds_<ratio>` keep
@@ -71,10 +103,21 @@ def print_report(report: dict) -> None:
     else:
         print(f"kvforge bench peers: {report['model']}; greedy, {o['output_tokens']} output tokens per request "
               f"(EOS ignored), prefix caching off; each engine in its own process, one after another")
-    print(f"CPU: {cpu['model']} ({cpu['machine']}); ISA: {' '.join(cpu['isa']) or 'no AVX2'}; "
+    family = (f", family {cpu['family']} model {cpu['model_number']} stepping {cpu['stepping']}"
+              if cpu.get("family") is not None else "")
+    print(f"CPU: {cpu['model']} ({cpu['machine']}{family}); ISA: {' '.join(cpu['isa']) or 'no AVX2'}; "
           f"{cpu['usable_cpus']} of {cpu['logical_cpus']} logical CPUs usable; {o['threads']} "
           f"thread{'s' if o['threads'] > 1 else ''} per engine"
           + (f" (vLLM bound to CPU ids {o['vllm_cpus']})" if o.get("vllm_cpus") else ""))
+    shape = report.get("shape")
+    if shape:
+        bw, step = shape["bandwidth"], shape["decode_step"]
+        print(f"shape {shape['shape']}: {shape['description']}; {shape['quant'].upper()} GGUF of "
+              f"{shape['gguf_bytes'] / GIB:.2f} GiB" + (f"; the dense engines its bf16 twin {shape['twin']}"
+                                                         if shape.get("twin") else ""))
+        print(f"streaming-read bandwidth: {bw['bytes_per_s'] / 1e9:.1f} GB/s ({bw['how']}); a decode step reads "
+              f"{step['bytes'] / 1e9:.2f} GB of the GGUF ({step['tensors']} weight tensors, head "
+              f"{step['head']}): roofline {shape['roofline_tok_s']:.1f} tok/s at batch 1")
     if http:
         gen = o["load_generator"]
         print(f"load generator: {gen['description']}" + (f" ({gen['why']})" if gen.get("why") else ""))
@@ -132,6 +175,8 @@ def print_report(report: dict) -> None:
             for r in here:
                 print(f"  {r['engine']:<15} " + " / ".join(f"{v:.1f}" for v in r["rounds_tok_s"]) + "".join(
                     "; " + " / ".join(f"{v:.2f}x" for v in r[f"rounds_{k}"]) for k in ratios if r[f"rounds_{k}"]))
+    if report.get("summary") and not http:
+        print_summary(report["summary"], o["batches"], shape is not None)
     timings = {}
     for r in rows:
         timings.setdefault(r["kind"], r["timing"])
@@ -146,6 +191,33 @@ def print_report(report: dict) -> None:
         print(f"\n{e['engine']} FAILED ({e['why']}); the tail of its stderr:")
         for line in (e["stderr_tail"] or "(empty)").splitlines():
             print(f"  | {line}")
+
+
+GIB = 1 << 30
+
+
+def print_summary(summary: list[dict], batches: list[int], roofline: bool) -> None:
+    others = [b for b in batches if b != 1]
+    header = (f"{'engine':<15} {'load s':>7} {'RSS loaded':>11} {'peak RSS':>9} {'b1 decode':>10}"
+              + (f" {'of roofline':>12}" if roofline else "") + "".join(f" {f'b{b} tok/s':>10}" for b in others))
+    print("\nper engine: load time; resident memory of its processes (GiB) once loaded and at the peak (kvforge's and "
+          "vLLM's with their KV pool, --kv-cache-gb); batch-1 decode tok/s (1 / TPOT p50)"
+          + (" and its fraction of the roofline" if roofline else "")
+          + "; output tok/s per batch")
+    print(header)
+    print("-" * len(header))
+    for e in summary:
+        line = (f"{e['engine']:<15} {fmt(e['load_s'], '.1f', '-'):>7} {_gib(e['rss_after_load_bytes']):>11} "
+                f"{_gib(e['peak_rss_bytes']):>9} {fmt(e['decode_tok_s_batch_1'], '.2f', '-'):>10}")
+        if roofline:
+            share = e["of_roofline"]
+            line += f" {'-' if share is None else f'{100 * share:.0f}%':>12}"
+        line += "".join(f" {fmt(e['output_tok_s'].get(str(b)), '.1f', '-'):>10}" for b in others)
+        print(line)
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
 
 
 def p50_ms(stat: dict | None) -> str:
