@@ -255,15 +255,17 @@ static void dot_tile_avx2(const block_type *t, int tile, int xrows, int cols, co
         } else {
             if (nr == 2) dot_pass(2, 0, cols, c, l, xq, xs, sums); else dot_pass(1, 0, cols, c, l, xq, xs, sums);
         }
-        for (int r = 0; r < nr; r++) {
-            const float *xo = (t->centred ? x->qsum : x->sum) + (size_t)(r0 + r) * subs;
-            for (int o = 0; o < tile; o++) {
-                const float *off = offsets + (size_t)o * subs;
-                float shift = 0.0f;
-                for (int s = 0; s < subs; s++) shift = fmaf(off[s], xo[s], shift);  // the order of row_dot
-                out[(size_t)(r0 + r) * tile + o] = sums[r][o] + shift;
-            }
-        }
+        // the offsets' term, each output's sum in row_dot's order; the outputs' chains interleaved (one alone waits
+        // on its own latency: it took half the time of a 16-row call)
+        const float *xo[2] = {(t->centred ? x->qsum : x->sum) + (size_t)r0 * subs,
+                              (t->centred ? x->qsum : x->sum) + (size_t)(r0 + nr - 1) * subs};
+        float shift[2][TILE] = {{0.0f}};
+        for (int s = 0; s < subs; s++)
+            for (int r = 0; r < 2; r++)
+                for (int o = 0; o < TILE; o++) shift[r][o] = fmaf(offsets[(size_t)(o < tile ? o : 0) * subs + s], xo[r][s],
+                                                                  shift[r][o]);
+        for (int r = 0; r < nr; r++)
+            for (int o = 0; o < tile; o++) out[(size_t)(r0 + r) * tile + o] = sums[r][o] + shift[r][o];
     }
 }
 
