@@ -3,9 +3,9 @@ prints with each entry's format, architecture, quantization, size on disk and th
 
 An entry is the embedded default, a `.gguf` file, or a checkpoint directory (config.json + safetensors) directly
 inside the models directory. Memory is an estimate before loading: for a checkpoint directory the engine's own
-estimator (core/estimate.py); for a GGUF file, its tensors as the gguf plugin will hold them (4-bit types packed
-for torch's int4 kernel, the others dequantized into the dtype, a tied LM head's own copy) plus the KV cache of
-`context` tokens. An entry that cannot be read is listed with the reason.
+estimator (core/estimate.py); for a GGUF file, its tensors as the gguf plugin will hold them (block types at their
+size in the file, read in place, a tied LM head sharing the embedding's blocks; float tensors in the dtype) plus the KV
+cache of `context` tokens. An entry that cannot be read is listed with the reason.
 
 The directory is untrusted input (anything can be dropped or pulled into it): an entry is listed only if it is
 really inside the directory once symlinks are resolved (a link to /etc/passwd is not), is a regular `.gguf` file or

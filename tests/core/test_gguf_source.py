@@ -1,0 +1,75 @@
+"""A GGUF served in place (core/gguf_source.py): indexed once into a small directory with no weights, every block-type
+tensor a view of one memory mapping of the file (projections of mixed types, an untied head, a quantized
+embedding), the model close to the same file dequantized; a tensor type without a kernel named with the way out.
+On llama-shaped files with llama.cpp's metadata and mixes (app/bench/real_shapes.py's tiny shape)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvforge.app.bench.real_shapes import shape_gguf
+from kvforge.core import LLM
+from kvforge.core.gguf_source import INDEX_FILE
+from kvforge.core.loader import resolve_model
+from kvforge.core.perplexity import perplexity
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, embedded_path):  # embedded_path: the tokenizer the shapes borrow
+    root = tmp_path_factory.mktemp("shapes")
+    return {quant: shape_gguf("tiny", quant, root=root) for quant in ("q4_0", "q4_k_m")}
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+def test_served_in_place_from_a_small_index(files, quant):
+    gguf = files[quant]
+    index = resolve_model(str(gguf), native_gguf=True)
+    stamp = (index / INDEX_FILE).stat().st_mtime_ns
+    assert resolve_model(str(gguf), native_gguf=True) == index and (index / INDEX_FILE).stat().st_mtime_ns == stamp
+    assert not list(index.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in index.iterdir()) < gguf.stat().st_size / 4
+
+    llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if getattr(m, "segments", None) is not None]
+    blocks = [b for m in layers for _, b in m.segments.parts]
+    assert len(layers) == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down; the untied head
+    assert {b.untyped_storage().data_ptr() for b in blocks} == {blocks[0].untyped_storage().data_ptr()}
+    assert blocks[0].untyped_storage().nbytes() == gguf.stat().st_size  # the whole file, mapped once
+    types = {qtype for m in layers for qtype, _ in m.segments.parts}
+    assert types == ({2, 14} if quant == "q4_0" else {12, 14})  # Q4_0 + a Q6_K head; Q4_K + Q6_K
+    assert model.model.embed_tokens.table_bytes == 0  # the quantized embedding's rows come from the file
+    assert llm.engine.runtime().weight_bytes < gguf.stat().st_size
+
+    ids = list(np.random.default_rng(0).integers(3, 40000, 200))
+    dense = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20, quant_options={"kernel": "dense"})
+    assert dense.engine.runtime().weight_bytes > 4 * llm.engine.runtime().weight_bytes
+    ours, reference = perplexity(llm.engine, ids), perplexity(dense.engine, ids)
+    assert abs(ours / reference - 1) < 0.01, (ours, reference)
+
+
+def test_a_type_without_a_kernel_is_named(tmp_path, embedded_path):
+    """A projection in IQ4_NL: one error naming the tensor, its type and --gguf-dense, before any weight is read."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    for key, value in (("block_count", 1), ("context_length", 128), ("embedding_length", 64),
+                       ("feed_forward_length", 64), ("head_count", 4), ("head_count_kv", 4)):
+        getattr(writer, f"add_{key}")(value)
+    writer.add_token_list([f"t{i}" for i in range(64)])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", rng.normal(0, 0.02, (64, 64)).astype(np.float32))
+    for name in ("attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        writer.add_tensor(f"blk.0.{name}.weight", rng.normal(0, 0.02, (64, 64)).astype(np.float32))
+    for name in ("attn_norm", "ffn_norm"):
+        writer.add_tensor(f"blk.0.{name}.weight", np.ones(64, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64 // 32 * 18), dtype=np.uint8),
+                      raw_dtype=GGMLQuantizationType.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has type IQ4_NL.*--gguf-dense"):
+        resolve_model(str(tmp_path / "iq.gguf"), native_gguf=True)
