@@ -9,11 +9,11 @@ takes seconds, and no weights are written.
 
 At every load (`tensors`) the file is mapped (a private mapping: pages come from the page cache, shared with any
 other reader of the file, and are never written) and each tensor yielded as a view of the mapping:
-- a projection, the LM head or the embedding in a block type: uint8 [rows, row bytes] with three attributes,
+- a projection, the LM head or the embedding (in a block type, or F32 / F16 / BF16 but for a fused layer mixing
+  float and block types, which is served dense): uint8 [rows, row bytes] with three attributes,
   `gguf_type` (ggml's type number), `gguf_in_features` and `gguf_rows` (None, or the HF row order as indices of the
   file's rows: Llama's Q / K rows are permuted in GGUF files; a layer reorders its outputs instead of its weight);
-- a float tensor (norms, biases, F32 / F16 / BF16 projections) as an array, with the architecture's fix-up
-  (Gemma's norm offset) applied -- small, or served dense anyway;
+- another float tensor (norms, biases) as an array, with the architecture's fix-up (Gemma's norm offset) applied;
 - a quantized tensor that is served dense (a fused layer whose parts mix float and block types) dequantized.
 A tensor in another type fails with its name and type (`--gguf-dense` dequantizes those files as transformers does).
 """
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = "1"  # bump when the index written here changes
 INDEX_FILE = "gguf_index.json"
 FLOAT_DTYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml type number -> torch dtype
+IN_PLACE = ("lm_head.weight", "model.embed_tokens.weight")  # served from the file as the projections are
 
 
 def is_index(path: Path) -> bool:
@@ -85,23 +86,26 @@ def write_index(gguf: Path, out: Path) -> None:
         if name is None:
             continue
         entry: dict = {"hf": name}
-        if tensor.ggml_type in blocks and len(tensor.shape) == 2:
+        if len(tensor.shape) == 2 and (tensor.ggml_type in blocks or tensor.ggml_type in FLOAT_DTYPES):
             rows = processor.process(weights=np.arange(tensor.shape[1], dtype=np.float64)[:, None],
                                      name=tensor.name).weights[:, 0].astype(np.int64)
             if not np.array_equal(rows, np.arange(tensor.shape[1])):
                 entry["rows"] = rows.tolist()
         elif tensor.ggml_type not in FLOAT_DTYPES:
             _unsupported(tensor)
+        if len(tensor.shape) == 2 and (name.endswith("_proj.weight") or name in IN_PLACE):
+            entry["in_place"] = True
         entries[tensor.name] = entry
     hf_types = {e["hf"]: header_type for e, header_type in
                 ((entries[t.name], t.ggml_type) for t in header.tensors if t.name in entries)}
     head = "lm_head.weight" if "lm_head.weight" in hf_types else ("model.embed_tokens.weight" if tied else None)
-    dense = _dense_projections(hf_types, packed, set(blocks))
+    dense = _dense_projections(hf_types, packed, set(blocks), set(FLOAT_DTYPES))
     for entry in entries.values():
         if entry["hf"].removesuffix(".weight") in dense:
             entry["dense"] = True
     config.quantization_config = {"quant_method": "gguf", "layout": "blocks",
-                                  "lm_head": head is not None and hf_types[head] in blocks,
+                                  "lm_head": head is not None and (hf_types[head] in blocks
+                                                                   or hf_types[head] in FLOAT_DTYPES),
                                   "modules_to_not_convert": sorted(dense), "source": gguf.name}
     config.save_pretrained(out)
     save_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), config.model_type, out)
@@ -131,9 +135,9 @@ def _unsupported(tensor) -> None:
                      f"{', '.join(SUPPORTED)}); load the file with --gguf-dense to dequantize it")
 
 
-def _dense_projections(hf_types: dict[str, int], packed: dict, blocks: set[int]) -> set[str]:
-    """Projections served dense: float ones, and every part of a fused layer (q/k/v, gate/up) whose parts are not all
-    in block types (a fused layer is one matmul)."""
+def _dense_projections(hf_types: dict[str, int], packed: dict, blocks: set[int], floats: set[int]) -> set[str]:
+    """Projections served dense: every part of a fused layer (q/k/v, gate/up: one matmul) whose parts mix block and
+    float types, or any type neither kernel reads."""
     groups: dict[str, list[str]] = {}
     for name in hf_types:
         if not name.endswith("_proj.weight"):
@@ -143,7 +147,9 @@ def _dense_projections(hf_types: dict[str, int], packed: dict, blocks: set[int])
         groups.setdefault(f"{parent}.{packed.get(leaf, (leaf, None))[0]}", []).append(module)
     dense: set[str] = set()
     for parts in groups.values():
-        if not all(hf_types[f"{p}.weight"] in blocks for p in parts):
+        kinds = {"block" if t in blocks else "float" if t in floats else "other"
+                 for t in (hf_types[f"{p}.weight"] for p in parts)}
+        if len(kinds) > 1 or "other" in kinds:
             dense.update(parts)
     return dense
 
@@ -180,7 +186,7 @@ def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         start = header.data_offset + tensor.offset
         data = flat[start: start + tensor.n_bytes]
         shape = tuple(reversed(tensor.shape))
-        if tensor.ggml_type in blocks and len(shape) == 2:
+        if len(shape) == 2 and (tensor.ggml_type in blocks or (entry.get("in_place") and not entry.get("dense"))):
             view = data.view(shape[0], -1)
             view.gguf_type, view.gguf_in_features = tensor.ggml_type, shape[1]
             view.gguf_rows = torch.tensor(entry["rows"]) if "rows" in entry else None
@@ -201,9 +207,11 @@ def is_blocks(tensor: torch.Tensor) -> bool:
 
 def dequantized(blocks: torch.Tensor) -> torch.Tensor:
     """A blocks tensor as its fp32 weight in HF row order (bit for bit the `gguf` package's values)."""
-    from kvforge.core.cpu_kernels import gguf_dequant, unavailable
+    from kvforge.core.cpu_kernels import GGUF_FLOATS, gguf_dequant, unavailable
 
-    if unavailable() is None:
+    if blocks.gguf_type in GGUF_FLOATS:
+        weight = blocks.view(GGUF_FLOATS[blocks.gguf_type]).float()
+    elif unavailable() is None:
         weight = gguf_dequant(blocks.gguf_type, blocks, blocks.gguf_in_features)
     else:  # no C compiler: the `gguf` package's numpy dequantizer
         from gguf import GGMLQuantizationType
@@ -220,6 +228,9 @@ def row_reader(blocks: torch.Tensor, first: int = 0, count: int | None = None):
 
     qtype, width = blocks.gguf_type, blocks.gguf_in_features
     rows = blocks.narrow(0, first, blocks.shape[0] - first if count is None else count)
+    if qtype in FLOAT_DTYPES:
+        values = rows.view(FLOAT_DTYPES[qtype])
+        return lambda ids: values[ids.reshape(-1)].float()
     if unavailable() is None:
         return lambda ids: gguf_dequant(qtype, rows, width, ids)
     from gguf import GGMLQuantizationType

@@ -20,7 +20,7 @@ ratios: medians of each round's own ratios, also listed).
 With --http the same engines run as OpenAI-compatible servers under a load generator (peers_http.py), on the
 same files.
 
-With --shape 1.7b|3b|8b [--quant q4_0|q4_k_m|q8_0] the engines run random-weight models of a real model's shape
+With --shape 1.7b|3b|8b [--quant q4_0|q4_k_m|q8_0|f16] the engines run random-weight models of a real model's shape
 (real_shapes.py, cached): llama.cpp and kvforge-gguf a GGUF of that shape and quantization, the dense engines (HF,
 vLLM, kvforge fp32 / bf16) its bf16 safetensors twin (random values of their own: speed and memory only, no
 multi-GB GGUF is converted). The default engines are then kvforge-gguf, llama.cpp and vllm-bf16 (each a peer
@@ -345,7 +345,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                             "engines (written once into the cache dir's bench_shapes/); default engines kvforge-gguf, "
                             "llama.cpp, vllm-bf16; adds the memory bandwidth, the roofline and memory per engine")
     peers.add_argument("--quant", default=None, metavar="QUANT",
-                       help="--shape's GGUF quantization: q4_0 (default), q4_k_m, q8_0")
+                       help="--shape's GGUF quantization: q4_0 (default), q4_k_m, q8_0, f16")
     peers.add_argument("--kvforge-4bit", default=None, metavar="DIR",
                        help="also kvforge on this 4-bit GPTQ / AWQ checkpoint in bf16 (e.g. from `kvforge quantize`)")
     peers.add_argument("--peers-dir", default=None,

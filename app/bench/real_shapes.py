@@ -16,6 +16,7 @@ ones. Tensor by tensor: the largest tensor (8b's token_embd) is held in memory, 
   about half the layers: all of them here, simpler, and a slightly larger file), the output head Q6_K (a tied
   token_embd is the output head: Q6_K; untied, token_embd Q4_K).
 - q8_0: every tensor but the norms Q8_0.
+- f16: every tensor but the norms F16 (the float path: weights read in place, converted as they are read).
 
 The twin (`shape_twin`): config.json (LlamaForCausalLM of the same shape), the embedded model's tokenizer files and
 random bf16 weights (normal, std 0.02, seeded), in safetensors shards of at most SHARD_BYTES with an index, written
@@ -49,7 +50,7 @@ FORMAT_VERSION = "1"  # bump when what a file holds changes: the cache then writ
 VOCAB = 49152  # the embedded tokenizer's vocabulary
 WEIGHT_LIMIT = 0.02  # every weight of the GGUF within +- this
 SHARD_BYTES = 1 << 30  # the twin's safetensors shards: at most this much each (the last tensor may not be split)
-QUANTS = ("q4_0", "q4_k_m", "q8_0")
+QUANTS = ("q4_0", "q4_k_m", "q8_0", "f16")
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ def tensor_types(shape: Shape, quant: str):
             types[name] = T.F32
         elif quant == "q8_0":
             types[name] = T.Q8_0
+        elif quant == "f16":
+            types[name] = T.F16
         elif quant == "q4_0":
             types[name] = {"token_embd": T.Q8_0, "output": T.Q6_K}.get(kind, T.Q4_0)
         else:  # q4_k_m
@@ -148,7 +151,7 @@ def file_type(quant: str):
     from gguf import LlamaFileType
 
     return {"q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
-            "q8_0": LlamaFileType.MOSTLY_Q8_0}[check_quant(quant)]
+            "q8_0": LlamaFileType.MOSTLY_Q8_0, "f16": LlamaFileType.MOSTLY_F16}[check_quant(quant)]
 
 
 def tensor_nbytes(dims: tuple[int, ...], qtype) -> int:
@@ -175,6 +178,8 @@ def random_blocks(qtype, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     def scale(largest: float) -> np.ndarray:  # fp16 scales as two bytes each
         return (rng.uniform(0.5, 1.0, n_blocks) * largest).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
 
+    if qtype == T.F16:  # the weights themselves
+        return rng.uniform(-WEIGHT_LIMIT, WEIGHT_LIMIT, n_blocks).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if qtype == T.Q4_0:  # d (fp16), 16 bytes of 4-bit codes q: w = d * (q - 8)
         blocks[:, 0:2] = scale(WEIGHT_LIMIT / 8)
     elif qtype == T.Q8_0:  # d (fp16), 32 int8 codes: w = d * q

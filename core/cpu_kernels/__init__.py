@@ -39,6 +39,7 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
+    "gguf_float_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _I64, _I64, _PTR, _I64, _I32],
 }
 
 
@@ -243,6 +244,16 @@ def dequant_int8(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
 # ---- GGUF blocks read in place (core/cpu_kernels/gguf_blocks.c) ----
 GGUF_SUPER = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
               14: (256, 210)}  # ggml type number -> (weights per block, bytes per block)
+GGUF_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # the float types, read in place too
+
+
+def gguf_layout(qtype: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type a kernel reads (a float type: one weight a block)."""
+    if qtype in GGUF_FLOATS:
+        return 1, GGUF_FLOATS[qtype].itemsize
+    if qtype not in GGUF_SUPER:
+        raise ValueError(f"GGUF type number {qtype} has no block kernel")
+    return GGUF_SUPER[qtype]
 
 
 class GgufSegments:
@@ -251,16 +262,17 @@ class GgufSegments:
     memory-mapped file's tensor, or a slice of one), as ctypes arrays built once."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> None:
+        if len({qtype in GGUF_FLOATS for qtype, _ in parts}) > 1:
+            raise ValueError("GGUF weights of float and block types cannot share one matmul")
         for qtype, blocks in parts:
-            block, size = GGUF_SUPER.get(qtype, (0, 0))
-            if not block:
-                raise ValueError(f"GGUF type number {qtype} has no block kernel")
+            block, size = gguf_layout(qtype)
             if in_features % block or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
                     blocks.shape[1] != in_features // block * size or blocks.stride(1) != 1:
                 raise ValueError(f"GGUF blocks of type {qtype}: uint8 [rows, {in_features // max(block, 1) * size}] "
                                  f"with unit column stride expected for {in_features} input features, got "
                                  f"{blocks.dtype} {tuple(blocks.shape)}")
         self.parts = parts  # keeps the tensors (and the mapping under them) alive
+        self.floats = parts[0][0] in GGUF_FLOATS
         self.in_features = in_features
         self.out_features = sum(b.shape[0] for _, b in parts)
         n = len(parts)
@@ -279,7 +291,14 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False) 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weights.out_features, dtype=rows.dtype)
-    if rows.shape[0]:
+    if rows.shape[0] and weights.floats:  # fp32 math on x as given, weight rows converted as they are read
+        column = 0
+        for qtype, blocks in weights.parts:
+            _run("gguf_float_linear", rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype],
+                 qtype, blocks.data_ptr(), blocks.stride(0), blocks.shape[0], out[:, column:].data_ptr(),
+                 out.stride(0), torch.get_num_threads())
+            column += blocks.shape[0]
+    elif rows.shape[0]:
         _run("gguf_linear", rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype],
              len(weights.parts), weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
              torch.get_num_threads(), portable)
@@ -289,8 +308,11 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False) 
 def gguf_dequant(qtype: int, blocks: torch.Tensor, in_features: int, ids: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` (all when None) of a GGUF-block weight (uint8 [rows, row bytes], unit column stride) dequantized
-    into `dtype`: in fp32 bit for bit the `gguf` package's values."""
+    into `dtype`: in fp32 bit for bit the `gguf` package's values (a float type's rows: its values converted)."""
     GgufSegments([(qtype, blocks)], in_features)  # checks the layout
+    if qtype in GGUF_FLOATS:
+        values = blocks.view(GGUF_FLOATS[qtype])
+        return (values if ids is None else values[ids.reshape(-1).long()]).to(dtype)
     if ids is not None:
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= blocks.shape[0]):

@@ -625,3 +625,44 @@ void kvf_gguf_dequant(int32_t type, const void *weight, int64_t row_bytes, const
         free(row);
     }
 }
+
+// ---- F32 / F16 / BF16 weights of a GGUF, read in place: fp32 math on x as given (no quantization) ----
+enum { GG_F32 = 0, GG_F16 = 1, GG_BF16 = 30 };
+
+// one weight row in fp32
+static inline void float_row(int type, const uint8_t *w, int cols, float *row) {
+    load_row(w, type == GG_F32 ? F32 : type == GG_F16 ? F16 : BF16, cols, row);
+}
+
+// out[n][o] (row stride out_stride) = x[n] . W[o] for `outs` rows of W (type F32 / F16 / BF16, row stride row_bytes),
+// x [rows][cols] of `dtype` (row stride x_stride): each weight row converted once per call, then one dot product per
+// row of x, summed in 8 lanes in a fixed order (a row's result does not depend on the batch).
+void kvf_gguf_float_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype, int32_t type,
+                           const void *weight, int64_t row_bytes, int64_t outs, void *out, int64_t out_stride,
+                           int32_t threads) {
+    const size_t es = dtype_size(dtype);
+    float *xf = scratch_floats((size_t)rows * cols);
+    for (int n = 0; n < rows; n++) load_row((const char *)x + (size_t)n * x_stride * es, dtype, cols, xf + (size_t)n * cols);
+    if ((int64_t)rows * outs * cols < PARALLEL_MIN * threads)
+        threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = scratch_floats((size_t)cols);
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < outs; o++) {
+            float_row(type, (const uint8_t *)weight + o * row_bytes, cols, w);
+            for (int n = 0; n < rows; n++) {
+                const float *xr = xf + (size_t)n * cols;
+                float lanes[8] = {0};
+                int k = 0;
+                for (; k + 8 <= cols; k += 8)
+                    for (int l = 0; l < 8; l++) lanes[l] = fmaf(w[k + l], xr[k + l], lanes[l]);
+                float acc = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+                for (; k < cols; k++) acc = fmaf(w[k], xr[k], acc);
+                store_row(&acc, dtype, 1, (char *)out + ((size_t)n * out_stride + o) * es);
+            }
+        }
+        free(w);
+    }
+    free(xf);
+}

@@ -53,11 +53,11 @@ def held_bytes_per_weight(qtype: int, dtype: torch.dtype) -> tuple[float, str] |
     """What `auto` holds per weight of a tensor of ggml type `qtype` after loading on CPU, and the path, for estimates
     before loading: a block type's own bytes where the blocks kernel runs (the file's pages, read in place); None:
     dense in the dtype."""
-    from kvforge.core.cpu_kernels import GGUF_SUPER, unavailable
+    from kvforge.core.cpu_kernels import GGUF_FLOATS, GGUF_SUPER, gguf_layout, unavailable
 
-    if qtype not in GGUF_SUPER or unavailable() is not None:
+    if (qtype not in GGUF_SUPER and qtype not in GGUF_FLOATS) or unavailable() is not None:
         return None
-    block, size = GGUF_SUPER[qtype]
+    block, size = gguf_layout(qtype)
     return size / block, "blocks"
 
 
@@ -194,7 +194,7 @@ class GgufMethod(DenseMethod):
     def _load_blocks(layer, param, loaded: torch.Tensor, shard_id=None) -> None:
         """One projection's blocks (core/gguf_source.py's view): this layer's rows of it (its shard, its
         tensor-parallel rank's slice), as a view."""
-        from kvforge.core.cpu_kernels import GGUF_SUPER
+        from kvforge.core.cpu_kernels import gguf_layout
 
         qtype, order = loaded.gguf_type, loaded.gguf_rows
         sizes = getattr(layer, "output_sizes", [layer.out_features])
@@ -208,7 +208,7 @@ class GgufMethod(DenseMethod):
                 start += size
             return
         if getattr(layer, "full_in_features", layer.in_features) != layer.in_features:  # a row-parallel rank's inputs
-            block, size = GGUF_SUPER[qtype]
+            block, size = gguf_layout(qtype)
             first = layer.input_first
             if first % block or layer.in_features % block:
                 raise ValueError(f"gguf: {layer.prefix}: this rank's inputs [{first}, {first + layer.in_features}) do "
@@ -227,11 +227,19 @@ class GgufMethod(DenseMethod):
         layer.gguf_parts[index] = (qtype, rows, order)
 
     def process_after_loading(self, layer) -> None:
+        from kvforge.core.cpu_kernels import GGUF_FLOATS
+
         parts = [layer.gguf_parts[i] for i in range(len(layer.out_features_per_shard))]
         device = layer.qblocks.device  # where the model was built
         del layer.qblocks
         layer.gguf_parts = None
         if self._use_blocks(layer, parts, device):
+            return
+        if any(qtype in GGUF_FLOATS for qtype, _, _ in parts):  # float weights: nothing to decode, served dense
+            weight = torch.cat([rows.view(GGUF_FLOATS[qtype]).float()[order if order is not None else slice(None)]
+                                for qtype, rows, order in parts])
+            layer.weight = torch.nn.Parameter(weight.to(device, layer.params_dtype), requires_grad=False)
+            layer.weight_bytes = layer.weight.numel() * layer.weight.element_size()
             return
         codes, scales, offsets = (t.to(device) for t in decoded_parts(parts, layer.in_features))
         if self._use_triton(layer, codes, scales, offsets) or self._use_int4pack(layer, codes, scales, offsets) or \

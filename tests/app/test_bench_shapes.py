@@ -198,7 +198,7 @@ def test_worker_reads_the_memory_of_its_process_tree():
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "2b"], "--shape '2b': unknown (choose from 1.7b, 3b, 8b, tiny)"),
-    (["--shape", "tiny", "--quant", "q5_k"], "--quant 'q5_k': unknown (choose from q4_0, q4_k_m, q8_0)"),
+    (["--shape", "tiny", "--quant", "q5_k"], "--quant 'q5_k': unknown (choose from q4_0, q4_k_m, q8_0, f16)"),
     (["--quant", "q8_0"], "--quant is for --shape"),
     (["--shape", "tiny", "--gguf", "x.gguf"], "--shape and --gguf: choose one"),
 ])

@@ -1,7 +1,7 @@
 """A GGUF served in place (core/gguf_source.py): indexed once into a small directory with no weights, every block-type
 tensor a view of one memory mapping of the file (projections of mixed types, an untied head, a quantized
 embedding), the model close to the same file dequantized; a tensor type without a kernel named with the way out.
-On llama-shaped files with llama.cpp's metadata and mixes (app/bench/real_shapes.py's tiny shape)."""
+On a llama-shaped file with llama.cpp's metadata and Q4_K_M mix (app/bench/real_shapes.py's tiny shape)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from kvforge.core.perplexity import perplexity
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, embedded_path):  # embedded_path: the tokenizer the shapes borrow
     root = tmp_path_factory.mktemp("shapes")
-    return {quant: shape_gguf("tiny", quant, root=root) for quant in ("q4_0", "q4_k_m")}
+    return {quant: shape_gguf("tiny", quant, root=root) for quant in ("q4_k_m", "f16")}
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
-def test_served_in_place_from_a_small_index(files, quant):
-    gguf = files[quant]
+def test_served_in_place_from_a_small_index(files):
+    """Q4_K_M's mix: Q4_K projections with attn_v / ffn_down in Q6_K (fused q/k/v of two types), a Q6_K head, a Q4_K
+    embedding."""
+    gguf = files["q4_k_m"]
     index = resolve_model(str(gguf), native_gguf=True)
     stamp = (index / INDEX_FILE).stat().st_mtime_ns
     assert resolve_model(str(gguf), native_gguf=True) == index and (index / INDEX_FILE).stat().st_mtime_ns == stamp
@@ -38,7 +39,8 @@ def test_served_in_place_from_a_small_index(files, quant):
     assert {b.untyped_storage().data_ptr() for b in blocks} == {blocks[0].untyped_storage().data_ptr()}
     assert blocks[0].untyped_storage().nbytes() == gguf.stat().st_size  # the whole file, mapped once
     types = {qtype for m in layers for qtype, _ in m.segments.parts}
-    assert types == ({2, 14} if quant == "q4_0" else {12, 14})  # Q4_0 + a Q6_K head; Q4_K + Q6_K
+    assert types == {12, 14}  # Q4_K and Q6_K
+    assert {qtype for qtype, _ in layers[0].segments.parts} == {12, 14}  # q, k in Q4_K and v in Q6_K: one matmul
     assert model.model.embed_tokens.table_bytes == 0  # the quantized embedding's rows come from the file
     assert llm.engine.runtime().weight_bytes < gguf.stat().st_size
 
@@ -47,6 +49,21 @@ def test_served_in_place_from_a_small_index(files, quant):
     assert dense.engine.runtime().weight_bytes > 4 * llm.engine.runtime().weight_bytes
     ours, reference = perplexity(llm.engine, ids), perplexity(dense.engine, ids)
     assert abs(ours / reference - 1) < 0.01, (ours, reference)
+
+
+def test_float_weights_are_served_in_place_too(files):
+    """An F16 file: every projection, the head and the embedding read from the mapping, in fp32 math: the same
+    perplexity as the file's weights copied into dense fp32 layers, to fp32 rounding."""
+    gguf = files["f16"]
+    llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20)
+    layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "segments", None) is not None]
+    assert len(layers) == 2 * 4 + 1 and {q for m in layers for q, _ in m.segments.parts} == {1}
+    assert {b.untyped_storage().nbytes() for m in layers for _, b in m.segments.parts} == {gguf.stat().st_size}
+    assert llm.engine.runner.model.model.embed_tokens.table_bytes == 0
+    ids = list(np.random.default_rng(1).integers(3, 40000, 200))
+    dense = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20, quant_options={"kernel": "dense"})
+    ours, reference = perplexity(llm.engine, ids), perplexity(dense.engine, ids)
+    assert abs(ours / reference - 1) < 1e-4, (ours, reference)
 
 
 def test_a_type_without_a_kernel_is_named(tmp_path, embedded_path):
