@@ -666,3 +666,130 @@ void kvf_gguf_float_linear(const void *x, int64_t x_stride, int32_t rows, int32_
     }
     free(xf);
 }
+
+// ---- fp32 activations (the default): y = x . W, W formed exactly as GGUF dequantizes it, as it is read ----
+// Each 8-weight group is lanes * code + offset in one fma (the product is exact: GGUF's value, bit for bit) and
+// meets x in fp32; a row's sum runs in four accumulators (the g-th group of each 32 weights into accumulator g: one
+// alone would wait on its own latency), added in a fixed order at the end. Error: fp32 rounding only. Both rows of a pass, every batch size and
+// the portable path form the same sums in the same order: a row's result does not depend on the batch.
+enum { EXACT_ROWS = 2 };  // rows of x per pass over a weight row (decoded once per pass, in registers)
+
+static inline float sum4(const float part[4][8]) {
+    float lanes[8];
+    for (int l = 0; l < 8; l++) lanes[l] = (part[0][l] + part[1][l]) + (part[2][l] + part[3][l]);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+static void exact_row_portable(int type, const block_type *t, const uint8_t *row, int cols, const float *xf,
+                               int xrows, float *out) {
+    uint8_t codes[256];
+    float lanes[64], offsets[8], part[EXACT_ROWS][4][8] = {{{0}}};
+    for (int blk = 0; blk < cols / t->super; blk++) {
+        decode_block(type, row + (size_t)blk * t->bytes, codes, lanes, offsets);
+        for (int j = 0; j < t->super / SUB; j++)
+            for (int g = 0; g < 4; g++) {
+                const int k = (blk * t->super / SUB + j) * SUB + g * 8, acc = g;
+                for (int l = 0; l < 8; l++) {
+                    const int i = j * SUB + g * 8 + l;
+                    const float code = t->signed_codes ? (float)(int8_t)codes[i] : (float)codes[i];
+                    const float w = fmaf(code, lanes[j * 8 + (g * 8 + l) / 4], offsets[j]);
+                    for (int r = 0; r < xrows; r++) part[r][acc][l] = fmaf(w, xf[(size_t)r * cols + k + l], part[r][acc][l]);
+                }
+            }
+    }
+    for (int r = 0; r < xrows; r++) out[r] = sum4(part[r]);
+}
+
+#if defined(__AVX2__)
+static inline __attribute__((always_inline)) void exact_row(const int type, const int xrows, const uint8_t *row,
+                                                            int cols, const float *xf, float *out) {
+    block_type t;
+    block_type_of(type, &t);
+    __m256 acc[EXACT_ROWS][4];
+    for (int r = 0; r < xrows; r++)
+        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
+    for (int blk = 0; blk < cols / t.super; blk++) {
+        const uint8_t *b = row + (size_t)blk * t.bytes;
+        for (int j = 0; j < t.super / SUB; j++) {
+            __m256i c;
+            __m256 lanes;
+            float offset;
+            sub_block(type, b, j, &c, &lanes, &offset);
+            const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+            const __m128i quarter[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            const __m256 low_lanes = _mm256_permute2f128_ps(lanes, lanes, 0x00);
+            const __m256 high_lanes = _mm256_permute2f128_ps(lanes, lanes, 0x11);
+            const __m256 off = _mm256_set1_ps(offset);
+            const int k = (blk * (t.super / SUB) + j) * SUB;
+            for (int g = 0; g < 4; g++) {
+                const __m256i q = t.signed_codes ? _mm256_cvtepi8_epi32(quarter[g]) : _mm256_cvtepu8_epi32(quarter[g]);
+                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), g < 2 ? low_lanes : high_lanes, off);
+                for (int r = 0; r < xrows; r++)  // group g of each sub-block into accumulator g (k is a multiple of 32)
+                    acc[r][g] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xf + (size_t)r * cols + k + g * 8), acc[r][g]);
+            }
+        }
+    }
+    for (int r = 0; r < xrows; r++) {
+        float part[4][8];
+        for (int a = 0; a < 4; a++) _mm256_storeu_ps(part[a], acc[r][a]);
+        out[r] = sum4(part);
+    }
+}
+
+#define EXACT_CASES(XROWS) \
+    case GG_Q4_0: exact_row(GG_Q4_0, XROWS, row, cols, xf, out); break; \
+    case GG_Q4_1: exact_row(GG_Q4_1, XROWS, row, cols, xf, out); break; \
+    case GG_Q5_0: exact_row(GG_Q5_0, XROWS, row, cols, xf, out); break; \
+    case GG_Q5_1: exact_row(GG_Q5_1, XROWS, row, cols, xf, out); break; \
+    case GG_Q8_0: exact_row(GG_Q8_0, XROWS, row, cols, xf, out); break; \
+    case GG_Q4_K: exact_row(GG_Q4_K, XROWS, row, cols, xf, out); break; \
+    case GG_Q5_K: exact_row(GG_Q5_K, XROWS, row, cols, xf, out); break; \
+    case GG_Q6_K: exact_row(GG_Q6_K, XROWS, row, cols, xf, out); break;
+
+static void exact_row_any(int type, int xrows, const uint8_t *row, int cols, const float *xf, float *out) {
+    if (xrows == 2) {
+        switch (type) { EXACT_CASES(2) }
+    } else {
+        switch (type) { EXACT_CASES(1) }
+    }
+}
+#endif
+
+// kvf_gguf_linear's contract with fp32 activations (x as given, not quantized); see above.
+void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype,
+                           int32_t segments, const int32_t *types, const void *const *weights, const int64_t *row_bytes,
+                           const int64_t *outs, void *out, int32_t threads, int32_t portable) {
+    const size_t es = dtype_size(dtype);
+    int64_t total = 0;
+    for (int s = 0; s < segments; s++) total += outs[s];
+    if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
+        threads = 1;
+    float *xf = scratch_floats((size_t)rows * cols), *sums = scratch_floats((size_t)rows * total);
+    for (int n = 0; n < rows; n++) load_row((const char *)x + (size_t)n * x_stride * es, dtype, cols, xf + (size_t)n * cols);
+    const int64_t units = (total + UNIT - 1) / UNIT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        for (int64_t column = u * UNIT; column < (u + 1) * UNIT && column < total; column++) {
+            int s = 0;
+            int64_t o = column;
+            while (o >= outs[s]) { o -= outs[s]; s++; }
+            block_type t;
+            block_type_of(types[s], &t);
+            const uint8_t *row = (const uint8_t *)weights[s] + o * row_bytes[s];
+            for (int r0 = 0; r0 < rows; r0 += EXACT_ROWS) {
+                const int xrows = rows - r0 < EXACT_ROWS ? rows - r0 : EXACT_ROWS;
+                float part[EXACT_ROWS];
+#if defined(__AVX2__)
+                if (!portable)
+                    exact_row_any(types[s], xrows, row, cols, xf + (size_t)r0 * cols, part);
+                else
+#endif
+                    exact_row_portable(types[s], &t, row, cols, xf + (size_t)r0 * cols, xrows, part);
+                for (int r = 0; r < xrows; r++) sums[(size_t)(r0 + r) * total + column] = part[r];
+            }
+        }
+    }
+    for (int n = 0; n < rows; n++) store_row(sums + (size_t)n * total, dtype, (int)total, (char *)out + (size_t)n * total * es);
+    free(xf);
+    free(sums);
+}

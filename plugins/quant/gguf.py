@@ -163,6 +163,10 @@ class GgufMethod(DenseMethod):
                    "from the memory-mapped file by C kernels on CPU in any dtype; torch's int4 kernel or an int8-code "
                    "kernel in bf16, Triton on CUDA, or dequantized once.")
     settings = {
+        "activations": {"type": "string", "enum": ["fp32", "int8"], "default": "fp32",
+                        "description": "the blocks kernel's activations: fp32 (x as given meets the exactly "
+                                       "dequantized weight) or int8 (x quantized per 32 values, integer dot products, "
+                                       "as ggml)"},
         "kernel": {"type": "string", "enum": list(KERNELS), "default": "auto",
                    "description": "blocks (CPU: the file's blocks read in place), int4pack (CPU, 4-bit types, bf16), "
                                   "int8 (CPU, bf16), triton (CUDA), dense (dequantized once) or auto"},
@@ -361,7 +365,7 @@ class GgufMethod(DenseMethod):
         if layer.segments is not None:
             from kvforge.core.cpu_kernels import gguf_linear
 
-            out = gguf_linear(x, layer.segments)
+            out = gguf_linear(x, layer.segments, exact=self.options["activations"] == "fp32")
             if layer.output_order is not None:
                 out = out[..., layer.output_order]
             return out if bias is None else out + bias.to(out.dtype)

@@ -1,7 +1,7 @@
 """The GGUF-block C kernels (core/cpu_kernels/gguf_blocks.c), on every block type, SIMD and portable: rows
-dequantized bit for bit as the `gguf` package dequantizes them, and the matmul within its stated bound of x @ W
-(fp64 reference): the rounding of x to int8 per 32 values, half a step per value times the weight's scaled code,
-plus fp32 rounding."""
+dequantized bit for bit as the `gguf` package dequantizes them; the matmul with fp32 activations (the default)
+x @ W to fp32 rounding; with int8 activations within its stated bound of x @ W (fp64 reference): the rounding of x
+to int8 per 32 values, half a step per value times the weight's scaled code, plus fp32 rounding."""
 
 from __future__ import annotations
 
@@ -52,6 +52,23 @@ def test_rows_dequantize_bit_for_bit(qtype):
         gguf_dequant(int(qtype), blocks, 512, torch.tensor([21]))
 
 
+@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
+def test_exact_matmul_is_x_times_the_dequantized_weight(qtype):
+    """fp32 activations (the default): x meets W formed exactly as GGUF dequantizes it: fp32 rounding from the fp64
+    product; the SIMD and portable paths and every batch size give the same bits."""
+    torch.manual_seed(0)
+    raw = random_blocks(qtype, 37, 512, seed=1)
+    weights = GgufSegments([(int(qtype), torch.from_numpy(raw))], 512)
+    reference = torch.from_numpy(dequantize(raw, qtype)).double()
+    x = torch.randn(5, 512) * torch.rand(5, 512) ** 4
+    got = gguf_linear(x, weights)
+    expected = x.double() @ reference.T
+    assert ((got.double() - expected).abs() <= 1e-6 * (x.double().abs() @ reference.abs().T) + 1e-30).all()
+    assert torch.equal(gguf_linear(x, weights, portable=True), got)
+    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights) for i in range(5)]), got)
+    assert torch.equal(gguf_linear(x[:2], weights), got[:2])
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
 def test_matmul_within_the_bound(qtype, portable):
@@ -61,7 +78,7 @@ def test_matmul_within_the_bound(qtype, portable):
     reference = torch.from_numpy(dequantize(raw, qtype)).double()
     for rows in (1, 2, 5):  # one row, a whole pass of two, and a remainder
         x = torch.randn(rows, 512) * torch.rand(rows, 512) ** 4  # uneven magnitudes within a block
-        got = gguf_linear(x, weights, portable=portable)
+        got = gguf_linear(x, weights, portable=portable, exact=False)
         error = (got.double() - x.double() @ reference.T).abs()
         ratio = (error / error_bound(x, raw, qtype)).max().item()
         assert ratio <= 1, (rows, ratio)
@@ -73,10 +90,10 @@ def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype):
     raw = torch.from_numpy(random_blocks(qtype, 64, 1024, seed=2))
     weights = GgufSegments([(int(qtype), raw)], 1024)
     x = torch.randn(7, 1024)
-    batch = gguf_linear(x, weights)
-    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights) for i in range(7)]), batch)
+    batch = gguf_linear(x, weights, exact=False)
+    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights, exact=False) for i in range(7)]), batch)
     # the same integer sums, fp32 sums in another order
-    assert (gguf_linear(x, weights, portable=True) - batch).abs().max() <= 1e-5 * batch.abs().max()
+    assert (gguf_linear(x, weights, portable=True, exact=False) - batch).abs().max() <= 1e-5 * batch.abs().max()
 
 
 def test_fused_segments_of_mixed_types_and_strided_rows():
@@ -87,9 +104,10 @@ def test_fused_segments_of_mixed_types_and_strided_rows():
     weights = GgufSegments([(int(t), torch.from_numpy(r)) for t, r in parts], 512)
     wide = torch.randn(3, 700).to(torch.bfloat16)
     x = wide[:, 100:612]
-    got = gguf_linear(x, weights)
+    got = gguf_linear(x, weights, exact=False)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 48)
-    separate = torch.cat([gguf_linear(x, GgufSegments([(int(t), torch.from_numpy(r))], 512)) for t, r in parts], 1)
+    separate = torch.cat([gguf_linear(x, GgufSegments([(int(t), torch.from_numpy(r))], 512), exact=False)
+                          for t, r in parts], 1)
     assert torch.equal(got, separate)
     reference = torch.cat([torch.from_numpy(dequantize(r, t)) for t, r in parts]).double()
     bound = torch.cat([error_bound(x.float(), r, t) for t, r in parts], 1)
