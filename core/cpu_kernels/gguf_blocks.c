@@ -667,90 +667,215 @@ void kvf_gguf_float_linear(const void *x, int64_t x_stride, int32_t rows, int32_
     free(xf);
 }
 
-// ---- fp32 activations (the default): y = x . W, W formed exactly as GGUF dequantizes it, as it is read ----
-// Each 8-weight group is lanes * code + offset in one fma (the product is exact: GGUF's value, bit for bit) and
-// meets x in fp32; a row's sum runs in four accumulators (the g-th group of each 32 weights into accumulator g: one
-// alone would wait on its own latency), added in a fixed order at the end. Error: fp32 rounding only. Both rows of a pass, every batch size and
-// the portable path form the same sums in the same order: a row's result does not depend on the batch.
-enum { EXACT_ROWS = 2 };  // rows of x per pass over a weight row (decoded once per pass, in registers)
+// ---- fp32 activations (the default): y = x . W, W formed exactly as GGUF dequantizes it ----
+// Each 8-weight group is lanes * code + offset in one fma (the product is exact: GGUF's value, bit for bit) and meets
+// x in fp32, accumulated into 8 lanes in k order, the lanes added in a fixed order: fp32 rounding only. A few rows of
+// x: four weight rows at a time decoded in registers as they are used (four independent accumulators). Many rows: a
+// panel of PANEL weight rows decoded once per chunk of x rows into an fp32 buffer, then a 2 x 4 register tile of
+// (x row, weight row) sums. Every path -- and the portable one -- forms each sum the same way: a row's result does
+// not depend on the batch.
+enum { PANEL = 4 };         // weight rows decoded together (fp32: 16 KiB per 1024 input features)
+enum { MANY_ROWS = 4 };     // from this many rows of x, the panel path
+enum { X_CHUNK = 64 };      // rows of x per pass over the panels (kept in cache while the panels stream)
 
-static inline float sum4(const float part[4][8]) {
-    float lanes[8];
-    for (int l = 0; l < 8; l++) lanes[l] = (part[0][l] + part[1][l]) + (part[2][l] + part[3][l]);
+static inline float hsum8_fixed(const float lanes[8]) {
     return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
-static void exact_row_portable(int type, const block_type *t, const uint8_t *row, int cols, const float *xf,
-                               int xrows, float *out) {
+// one weight row in fp32, exactly (portable)
+static void exact_weights_portable(int type, const block_type *t, const uint8_t *row, int cols, float *w) {
     uint8_t codes[256];
-    float lanes[64], offsets[8], part[EXACT_ROWS][4][8] = {{{0}}};
+    float lanes[64], offsets[8];
     for (int blk = 0; blk < cols / t->super; blk++) {
         decode_block(type, row + (size_t)blk * t->bytes, codes, lanes, offsets);
-        for (int j = 0; j < t->super / SUB; j++)
-            for (int g = 0; g < 4; g++) {
-                const int k = (blk * t->super / SUB + j) * SUB + g * 8, acc = g;
-                for (int l = 0; l < 8; l++) {
-                    const int i = j * SUB + g * 8 + l;
-                    const float code = t->signed_codes ? (float)(int8_t)codes[i] : (float)codes[i];
-                    const float w = fmaf(code, lanes[j * 8 + (g * 8 + l) / 4], offsets[j]);
-                    for (int r = 0; r < xrows; r++) part[r][acc][l] = fmaf(w, xf[(size_t)r * cols + k + l], part[r][acc][l]);
-                }
-            }
+        for (int i = 0; i < t->super; i++) {
+            const float code = t->signed_codes ? (float)(int8_t)codes[i] : (float)codes[i];
+            w[blk * t->super + i] = fmaf(code, lanes[(i / SUB) * 8 + (i % SUB) / 4], offsets[i / SUB]);
+        }
     }
-    for (int r = 0; r < xrows; r++) out[r] = sum4(part[r]);
+}
+
+// x . w in the fixed order (8 lanes over k, then hsum8_fixed)
+static float exact_dot_portable(const float *w, const float *x, int cols) {
+    float lanes[8] = {0};
+    for (int k = 0; k < cols; k += 8)
+        for (int l = 0; l < 8; l++) lanes[l] = fmaf(w[k + l], x[k + l], lanes[l]);
+    return hsum8_fixed(lanes);
 }
 
 #if defined(__AVX2__)
-static inline __attribute__((always_inline)) void exact_row(const int type, const int xrows, const uint8_t *row,
-                                                            int cols, const float *xf, float *out) {
-    block_type t;
-    block_type_of(type, &t);
-    __m256 acc[EXACT_ROWS][4];
-    for (int r = 0; r < xrows; r++)
-        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
-    for (int blk = 0; blk < cols / t.super; blk++) {
-        const uint8_t *b = row + (size_t)blk * t.bytes;
-        for (int j = 0; j < t.super / SUB; j++) {
-            __m256i c;
-            __m256 lanes;
-            float offset;
-            sub_block(type, b, j, &c, &lanes, &offset);
-            const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
-            const __m128i quarter[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            const __m256 low_lanes = _mm256_permute2f128_ps(lanes, lanes, 0x00);
-            const __m256 high_lanes = _mm256_permute2f128_ps(lanes, lanes, 0x11);
-            const __m256 off = _mm256_set1_ps(offset);
-            const int k = (blk * (t.super / SUB) + j) * SUB;
-            for (int g = 0; g < 4; g++) {
-                const __m256i q = t.signed_codes ? _mm256_cvtepi8_epi32(quarter[g]) : _mm256_cvtepu8_epi32(quarter[g]);
-                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), g < 2 ? low_lanes : high_lanes, off);
-                for (int r = 0; r < xrows; r++)  // group g of each sub-block into accumulator g (k is a multiple of 32)
-                    acc[r][g] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xf + (size_t)r * cols + k + g * 8), acc[r][g]);
-            }
-        }
-    }
-    for (int r = 0; r < xrows; r++) {
-        float part[4][8];
-        for (int a = 0; a < 4; a++) _mm256_storeu_ps(part[a], acc[r][a]);
-        out[r] = sum4(part);
-    }
+static inline float hsum8_vec(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return hsum8_fixed(lanes);
 }
 
-#define EXACT_CASES(XROWS) \
-    case GG_Q4_0: exact_row(GG_Q4_0, XROWS, row, cols, xf, out); break; \
-    case GG_Q4_1: exact_row(GG_Q4_1, XROWS, row, cols, xf, out); break; \
-    case GG_Q5_0: exact_row(GG_Q5_0, XROWS, row, cols, xf, out); break; \
-    case GG_Q5_1: exact_row(GG_Q5_1, XROWS, row, cols, xf, out); break; \
-    case GG_Q8_0: exact_row(GG_Q8_0, XROWS, row, cols, xf, out); break; \
-    case GG_Q4_K: exact_row(GG_Q4_K, XROWS, row, cols, xf, out); break; \
-    case GG_Q5_K: exact_row(GG_Q5_K, XROWS, row, cols, xf, out); break; \
-    case GG_Q6_K: exact_row(GG_Q6_K, XROWS, row, cols, xf, out); break;
+// 8 codes as fp32 from 8 bytes at p: (byte >> shift) & mask, unsigned, or the signed bytes themselves (mask 0)
+static inline __m256 codes8(const uint8_t *p, int shift, int mask) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    if (!mask)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256i wide = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes), shift);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(mask)));
+}
 
-static void exact_row_any(int type, int xrows, const uint8_t *row, int cols, const float *xf, float *out) {
-    if (xrows == 2) {
-        switch (type) { EXACT_CASES(2) }
-    } else {
-        switch (type) { EXACT_CASES(1) }
+// bits [bit, bit + 8) of the 32-bit word at p, each as 0 / 16 (the fifth bit of 8 Q5 codes)
+static inline __m256i fifth8(const uint8_t *p, int bit) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_srlv_epi32(_mm256_set1_epi32((int)(bits >> bit)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_slli_epi32(_mm256_and_si256(spread, _mm256_set1_epi32(1)), 4);
+}
+
+// sub-block j of block b as four vectors of 8 exact weights (decode_block's codes, scales and offset)
+static inline __attribute__((always_inline)) void sub_weights(const int type, const uint8_t *b, int j, __m256 w[4]) {
+    __m256 q[4];
+    float low, high, offset;
+    switch (type) {
+    case GG_Q4_0: case GG_Q4_1: {
+        const uint8_t *qs = b + (type == GG_Q4_0 ? 2 : 4);
+        q[0] = codes8(qs, 0, 15); q[1] = codes8(qs + 8, 0, 15); q[2] = codes8(qs, 4, 15); q[3] = codes8(qs + 8, 4, 15);
+        low = high = half_at(b);
+        offset = type == GG_Q4_0 ? -8.0f * low : half_at(b + 2);
+        break;
+    }
+    case GG_Q5_0: case GG_Q5_1: {
+        const int header = type == GG_Q5_0 ? 2 : 4;
+        const uint8_t *qs = b + header + 4, *qh = b + header;
+        for (int g = 0; g < 4; g++) {
+            const __m256i nib = _mm256_and_si256(
+                _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + (g % 2) * 8))), (g / 2) * 4),
+                _mm256_set1_epi32(15));
+            q[g] = _mm256_cvtepi32_ps(_mm256_or_si256(nib, fifth8(qh, g * 8)));
+        }
+        low = high = half_at(b);
+        offset = type == GG_Q5_0 ? -16.0f * low : half_at(b + 2);
+        break;
+    }
+    case GG_Q8_0:
+        for (int g = 0; g < 4; g++) q[g] = codes8(b + 2 + g * 8, 0, 0);
+        low = high = half_at(b);
+        offset = 0.0f;
+        break;
+    case GG_Q4_K: case GG_Q5_K: {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48) + (j / 2) * 32;
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_and_si256(
+                _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + g * 8))), (j & 1) * 4),
+                _mm256_set1_epi32(15));
+            if (type == GG_Q5_K) {  // bit j of qh byte i: the fifth bit of weight i
+                const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + g * 8)));
+                v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, j), _mm256_set1_epi32(1)), 4));
+            }
+            q[g] = _mm256_cvtepi32_ps(v);
+        }
+        low = high = half_at(b) * (float)sc;
+        offset = -(half_at(b + 2) * (float)mn);
+        break;
+    }
+    default: {  // GG_Q6_K
+        const int h = j / 4, g4 = j % 4;
+        const uint8_t *ql = b + h * 64 + (g4 % 2) * 32, *qh = b + 128 + h * 32;
+        for (int g = 0; g < 4; g++) {
+            const __m256i low_bits = _mm256_and_si256(
+                _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + g * 8))), (g4 / 2) * 4),
+                _mm256_set1_epi32(15));
+            const __m256i high_bits = _mm256_and_si256(
+                _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + g * 8))), 2 * g4),
+                _mm256_set1_epi32(3));
+            q[g] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(low_bits, _mm256_slli_epi32(high_bits, 4)),
+                                                       _mm256_set1_epi32(32)));
+        }
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        low = d * (float)sc[h * 8 + g4 * 2];
+        high = d * (float)sc[h * 8 + g4 * 2 + 1];
+        offset = 0.0f;
+        break;
+    }
+    }
+    const __m256 off = _mm256_set1_ps(offset), lo = _mm256_set1_ps(low), hi = _mm256_set1_ps(high);
+    w[0] = _mm256_fmadd_ps(q[0], lo, off);
+    w[1] = _mm256_fmadd_ps(q[1], lo, off);
+    w[2] = _mm256_fmadd_ps(q[2], hi, off);
+    w[3] = _mm256_fmadd_ps(q[3], hi, off);
+}
+
+// out[o] = x . W[o] for `count` (1..4) weight rows from `row` (stride row_bytes), one row of x
+static inline __attribute__((always_inline)) void exact_rows(const int type, const uint8_t *row, int64_t row_bytes,
+                                                             int count, int cols, const float *x, float *out) {
+    block_type t;
+    block_type_of(type, &t);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int blk = 0; blk < cols / t.super; blk++)
+        for (int j = 0; j < t.super / SUB; j++) {
+            const int k = (blk * (t.super / SUB) + j) * SUB;
+            const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8), x2 = _mm256_loadu_ps(x + k + 16),
+                         x3 = _mm256_loadu_ps(x + k + 24);
+            for (int o = 0; o < 4; o++) {
+                if (o >= count) break;
+                __m256 w[4];
+                sub_weights(type, row + o * row_bytes + (size_t)blk * t.bytes, j, w);
+                acc[o] = _mm256_fmadd_ps(w[0], x0, acc[o]);
+                acc[o] = _mm256_fmadd_ps(w[1], x1, acc[o]);
+                acc[o] = _mm256_fmadd_ps(w[2], x2, acc[o]);
+                acc[o] = _mm256_fmadd_ps(w[3], x3, acc[o]);
+            }
+        }
+    for (int o = 0; o < count; o++) out[o] = hsum8_vec(acc[o]);
+}
+
+// one weight row in fp32, exactly (the panel path's buffer)
+static inline __attribute__((always_inline)) void exact_weights(const int type, const uint8_t *row, int cols, float *w) {
+    block_type t;
+    block_type_of(type, &t);
+    for (int blk = 0; blk < cols / t.super; blk++)
+        for (int j = 0; j < t.super / SUB; j++) {
+            __m256 v[4];
+            sub_weights(type, row + (size_t)blk * t.bytes, j, v);
+            float *dst = w + (blk * (t.super / SUB) + j) * SUB;
+            for (int g = 0; g < 4; g++) _mm256_storeu_ps(dst + g * 8, v[g]);
+        }
+}
+
+#define EXACT_CASES(CALL) \
+    case GG_Q4_0: CALL(GG_Q4_0); break; case GG_Q4_1: CALL(GG_Q4_1); break; case GG_Q5_0: CALL(GG_Q5_0); break; \
+    case GG_Q5_1: CALL(GG_Q5_1); break; case GG_Q8_0: CALL(GG_Q8_0); break; case GG_Q4_K: CALL(GG_Q4_K); break; \
+    case GG_Q5_K: CALL(GG_Q5_K); break; case GG_Q6_K: CALL(GG_Q6_K); break;
+
+static void exact_rows_any(int type, const uint8_t *row, int64_t row_bytes, int count, int cols, const float *x,
+                           float *out) {
+#define CALL(T) exact_rows(T, row, row_bytes, count, cols, x, out)
+    switch (type) { EXACT_CASES(CALL) }
+#undef CALL
+}
+
+static void exact_weights_any(int type, const uint8_t *row, int cols, float *w) {
+#define CALL(T) exact_weights(T, row, cols, w)
+    switch (type) { EXACT_CASES(CALL) }
+#undef CALL
+}
+
+// sums[r][o] (row stride `stride`) = x[r] . w[o] for rows of x [0, xrows) and `count` (<= PANEL) panel rows
+static void panel_dot(const float *w, int count, const float *x, int xrows, int cols, float *sums, int64_t stride) {
+    for (int r0 = 0; r0 < xrows; r0 += 2) {
+        const int nr = xrows - r0 < 2 ? 1 : 2;
+        const float *xa = x + (size_t)r0 * cols, *xb = x + (size_t)(r0 + nr - 1) * cols;
+        __m256 acc[2][PANEL];
+        for (int r = 0; r < 2; r++)
+            for (int o = 0; o < PANEL; o++) acc[r][o] = _mm256_setzero_ps();
+        for (int k = 0; k < cols; k += 8) {
+            const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
+            for (int o = 0; o < PANEL; o++) {
+                const __m256 wv = _mm256_loadu_ps(w + (size_t)(o < count ? o : 0) * cols + k);
+                acc[0][o] = _mm256_fmadd_ps(wv, va, acc[0][o]);
+                acc[1][o] = _mm256_fmadd_ps(wv, vb, acc[1][o]);
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int o = 0; o < count; o++) sums[(size_t)(r0 + r) * stride + o] = hsum8_vec(acc[r][o]);
     }
 }
 #endif
@@ -760,33 +885,51 @@ void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_
                            int32_t segments, const int32_t *types, const void *const *weights, const int64_t *row_bytes,
                            const int64_t *outs, void *out, int32_t threads, int32_t portable) {
     const size_t es = dtype_size(dtype);
-    int64_t total = 0;
-    for (int s = 0; s < segments; s++) total += outs[s];
+    int64_t total = 0, panels = 0;
+    for (int s = 0; s < segments; s++) { total += outs[s]; panels += (outs[s] + PANEL - 1) / PANEL; }
     if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
         threads = 1;
     float *xf = scratch_floats((size_t)rows * cols), *sums = scratch_floats((size_t)rows * total);
     for (int n = 0; n < rows; n++) load_row((const char *)x + (size_t)n * x_stride * es, dtype, cols, xf + (size_t)n * cols);
-    const int64_t units = (total + UNIT - 1) / UNIT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        for (int64_t column = u * UNIT; column < (u + 1) * UNIT && column < total; column++) {
-            int s = 0;
-            int64_t o = column;
-            while (o >= outs[s]) { o -= outs[s]; s++; }
-            block_type t;
-            block_type_of(types[s], &t);
-            const uint8_t *row = (const uint8_t *)weights[s] + o * row_bytes[s];
-            for (int r0 = 0; r0 < rows; r0 += EXACT_ROWS) {
-                const int xrows = rows - r0 < EXACT_ROWS ? rows - r0 : EXACT_ROWS;
-                float part[EXACT_ROWS];
+    const int many = rows >= MANY_ROWS;
+    for (int r0 = 0; r0 < rows; r0 += many ? X_CHUNK : rows) {
+        const int xrows = many ? (rows - r0 < X_CHUNK ? rows - r0 : X_CHUNK) : rows;
+#pragma omp parallel num_threads(threads)
+        {
+            float *w = scratch_floats((size_t)PANEL * cols);
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                int s = 0;
+                int64_t first = p, column = 0;
+                while (first >= (outs[s] + PANEL - 1) / PANEL) { first -= (outs[s] + PANEL - 1) / PANEL; column += outs[s]; s++; }
+                first *= PANEL;
+                const int count = outs[s] - first < PANEL ? (int)(outs[s] - first) : PANEL;
+                const uint8_t *row = (const uint8_t *)weights[s] + first * row_bytes[s];
+                block_type t;
+                block_type_of(types[s], &t);
+                float *dst = sums + (size_t)r0 * total + column + first;
 #if defined(__AVX2__)
-                if (!portable)
-                    exact_row_any(types[s], xrows, row, cols, xf + (size_t)r0 * cols, part);
-                else
+                if (!portable && many) {
+                    for (int o = 0; o < count; o++) exact_weights_any(types[s], row + o * row_bytes[s], cols, w + (size_t)o * cols);
+                    panel_dot(w, count, xf + (size_t)r0 * cols, xrows, cols, dst, total);
+                    continue;
+                }
+                if (!portable) {
+                    for (int r = 0; r < xrows; r++) {
+                        float part[PANEL];
+                        exact_rows_any(types[s], row, row_bytes[s], count, cols, xf + (size_t)(r0 + r) * cols, part);
+                        for (int o = 0; o < count; o++) dst[(size_t)r * total + o] = part[o];
+                    }
+                    continue;
+                }
 #endif
-                    exact_row_portable(types[s], &t, row, cols, xf + (size_t)r0 * cols, xrows, part);
-                for (int r = 0; r < xrows; r++) sums[(size_t)(r0 + r) * total + column] = part[r];
+                for (int o = 0; o < count; o++) {
+                    exact_weights_portable(types[s], &t, row + o * row_bytes[s], cols, w);
+                    for (int r = 0; r < xrows; r++)
+                        dst[(size_t)r * total + o] = exact_dot_portable(w, xf + (size_t)(r0 + r) * cols, cols);
+                }
             }
+            free(w);
         }
     }
     for (int n = 0; n < rows; n++) store_row(sums + (size_t)n * total, dtype, (int)total, (char *)out + (size_t)n * total * es);
