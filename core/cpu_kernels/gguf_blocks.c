@@ -670,11 +670,11 @@ void kvf_gguf_float_linear(const void *x, int64_t x_stride, int32_t rows, int32_
 // ---- fp32 activations (the default): y = x . W, W formed exactly as GGUF dequantizes it ----
 // Each 8-weight group is lanes * code + offset in one fma (the product is exact: GGUF's value, bit for bit) and meets
 // x in fp32, accumulated into 8 lanes in k order, the lanes added in a fixed order: fp32 rounding only. A few rows of
-// x: four weight rows at a time decoded in registers as they are used (four independent accumulators). Many rows: a
+// x: PANEL weight rows at a time decoded in registers as they are used (independent accumulators). Many rows: a
 // panel of PANEL weight rows decoded once per chunk of x rows into an fp32 buffer, then a 2 x 4 register tile of
 // (x row, weight row) sums. Every path -- and the portable one -- forms each sum the same way: a row's result does
 // not depend on the batch.
-enum { PANEL = 4 };         // weight rows decoded together (fp32: 16 KiB per 1024 input features)
+enum { PANEL = 8 };         // weight rows decoded together (fp32: 32 KiB per 1024 input features)
 enum { MANY_ROWS = 4 };     // from this many rows of x, the panel path
 enum { X_CHUNK = 64 };      // rows of x per pass over the panels (kept in cache while the panels stream)
 
@@ -775,24 +775,20 @@ static inline __attribute__((always_inline)) void sub_weights(const int type, co
         offset = -(half_at(b + 2) * (float)mn);
         break;
     }
-    default: {  // GG_Q6_K
+    default: {  // GG_Q6_K: its 32 codes built byte-wide (as sub_block does), then widened
         const int h = j / 4, g4 = j % 4;
-        const uint8_t *ql = b + h * 64 + (g4 % 2) * 32, *qh = b + 128 + h * 32;
-        for (int g = 0; g < 4; g++) {
-            const __m256i low_bits = _mm256_and_si256(
-                _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + g * 8))), (g4 / 2) * 4),
-                _mm256_set1_epi32(15));
-            const __m256i high_bits = _mm256_and_si256(
-                _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + g * 8))), 2 * g4),
-                _mm256_set1_epi32(3));
-            q[g] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(low_bits, _mm256_slli_epi32(high_bits, 4)),
-                                                       _mm256_set1_epi32(32)));
-        }
+        __m256i c;
+        __m256 unused;
+        sub_block(GG_Q6_K, b, j, &c, &unused, &offset);
+        const __m128i lo8 = _mm256_castsi256_si128(c), hi8 = _mm256_extracti128_si256(c, 1);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo8));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo8, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi8));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi8, 8)));
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
         low = d * (float)sc[h * 8 + g4 * 2];
         high = d * (float)sc[h * 8 + g4 * 2 + 1];
-        offset = 0.0f;
         break;
     }
     }
@@ -803,18 +799,19 @@ static inline __attribute__((always_inline)) void sub_weights(const int type, co
     w[3] = _mm256_fmadd_ps(q[3], hi, off);
 }
 
-// out[o] = x . W[o] for `count` (1..4) weight rows from `row` (stride row_bytes), one row of x
+// out[o] = x . W[o] for `count` (1..PANEL) weight rows from `row` (stride row_bytes), one row of x
 static inline __attribute__((always_inline)) void exact_rows(const int type, const uint8_t *row, int64_t row_bytes,
                                                              int count, int cols, const float *x, float *out) {
     block_type t;
     block_type_of(type, &t);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[PANEL];
+    for (int o = 0; o < PANEL; o++) acc[o] = _mm256_setzero_ps();
     for (int blk = 0; blk < cols / t.super; blk++)
         for (int j = 0; j < t.super / SUB; j++) {
             const int k = (blk * (t.super / SUB) + j) * SUB;
             const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8), x2 = _mm256_loadu_ps(x + k + 16),
                          x3 = _mm256_loadu_ps(x + k + 24);
-            for (int o = 0; o < 4; o++) {
+            for (int o = 0; o < PANEL; o++) {
                 if (o >= count) break;
                 __m256 w[4];
                 sub_weights(type, row + o * row_bytes + (size_t)blk * t.bytes, j, w);
@@ -863,19 +860,21 @@ static void panel_dot(const float *w, int count, const float *x, int xrows, int 
     for (int r0 = 0; r0 < xrows; r0 += 2) {
         const int nr = xrows - r0 < 2 ? 1 : 2;
         const float *xa = x + (size_t)r0 * cols, *xb = x + (size_t)(r0 + nr - 1) * cols;
-        __m256 acc[2][PANEL];
-        for (int r = 0; r < 2; r++)
-            for (int o = 0; o < PANEL; o++) acc[r][o] = _mm256_setzero_ps();
-        for (int k = 0; k < cols; k += 8) {
-            const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
-            for (int o = 0; o < PANEL; o++) {
-                const __m256 wv = _mm256_loadu_ps(w + (size_t)(o < count ? o : 0) * cols + k);
-                acc[0][o] = _mm256_fmadd_ps(wv, va, acc[0][o]);
-                acc[1][o] = _mm256_fmadd_ps(wv, vb, acc[1][o]);
+        for (int o0 = 0; o0 < count; o0 += 4) {  // a 2 x 4 register tile
+            __m256 acc[2][4];
+            for (int r = 0; r < 2; r++)
+                for (int o = 0; o < 4; o++) acc[r][o] = _mm256_setzero_ps();
+            for (int k = 0; k < cols; k += 8) {
+                const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
+                for (int o = 0; o < 4; o++) {
+                    const __m256 wv = _mm256_loadu_ps(w + (size_t)(o0 + o < count ? o0 + o : o0) * cols + k);
+                    acc[0][o] = _mm256_fmadd_ps(wv, va, acc[0][o]);
+                    acc[1][o] = _mm256_fmadd_ps(wv, vb, acc[1][o]);
+                }
             }
+            for (int r = 0; r < nr; r++)
+                for (int o = 0; o < 4 && o0 + o < count; o++) sums[(size_t)(r0 + r) * stride + o0 + o] = hsum8_vec(acc[r][o]);
         }
-        for (int r = 0; r < nr; r++)
-            for (int o = 0; o < count; o++) sums[(size_t)(r0 + r) * stride + o] = hsum8_vec(acc[r][o]);
     }
 }
 #endif
