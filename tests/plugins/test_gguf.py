@@ -223,7 +223,7 @@ def _run(llm: LLM, top: int = 5):
 def test_the_embedded_model_from_its_q4_1_blocks(embedded_llm):
     """The default: the embedded GGUF is served from its own blocks, read in place from the memory-mapped file. With
     the dense kernel, fp32 gives the dense conversion's tokens exactly (the weights are bit for bit transformers'
-    dequantization); the default (blocks kernels, x quantized per 32 values) is close to fp32 by the top-5 rule on
+    dequantization); the default (blocks kernels, fp32 activations) is close to fp32 by the top-5 rule on
     every prompt with the perplexity within +3%, in fp32 and in the default dtype, every projection and the head
     reading the one mapping of the file, and holding under a fifth of the dense fp32 weights' bytes."""
     dense32 = LLM(progress=False, dtype="float32", kv_cache_bytes=64 << 20, quant_options={"kernel": "dense"})
