@@ -2,7 +2,8 @@
 structured, defaults, gpu, peers, kernels, profile), and the pieces they share: arguments (checks before anything
 loads), workloads (prompt sets), runs (driving a kvforge engine), references (HF transformers runs and the
 parity rule), probe (the device), random_models (the GPU bench's models), report (percentiles, tables,
-verdicts) and the peers bench's parts (peer_engines, peers_http, peers_report, peer_worker)."""
+verdicts) and the peers bench's parts (peer_engines, peers_http, peers_report, peer_worker; real_shapes: random-weight
+GGUFs and safetensors twins of real models' shapes; roofline: the CPU, its streaming bandwidth, a decode's bytes)."""
 
 from __future__ import annotations
 
