@@ -269,10 +269,6 @@ static void dot_tile_avx2(const block_type *t, int tile, int xrows, int cols, co
     }
 }
 
-static inline void store8(float *lanes, float lo, float hi) {
-    _mm256_store_ps(lanes, _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)));
-}
-
 // 32 bytes whose bit i (of the little-endian 32-bit word at p) is set -> 0x10, else 0 (the fifth bit of Q5 codes)
 static inline __m256i fifth_bits(const uint8_t *p) {
     uint32_t bits;
@@ -290,79 +286,8 @@ static inline __m256i nibbles32(const uint8_t *p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
 }
 
-// decode_block's SIMD twin (the same codes, lanes and offsets; tests compare the two paths)
-static inline void decode_block_avx2(int type, const uint8_t *b, uint8_t *codes, float *lanes, float *offsets) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    switch (type) {
-    case GG_Q4_0: case GG_Q4_1: {
-        const float d = half_at(b);
-        _mm256_store_si256((__m256i *)codes, nibbles32(b + (type == GG_Q4_0 ? 2 : 4)));
-        store8(lanes, d, d);
-        offsets[0] = type == GG_Q4_0 ? -8.0f * d : half_at(b + 2);
-        break;
-    }
-    case GG_Q5_0: case GG_Q5_1: {
-        const int header = type == GG_Q5_0 ? 2 : 4;
-        const float d = half_at(b);
-        _mm256_store_si256((__m256i *)codes, _mm256_or_si256(nibbles32(b + header + 4), fifth_bits(b + header)));
-        store8(lanes, d, d);
-        offsets[0] = type == GG_Q5_0 ? -16.0f * d : half_at(b + 2);
-        break;
-    }
-    case GG_Q8_0: {
-        const float d = half_at(b);
-        _mm256_store_si256((__m256i *)codes, _mm256_loadu_si256((const __m256i *)(b + 2)));
-        store8(lanes, d, d);
-        offsets[0] = 0.0f;
-        break;
-    }
-    case GG_Q4_K: case GG_Q5_K: {
-        const float d = half_at(b), dmin = half_at(b + 2);
-        const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48);
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            k_scale_min(b + 4, j, &sc, &mn);
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + (j / 2) * 32));
-            __m256i v = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
-            if (type == GG_Q5_K)  // bit j of each qh byte -> bit 4
-                v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j),
-                                                                          _mm256_set1_epi8(1)), 4));
-            _mm256_store_si256((__m256i *)(codes + j * 32), v);
-            store8(lanes + j * 8, d * (float)sc, d * (float)sc);
-            offsets[j] = -(dmin * (float)mn);
-        }
-        break;
-    }
-    case GG_Q6_K: {
-        const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = half_at(b + 208);
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + h * 64));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + h * 64 + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
-            for (int g = 0; g < 4; g++) {
-                const __m256i low = _mm256_and_si256(g >= 2 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0),
-                                                     low4);
-                const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g),
-                                                                        _mm256_set1_epi8(3)), 4);
-                const int j = h * 4 + g;
-                _mm256_store_si256((__m256i *)(codes + j * 32),
-                                   _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32)));
-                store8(lanes + j * 8, d * (float)sc[h * 8 + g * 2], d * (float)sc[h * 8 + g * 2 + 1]);
-                offsets[j] = 0.0f;
-            }
-        }
-        break;
-    }
-    }
-}
-#endif
-
-#if defined(__AVX2__)
-// ---- a few rows of x: each weight sub-block decoded in registers and used at once (no tile buffer) ----
-
-// sub-block j of block b in registers: its 32 codes, 8 scale lanes and offset (decode_block_avx2's values)
+// sub-block j of block b in registers: its 32 codes, 8 scale lanes and offset (decode_block's values; the tests
+// compare the SIMD and portable paths)
 static inline __attribute__((always_inline)) void sub_block(const int type, const uint8_t *b, int j, __m256i *codes,
                                                             __m256 *lanes, float *offset) {
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -493,8 +418,14 @@ static void decode_rows(int type, const block_type *t, const uint8_t *rows, int6
             uint8_t *c = codes + (size_t)r * cols + blk * t->super;
             float *l = lanes + ((size_t)r * subs + blk * per_block) * 8, *o = offsets + (size_t)r * subs + blk * per_block;
 #if defined(__AVX2__)
-            if (!portable) {
-                decode_block_avx2(type, block, c, l, o);
+            if (!portable) {  // each sub-block as the register path decodes it, stored
+                for (int j = 0; j < per_block; j++) {
+                    __m256i codes32;
+                    __m256 lanes8;
+                    sub_block(type, block, j, &codes32, &lanes8, o + j);
+                    _mm256_store_si256((__m256i *)(c + j * SUB), codes32);
+                    _mm256_store_ps(l + j * 8, lanes8);
+                }
                 continue;
             }
 #endif
