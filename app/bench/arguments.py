@@ -10,15 +10,18 @@ from pathlib import Path
 
 def checked_model(args: argparse.Namespace, positive: tuple[str, ...]) -> Path:
     """Fail on bad bench arguments before anything loads: each option in `positive` must be >= 1, the
-    dtype must exist. Returns the resolved model path."""
+    dtype must exist. Returns the resolved model directory (config, tokenizer) as the default engine reads it: a
+    GGUF's index, not a dense conversion. Engines get `args.model` itself, so that a GGUF (the embedded default
+    included) is measured as `kvforge serve` runs it, from its own blocks."""
     from kvforge.core.config import EngineConfig
     from kvforge.core.loader import resolve_model
 
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.dtype = EngineConfig(dtype=args.dtype).dtype  # "auto" resolved: the reports name the dtype measured
-    return resolve_model(args.model)
+    config = EngineConfig(dtype=args.dtype)
+    args.dtype = config.dtype  # "auto" resolved: the reports name the dtype measured
+    return resolve_model(args.model, native_gguf=config.native_gguf)
 
 
 def add_model_options(parser: argparse.ArgumentParser, model_help: str = "the model (default: the embedded one)",

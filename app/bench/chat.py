@@ -60,7 +60,7 @@ def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dic
 
     from kvforge.core import SamplingParams
 
-    base = dict(model=str(path), dtype=args.dtype, num_threads=args.threads)
+    base = dict(model=args.model, dtype=args.dtype, num_threads=args.threads)
     phases, clock = {}, time.perf_counter()
 
     def phase(name: str) -> None:

@@ -23,7 +23,8 @@ from kvforge.app.bench.workloads import chat_messages
 OP_CLASSES = {
     "linears": ("linear", "addmm", "mm", "matmul", "mkldnn_linear", "_weight_int4pack_mm", "_weight_int8pack_mm",
                 "_weight_int4pack_mm_for_cpu", "mkldnn_rnn_layer", "_linear_pointwise", "linear_prepacked",
-                "matmul_nbits", "embedding"),
+                "matmul_nbits", "embedding", "gguf_linear", "gguf_linear_exact", "gguf_float_linear", "gguf_dequant",
+                "int8_linear", "dequant_int4", "dequant_int8"),
     "attention math": ("bmm", "baddbmm", "_softmax", "softmax", "scaled_dot_product_attention",
                        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
                        "masked_fill_", "masked_fill", "paged_attention"),
@@ -101,7 +102,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     batches = int_list(args.batches, "batches")
     path = checked_model(args, ("steps", "top"))
     use_threads(args.threads)
-    engine = bench_engine(model=str(path), dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
+    engine = bench_engine(model=args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
     try:
         messages = chat_messages(max(batches))
         prompts = [engine.tokenizer.apply_chat_template(m) for m in messages]

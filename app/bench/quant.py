@@ -81,10 +81,12 @@ def measure_llama_cpp(args, ids: list[int]) -> QuantRow | None:
 
 def run_quant(args: argparse.Namespace) -> list[QuantRow]:
     from kvforge.app.quantize.rtn_writer import write_rtn_checkpoint
+    from kvforge.core.loader import resolve_model
     from kvforge.core.plugins import QUANT_GROUP, discover
     from kvforge.core.tokenizer import Tokenizer
 
-    path = checked_model(args, ("prompt_tokens", "decode_tokens", "concurrency", "repeats"))
+    checked_model(args, ("prompt_tokens", "decode_tokens", "concurrency", "repeats"))
+    path = resolve_model(args.model)  # the methods compared all start from the dense weights (a GGUF's conversion)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:

@@ -274,7 +274,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         raise ValueError("--serve-args are for --server process")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = dict(model=str(path), dtype=args.dtype, num_threads=args.threads,
+    config = dict(model=args.model, dtype=args.dtype, num_threads=args.threads,
                   enable_prefix_caching=not args.no_prefix_caching)
     if args.kv_cache_gb is not None:
         config["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))

@@ -139,7 +139,7 @@ def measure(config: Config, args, path, task_prompts: dict[str, list[list[int]]]
     """One row per task, with each prompt's generated tokens."""
     from kvforge.core import SamplingParams
 
-    engine = bench_engine(model=str(path), dtype=args.dtype, kv_cache_bytes=SMALL_KV_BYTES,
+    engine = bench_engine(model=args.model, dtype=args.dtype, kv_cache_bytes=SMALL_KV_BYTES,
                           enable_prefix_caching=False, decoding=config.decoding, decoding_options=config.options,
                           num_threads=args.threads)
     try:

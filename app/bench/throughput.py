@@ -134,6 +134,7 @@ def _print_throughput(r: dict) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> dict:
+    from kvforge.core.loader import resolve_model
     from kvforge.core.tokenizer import Tokenizer
 
     if args.hf_batches is not None and args.hf_batches < 1:
@@ -148,11 +149,11 @@ def run_throughput(args: argparse.Namespace) -> dict:
         "num_requests": len(prompts), "output_len": args.output_len,
         "prompt_tokens": {"total": sum(lengths), "mean": sum(lengths) / len(lengths),
                           "min": min(lengths), "max": max(lengths)},
-        "kvforge": throughput_kvforge(str(path), args.dtype, prompts, args.output_len, args),
+        "kvforge": throughput_kvforge(args.model, args.dtype, prompts, args.output_len, args),
         "hf_sequential": None, "hf_static_batch": None, "ratios": None,
     }
     if not args.no_hf:
-        sequential, static = throughput_hf(path, args.dtype, prompts, args.output_len, args)
+        sequential, static = throughput_hf(resolve_model(args.model), args.dtype, prompts, args.output_len, args)
         ours = result["kvforge"]["output_tok_s"]
         result |= {"hf_sequential": sequential, "hf_static_batch": static,
                    "ratios": {"kvforge_vs_hf_sequential": ours / sequential["output_tok_s"],

@@ -37,7 +37,7 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
-    "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32],
+    "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
     "gguf_float_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _I64, _I64, _PTR, _I64, _I32],
@@ -283,16 +283,21 @@ class GgufSegments:
         self.outs = (_I64 * n)(*(b.shape[0] for _, b in parts))
 
 
-def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False, exact: bool = True) -> torch.Tensor:
-    """x [..., in_features] @ W.T for the GGUF-block weights, in x's dtype (fp32 / bf16 / fp16), fp32 math. `exact`:
-    x as given meets W formed exactly as GGUF dequantizes it (fp32 rounding only); else x is quantized per 32 values
-    to int8 as ggml does (integer dot products; the error bound is in gguf_blocks.c). `portable`: the plain C loops
-    even where the AVX2 ones run."""
+GGUF_ACTIVATIONS = {"fp32": 0, "int16": 16, "int8": 8}  # gguf_linear's `activations`: x's bits when quantized
+
+
+def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False,
+                activations: str = "fp32") -> torch.Tensor:
+    """x [..., in_features] @ W.T for the GGUF-block weights, in x's dtype (fp32 / bf16 / fp16), fp32 math.
+    `activations`: "fp32": x as given meets W formed exactly as GGUF dequantizes it (fp32 rounding only); "int16" /
+    "int8": x quantized per 32 values to that width (int8 as ggml does), integer dot products (the error bound is in
+    gguf_blocks.c). `portable`: the plain C loops even where the AVX2 ones run."""
     cols = weights.in_features
     rows = x.reshape(-1, cols) if x.dtype in DTYPE_CODES else x.reshape(-1, cols).float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weights.out_features, dtype=rows.dtype)
+    bits = GGUF_ACTIVATIONS[activations]
     if rows.shape[0] and weights.floats:  # fp32 math on x as given, weight rows converted as they are read
         column = 0
         for qtype, blocks in weights.parts:
@@ -301,10 +306,13 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False, 
                  out.stride(0), torch.get_num_threads())
             column += blocks.shape[0]
     elif rows.shape[0]:
-        _run("gguf_linear_exact" if exact else "gguf_linear", rows.data_ptr(), rows.stride(0), rows.shape[0], cols,
-             DTYPE_CODES[rows.dtype],
-             len(weights.parts), weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
-             torch.get_num_threads(), portable)
+        args = (rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype], len(weights.parts),
+                weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
+                torch.get_num_threads(), portable)
+        if bits:
+            _run("gguf_linear", *args, bits)
+        else:
+            _run("gguf_linear_exact", *args)
     return out.view(*x.shape[:-1], weights.out_features).to(x.dtype)
 
 

@@ -6,8 +6,11 @@ arrives as its blocks, a view of the memory-mapped file, loaded into the layer's
 loading, each layer goes to the fastest path of its device:
 
 - `blocks` (CPU, any model dtype: fp32, bf16, fp16): the blocks read in place by the C kernels of
-  core/cpu_kernels/gguf_blocks.c (every type of gguf_blocks.DECODERS): x quantized per 32 values to int8, integer
-  dot products, fp32 scales -- ggml's method, within the bound stated there of x @ dequantize(W). The process holds
+  core/cpu_kernels/gguf_blocks.c (every type of gguf_blocks.DECODERS). Activations (`activations`): fp32, x as given
+  meets W exactly as GGUF dequantizes it; int16 or int8, x quantized per 32 values, integer dot products, fp32 scales
+  (int8: ggml's method), within the bound stated there of x @ dequantize(W); auto (the default): int16 up to the
+  row count where it is faster on this CPU (a decode step: 2.2x fp32's speed at one row on Zen 2, an error 256
+  times under int8's), fp32 beyond (prefill, wide batches: fp32's panel path is faster there). The process holds
   the file's pages and nothing else per weight. Llama's Q / K rows, which GGUF files store permuted, are put back
   in order on the layer's output (a gather of a few columns) instead of in the weight;
 - `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4 matmul
@@ -45,6 +48,8 @@ DECODED_GROUP = 16  # the group the decoding paths store scales at (the finest t
 INT8_GROUPS = {GGMLQuantizationType.Q5_0: (32, False), GGMLQuantizationType.Q5_1: (32, True),
                GGMLQuantizationType.Q8_0: (32, False), GGMLQuantizationType.Q5_K: (32, True),
                GGMLQuantizationType.Q6_K: (16, False)}
+ACTIVATIONS = ("auto", "fp32", "int16", "int8")
+INT16_TIMED_ROWS = (1, 2, 3, 4, 6, 8)  # row counts at which `auto` times int16 x against fp32 x
 WIDE_ROWS = (4, 8, 16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the kernels
 TIMED_OUTPUTS = 16384
 
@@ -157,16 +162,54 @@ def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> i
     return threshold
 
 
+@functools.cache
+def int16_rows(threads: int) -> int:
+    """`activations: auto`: up to how many rows of x (0: none) the blocks kernel with x quantized to int16 beats it
+    with fp32 x at every timed count, on this CPU. Timed on a random Q4_K weight (Q4_K_M files' main type) of
+    4096 x 2048 (the kernels' costs scale alike with the shape), once per CPU signature and thread count, a steady
+    timing cached like `wide_rows`'. On a 2-core Zen 2 (AVX2) int16 was 2.2x faster at 1 row (a decode step reads
+    the weight once: decoding its codes to fp32 is what costs) and fp32's panel path won from 5 rows."""
+    from kvforge.core.cpu import cpu_signature
+    from kvforge.core.cpu_kernels import GgufSegments, gguf_layout, gguf_linear, unavailable
+    from kvforge.core.kernel_choice import ChoiceCache, default_cache_dir, time_calls
+
+    if unavailable() is not None:
+        return 0
+    cache = ChoiceCache(default_cache_dir(), cpu_signature())
+    key = f"gguf_int16_rows:rows={','.join(map(str, INT16_TIMED_ROWS))}:t{threads}"
+    known = cache.read().get(key)
+    if known is not None:
+        return known["choice"]
+    out_features, in_features = 4096, 2048
+    block, size = gguf_layout(GGMLQuantizationType.Q4_K)
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (out_features * in_features // block, size), dtype=torch.uint8, generator=generator)
+    blocks[:, 0:4] = torch.tensor([0.01, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite
+    weights = GgufSegments([(int(GGMLQuantizationType.Q4_K), blocks.view(out_features, -1))], in_features)
+    inputs = {rows: torch.randn(rows, in_features) for rows in INT16_TIMED_ROWS}
+    timing = time_calls({acts: {r: (lambda x=x, a=acts: gguf_linear(x, weights, activations=a))
+                                for r, x in inputs.items()} for acts in ("int16", "fp32")}, min_total=0.002)
+    choice = 0
+    for rows in INT16_TIMED_ROWS:
+        if timing.us["int16"][rows] >= timing.us["fp32"][rows]:
+            break
+        choice = rows
+    if timing.steady:
+        cache.write({key: {"choice": choice, "us": timing.us}})
+    return choice
+
+
 class GgufMethod(DenseMethod):
     name = "gguf"
     description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place "
                    "from the memory-mapped file by C kernels on CPU in any dtype; torch's int4 kernel or an int8-code "
                    "kernel in bf16, Triton on CUDA, or dequantized once.")
     settings = {
-        "activations": {"type": "string", "enum": ["fp32", "int8"], "default": "fp32",
+        "activations": {"type": "string", "enum": list(ACTIVATIONS), "default": "auto",
                         "description": "the blocks kernel's activations: fp32 (x as given meets the exactly "
-                                       "dequantized weight) or int8 (x quantized per 32 values, integer dot products, "
-                                       "as ggml)"},
+                                       "dequantized weight), int16 or int8 (x quantized per 32 values, integer dot "
+                                       "products; int8 as ggml), or auto: int16 up to the row count where it is "
+                                       "faster on this CPU (decode steps), fp32 beyond (timed once per CPU)"},
         "kernel": {"type": "string", "enum": list(KERNELS), "default": "auto",
                    "description": "blocks (CPU: the file's blocks read in place), int4pack (CPU, 4-bit types, bf16), "
                                   "int8 (CPU, bf16), triton (CUDA), dense (dequantized once) or auto"},
@@ -185,6 +228,7 @@ class GgufMethod(DenseMethod):
         layer.params_dtype = params_dtype
         layer.weight = None
         layer.segments = None  # the blocks path's GgufSegments
+        layer.int16_rows = 0  # `activations: auto`: x with up to this many rows is quantized to int16
         layer.output_order = None  # HF order of the output columns where the file permutes rows (Llama's Q / K)
         layer.packed_weight = None
         layer.int4 = None
@@ -272,6 +316,8 @@ class GgufMethod(DenseMethod):
             layer.output_order = torch.cat([(torch.arange(rows.shape[0]) if order is None else order) + start
                                             for (_, rows, order), start in zip(parts, starts)])
         layer.weight_bytes = sum(rows.numel() for _, rows, _ in parts)  # the file's pages this layer reads
+        if self.options["activations"] == "auto":
+            layer.int16_rows = int16_rows(torch.get_num_threads())
         return True
 
     def _use_int4pack(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
@@ -365,7 +411,10 @@ class GgufMethod(DenseMethod):
         if layer.segments is not None:
             from kvforge.core.cpu_kernels import gguf_linear
 
-            out = gguf_linear(x, layer.segments, exact=self.options["activations"] == "fp32")
+            activations = self.options["activations"]
+            if activations == "auto":
+                activations = "int16" if x.numel() <= layer.int16_rows * x.shape[-1] else "fp32"
+            out = gguf_linear(x, layer.segments, activations=activations)
             if layer.output_order is not None:
                 out = out[..., layer.output_order]
             return out if bias is None else out + bias.to(out.dtype)

@@ -116,6 +116,36 @@ def test_wider_codes_take_the_int8_kernel(qtype, rows):
         gguf_layer(qtype, torch.float32, "int8")
 
 
+def test_auto_activations_follow_this_cpus_timing(tmp_path, monkeypatch):
+    """`activations: auto` quantizes x to int16 up to the row count the timing found faster (kept in the
+    kernel-choice cache like wide_rows), fp32 beyond: a layer's output is the int16 kernel's bits up to it and the
+    fp32 kernel's past it; a cached answer is read, not re-timed."""
+    from kvforge.core import kernel_choice
+    from kvforge.core.cpu import cpu_signature
+    from kvforge.core.cpu_kernels import gguf_linear
+    from kvforge.plugins.quant.gguf import INT16_TIMED_ROWS, int16_rows
+
+    _c_kernels()
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    found = int16_rows.__wrapped__(threads)
+    assert found in (0, *INT16_TIMED_ROWS)
+    cache = kernel_choice.ChoiceCache(tmp_path, cpu_signature())
+    (key, entry), = cache.read().items() or [(None, None)]
+    if entry is not None:  # a steady timing: kept, and the choice is the one it shows
+        us = entry["us"]
+        assert found == next((r for r in reversed(INT16_TIMED_ROWS)
+                              if all(us["int16"][str(n)] < us["fp32"][str(n)] for n in INT16_TIMED_ROWS if n <= r)), 0)
+        cache.write({key: {**entry, "choice": 3}})  # what an earlier process found
+        assert int16_rows.__wrapped__(threads) == 3
+    layer, _ = gguf_layer(T.Q4_K, torch.float32, "blocks", rows=64, cols=256)
+    layer.int16_rows = 3
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 256)
+        expected = gguf_linear(x, layer.segments, activations="int16" if rows <= 3 else "fp32")
+        assert torch.equal(layer.quant_method.apply(layer, x), expected)
+
+
 def test_wide_rows_timing_is_kept_for_the_next_load(tmp_path, monkeypatch):
     """A steady timing of where expanding beats a kernel goes to the kernel-choice cache of this CPU signature; a
     later process reads it there instead of timing again (an unsteady one is not kept)."""
