@@ -20,7 +20,7 @@ from kvforge.core.context import (
     set_context,
 )
 from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
-from kvforge.core.host_memory import keep_freed_memory, release_freed_memory
+from kvforge.core.host_memory import keep_freed_memory, release_freed_memory, zeroed_on_demand
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.layers.backend import kernel_backend
@@ -121,7 +121,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # head-major paged layout (see layers/attention.py)
         shape = (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        if self.device.type == "cpu":  # its pages committed as blocks are written: memory follows the context used
+            self.kv_cache = zeroed_on_demand(shape, self.config.torch_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
         # row offsets of each (K/V, head) plane in the 2-D views of a layer's cache (see context.py)
         planes = torch.arange(2 * self.num_kv_heads, dtype=torch.long).view(2, 1, self.num_kv_heads, 1)
         self._plane_blocks = planes * num_blocks  # [2 (K/V), 1, kv_heads, 1]

@@ -57,7 +57,8 @@ def engine_summary(rounds: list[list[EngineRun]], rows: list[dict], roofline_tok
         decode = 1 / tpot["p50"] if tpot.get("p50") else (one["output_tok_s"] if one else None)
         summary.append({
             "engine": name, "status": "ok" if any(r.status == "ok" for r in runs) else "failed",
-            "load_s": median("load_s"), "rss_after_load_bytes": median("rss_bytes_after_load"),
+            "load_s": median("load_s"), "ready_s": median("ready_s"),
+            "rss_after_load_bytes": median("rss_bytes_after_load"),
             "rss_anon_after_load_bytes": median("rss_anon_bytes_after_load"),
             "peak_rss_bytes": max(peaks) if peaks else None, "processes": median("processes_end"),
             "decode_tok_s_batch_1": decode, "decode_from": "1 / TPOT p50" if tpot.get("p50") else "output tok/s",
@@ -198,16 +199,18 @@ GIB = 1 << 30
 
 def print_summary(summary: list[dict], batches: list[int], roofline: bool) -> None:
     others = [b for b in batches if b != 1]
-    header = (f"{'engine':<15} {'load s':>7} {'RSS loaded':>11} {'peak RSS':>9} {'b1 decode':>10}"
+    header = (f"{'engine':<15} {'load s':>7} {'ready s':>8} {'RSS loaded':>11} {'peak RSS':>9} {'b1 decode':>10}"
               + (f" {'of roofline':>12}" if roofline else "") + "".join(f" {f'b{b} tok/s':>10}" for b in others))
-    print("\nper engine: load time; resident memory of its processes (GiB) once loaded and at the peak (kvforge's and "
+    print("\nper engine: load time (the model, its library imported) and from the worker's start (ready: the "
+          "library's import too); resident memory of its processes (GiB) once loaded and at the peak (kvforge's and "
           "vLLM's with their KV pool, --kv-cache-gb); batch-1 decode tok/s (1 / TPOT p50)"
           + (" and its fraction of the roofline" if roofline else "")
           + "; output tok/s per batch")
     print(header)
     print("-" * len(header))
     for e in summary:
-        line = (f"{e['engine']:<15} {fmt(e['load_s'], '.1f', '-'):>7} {_gib(e['rss_after_load_bytes']):>11} "
+        line = (f"{e['engine']:<15} {fmt(e['load_s'], '.1f', '-'):>7} {fmt(e.get('ready_s'), '.1f', '-'):>8} "
+                f"{_gib(e['rss_after_load_bytes']):>11} "
                 f"{_gib(e['peak_rss_bytes']):>9} {fmt(e['decode_tok_s_batch_1'], '.2f', '-'):>10}")
         if roofline:
             share = e["of_roofline"]

@@ -96,6 +96,8 @@ def test_gguf_runs_the_same_comparison_on_another_file(gemma_gguf_path, tmp_path
     assert report["model"] == str(gemma_gguf_path.resolve()) and f"peers: {report['model']};" in result.stdout
     engines = {e["engine"]: e for e in report["engines"]}
     assert engines["kvforge-gguf"]["status"] == "ok"
+    info = engines["kvforge-gguf"]["info"]
+    assert 0 < info["load_s"] < info["ready_s"]  # the model's load; from the worker's start (imports too)
     assert engines["llama.cpp"]["status"] == "skipped" and engines["llama.cpp"]["dtype"] == "q4_k_m"
     (row,) = report["rows"]
     assert row["engine"] == "kvforge-gguf" and row["generated_tokens"] == OUTPUT_TOKENS and row["output_tok_s"] > 0

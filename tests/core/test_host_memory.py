@@ -1,7 +1,8 @@
 """glibc keeps freed activation buffers mapped once the engine tuned it (core/host_memory.py), so a buffer of a
 size met before is not mapped and faulted in again. Run in a fresh interpreter, so the untuned behaviour is seen
 first. Measured by what stays resident after the free (robust to transparent huge pages, which change how many
-faults a mapping takes but not whether it is given back)."""
+faults a mapping takes but not whether it is given back). The CPU KV pool's zero-filled tensor holds memory only
+where it is written."""
 
 import json
 import os
@@ -10,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from kvforge.core.host_memory import zeroed_on_demand
 
 SCRIPT = r"""
 import json, os, torch
@@ -41,3 +45,27 @@ def test_a_freed_buffer_stays_mapped_for_the_next_step():
     assert result["untuned"] < size // 4  # the default: given back to the system on free
     assert result["tuned"] is True
     assert result["after"] > size * 3 // 4  # kept: the next buffer of this size reuses the pages
+
+
+def _resident_anonymous() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads RssAnon from /proc/self/status")
+def test_the_kv_pool_holds_memory_where_it_is_written():
+    """A 256 MiB pool costs nothing until written; a tenth of it written costs about a tenth; it reads as zeros
+    and is freed with the tensor."""
+    size = 256 << 20
+    before = _resident_anonymous()
+    pool = zeroed_on_demand((16, size // 16 // 4), torch.float32)
+    assert pool.shape == (16, size // 64) and _resident_anonymous() - before < size // 16
+    assert pool[::4].abs().max() == 0  # reads map the zero page: nothing committed
+    assert _resident_anonymous() - before < size // 16
+    pool[:2] = 1.5  # 2 of 16 rows written
+    grown = _resident_anonymous() - before
+    assert size // 10 < grown < size // 4
+    assert pool.sum() == 1.5 * pool[:2].numel()
+    del pool
+    assert _resident_anonymous() - before < size // 16
+    assert zeroed_on_demand((0, 8), torch.bfloat16).shape == (0, 8)
