@@ -109,11 +109,15 @@ def run_hf(job: Job) -> None:
 def run_kvforge(job: Job) -> None:
     """kvforge's LLMEngine stepped to the end of each wave; TTFT and TPOT from each request's metrics."""
     # transformers: kvforge's config, tokenizer and rope library, imported before the clock as every engine's library
-    # is (~1.5-5 s on a 2-core Zen 2); `ready_s` counts it
+    # is (~2.5-5 s on a 2-core Zen 2; `ready_s` counts it). Its modules load at first use: a config class brings in
+    # what every config class shares (type validators, activations, torch.distributed.tensor: ~2 s)
     import torch
-    import transformers  # noqa: F401
+    import transformers
 
     import kvforge
+    import kvforge.app.engine_factory  # noqa: F401 -- the app's engine factory (bench_engine's), with its imports
+
+    transformers.AutoConfig, transformers.AutoTokenizer, transformers.LlamaConfig  # noqa: B018
     from kvforge.app.bench.runs import bench_engine, warm_up
     from kvforge.core import SamplingParams
 
