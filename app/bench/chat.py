@@ -61,6 +61,8 @@ def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dic
     from kvforge.core import SamplingParams
 
     base = dict(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    if args.kv_cache_gb is not None:
+        base["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
     phases, clock = {}, time.perf_counter()
 
     def phase(name: str) -> None:
@@ -209,6 +211,8 @@ def run_chat_bench(args: argparse.Namespace) -> dict:
     from kvforge.core.async_engine import build_off_main_thread
 
     path = checked_model(args, ("turns", "reply_tokens", "user_tokens"))
+    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
+        raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     stop = threading.Event()
     start = time.perf_counter()
     with _stop_on_interrupt(stop):
@@ -225,4 +229,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     chat.add_argument("--turns", type=int, default=10, help="turns of the conversation (default: 10)")
     chat.add_argument("--user-tokens", type=int, default=100, help="tokens per user message (default: ~100)")
     chat.add_argument("--reply-tokens", type=int, default=48, help="greedy reply length cap (default: 48)")
+    chat.add_argument("--kv-cache-gb", type=float, default=None,
+                      help="each engine's KV pool in GiB (default: the engine's, 1 GiB on CPU; a long conversation "
+                           "on a larger model needs more)")
     return chat

@@ -21,7 +21,7 @@ def report(embedded_path, tmp_path_factory) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TMPDIR=str(tmp))
     result = subprocess.run(
         [sys.executable, "-m", "kvforge.app.cli", "bench", "chat", "--turns", str(TURNS), "--reply-tokens", "8",
-         "--user-tokens", "40", "--json"],
+         "--user-tokens", "40", "--kv-cache-gb", "0.25", "--json"],
         capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert list(tmp.iterdir()) == []
@@ -71,3 +71,5 @@ def test_bad_arguments_are_a_clear_error(capsys):
 
     assert main(["bench", "chat", "--turns", "0"]) == 2  # in this process: an exception would fail the test
     assert "--turns" in capsys.readouterr().err
+    assert main(["bench", "chat", "--kv-cache-gb", "0"]) == 2
+    assert "--kv-cache-gb must be > 0" in capsys.readouterr().err
