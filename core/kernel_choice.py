@@ -171,6 +171,20 @@ class ChoiceCache:
             pass  # a read-only cache dir: the choice is timed again next time
 
 
+def cached_choice(key: str, measure: Callable[[], tuple[Any, Timing | None]]) -> Any:
+    """A choice timed once per CPU signature: read from the cache dir where an earlier process timed it steadily,
+    else `measure()` -> (choice, its timing; None: nothing was timed), kept when the timing was steady (a busy
+    machine's answer serves this process only)."""
+    cache = ChoiceCache(default_cache_dir(), cpu_signature())
+    known = cache.read().get(key)
+    if known is not None:
+        return known["choice"]
+    choice, timing = measure()
+    if timing is not None and timing.steady:
+        cache.write({key: {"choice": choice, "us": timing.us}})
+    return choice
+
+
 def linear_key(method: Any, weight: torch.Tensor) -> str:
     return f"{type(method).__name__}:{str(weight.dtype).removeprefix('torch.')}:{weight.shape[0]}x{weight.shape[1]}"
 

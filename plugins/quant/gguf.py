@@ -123,43 +123,40 @@ def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> i
     a 262k-vocabulary head timed whole added 10 s to loading), once per shape and CPU signature: a steady timing is
     kept in the kernel-choice cache (core/kernel_choice.py), so later loads on this machine read it (Gemma 3 270M's
     six shapes took ~10 s of every load on a 2-core Zen 2)."""
-    from kvforge.core.cpu import cpu_signature
     from kvforge.core.cpu_kernels import dequant_int4, dequant_int8, pack_nibbles, unavailable
-    from kvforge.core.kernel_choice import ChoiceCache, default_cache_dir, time_calls
+    from kvforge.core.kernel_choice import cached_choice, time_calls
 
     if unavailable() is not None:
         return None
     out_features = min(out_features, TIMED_OUTPUTS)
-    cache = ChoiceCache(default_cache_dir(), cpu_signature())
-    key = f"gguf_wide_rows:{kind}:{out_features}x{in_features}:rows={','.join(map(str, WIDE_ROWS))}:t{threads}"
-    known = cache.read().get(key)
-    if known is not None:
-        return known["choice"]
-    inputs = {rows: torch.randn(rows, in_features, dtype=COMPUTE_DTYPE) for rows in WIDE_ROWS}
-    if kind == "int4pack":
-        q = torch.randint(0, 16, (out_features, in_features))
-        scales = torch.rand(out_features, in_features // 32) / 64
-        packed = pack_int4_affine(q, scales, -8 * scales, 32)
-        if packed is None:
-            return None
-        nibbles = pack_nibbles(q)
-        kernel = {r: (lambda x=x: int4_linear(x, packed)) for r, x in inputs.items()}
-        expand = {r: (lambda x=x: expanded_linear(x, dequant_int4(nibbles, packed.scales_and_zeros)))
-                  for r, x in inputs.items()}
-    else:
-        int8 = (torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8),
-                torch.rand(out_features, in_features // 32) / 64, None)
-        kernel = {r: (lambda x=x: int8_layer_linear(x, int8)) for r, x in inputs.items()}
-        expand = {r: (lambda x=x: expanded_linear(x, dequant_int8(*int8))) for r, x in inputs.items()}
-    timing = time_calls({kind: kernel, "expand": expand}, min_total=0.002)
-    threshold = None
-    for rows in reversed(WIDE_ROWS):
-        if timing.us["expand"][rows] >= timing.us[kind][rows]:
-            break
-        threshold = rows
-    if timing.steady:  # a busy machine's answer serves this process only
-        cache.write({key: {"choice": threshold, "us": timing.us}})
-    return threshold
+
+    def measure():
+        inputs = {rows: torch.randn(rows, in_features, dtype=COMPUTE_DTYPE) for rows in WIDE_ROWS}
+        if kind == "int4pack":
+            q = torch.randint(0, 16, (out_features, in_features))
+            scales = torch.rand(out_features, in_features // 32) / 64
+            packed = pack_int4_affine(q, scales, -8 * scales, 32)
+            if packed is None:
+                return None, None
+            nibbles = pack_nibbles(q)
+            kernel = {r: (lambda x=x: int4_linear(x, packed)) for r, x in inputs.items()}
+            expand = {r: (lambda x=x: expanded_linear(x, dequant_int4(nibbles, packed.scales_and_zeros)))
+                      for r, x in inputs.items()}
+        else:
+            int8 = (torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8),
+                    torch.rand(out_features, in_features // 32) / 64, None)
+            kernel = {r: (lambda x=x: int8_layer_linear(x, int8)) for r, x in inputs.items()}
+            expand = {r: (lambda x=x: expanded_linear(x, dequant_int8(*int8))) for r, x in inputs.items()}
+        timing = time_calls({kind: kernel, "expand": expand}, min_total=0.002)
+        threshold = None
+        for rows in reversed(WIDE_ROWS):
+            if timing.us["expand"][rows] >= timing.us[kind][rows]:
+                break
+            threshold = rows
+        return threshold, timing
+
+    return cached_choice(f"gguf_wide_rows:{kind}:{out_features}x{in_features}:rows={','.join(map(str, WIDE_ROWS))}"
+                         f":t{threads}", measure)
 
 
 @functools.cache
@@ -169,34 +166,31 @@ def int16_rows(threads: int) -> int:
     4096 x 2048 (the kernels' costs scale alike with the shape), once per CPU signature and thread count, a steady
     timing cached like `wide_rows`'. On a 2-core Zen 2 (AVX2) int16 was 2.2x faster at 1 row (a decode step reads
     the weight once: decoding its codes to fp32 is what costs) and fp32's panel path won from 5 rows."""
-    from kvforge.core.cpu import cpu_signature
     from kvforge.core.cpu_kernels import GgufSegments, gguf_layout, gguf_linear, unavailable
-    from kvforge.core.kernel_choice import ChoiceCache, default_cache_dir, time_calls
+    from kvforge.core.kernel_choice import cached_choice, time_calls
 
     if unavailable() is not None:
         return 0
-    cache = ChoiceCache(default_cache_dir(), cpu_signature())
-    key = f"gguf_int16_rows:rows={','.join(map(str, INT16_TIMED_ROWS))}:t{threads}"
-    known = cache.read().get(key)
-    if known is not None:
-        return known["choice"]
-    out_features, in_features = 4096, 2048
-    block, size = gguf_layout(GGMLQuantizationType.Q4_K)
-    generator = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (out_features * in_features // block, size), dtype=torch.uint8, generator=generator)
-    blocks[:, 0:4] = torch.tensor([0.01, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite
-    weights = GgufSegments([(int(GGMLQuantizationType.Q4_K), blocks.view(out_features, -1))], in_features)
-    inputs = {rows: torch.randn(rows, in_features) for rows in INT16_TIMED_ROWS}
-    timing = time_calls({acts: {r: (lambda x=x, a=acts: gguf_linear(x, weights, activations=a))
-                                for r, x in inputs.items()} for acts in ("int16", "fp32")}, min_total=0.002)
-    choice = 0
-    for rows in INT16_TIMED_ROWS:
-        if timing.us["int16"][rows] >= timing.us["fp32"][rows]:
-            break
-        choice = rows
-    if timing.steady:
-        cache.write({key: {"choice": choice, "us": timing.us}})
-    return choice
+
+    def measure():
+        out_features, in_features = 4096, 2048
+        block, size = gguf_layout(GGMLQuantizationType.Q4_K)
+        generator = torch.Generator().manual_seed(0)
+        blocks = torch.randint(0, 256, (out_features * in_features // block, size), dtype=torch.uint8,
+                               generator=generator)
+        blocks[:, 0:4] = torch.tensor([0.01, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite
+        weights = GgufSegments([(int(GGMLQuantizationType.Q4_K), blocks.view(out_features, -1))], in_features)
+        inputs = {rows: torch.randn(rows, in_features) for rows in INT16_TIMED_ROWS}
+        timing = time_calls({acts: {r: (lambda x=x, a=acts: gguf_linear(x, weights, activations=a))
+                                    for r, x in inputs.items()} for acts in ("int16", "fp32")}, min_total=0.002)
+        choice = 0
+        for rows in INT16_TIMED_ROWS:
+            if timing.us["int16"][rows] >= timing.us["fp32"][rows]:
+                break
+            choice = rows
+        return choice, timing
+
+    return cached_choice(f"gguf_int16_rows:rows={','.join(map(str, INT16_TIMED_ROWS))}:t{threads}", measure)
 
 
 class GgufMethod(DenseMethod):
