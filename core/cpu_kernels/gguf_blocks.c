@@ -226,7 +226,8 @@ static inline float hsum8(__m256 v) {
 
 // 32 codes (bytes) widened to int16 in the int16 layout's order (in-lane unpacks): lo holds codes 0-7 and 16-23,
 // hi 8-15 and 24-31
-static inline __attribute__((always_inline)) void widen_codes(const int IS_SIGNED, __m256i c, __m256i *lo, __m256i *hi) {
+static inline __attribute__((always_inline)) void widen_codes(const int IS_SIGNED, __m256i c, __m256i *lo,
+                                                              __m256i *hi) {
     if (IS_SIGNED) {
         *lo = _mm256_srai_epi16(_mm256_unpacklo_epi8(c, c), 8);
         *hi = _mm256_srai_epi16(_mm256_unpackhi_epi8(c, c), 8);
@@ -301,7 +302,8 @@ static void dot_tile_avx2(const block_type *t, int tile, int xrows, int cols, co
     const int wide = x->q16 != NULL;
     for (int r0 = 0; r0 < xrows; r0 += 2) {
         const int nr = xrows - r0 < 2 ? 1 : 2;
-        const int8_t *xq[2] = {wide ? NULL : x->q + (size_t)r0 * cols, wide ? NULL : x->q + (size_t)(r0 + nr - 1) * cols};
+        const int8_t *xq[2] = {wide ? NULL : x->q + (size_t)r0 * cols,
+                               wide ? NULL : x->q + (size_t)(r0 + nr - 1) * cols};
         const int16_t *xq16[2] = {wide ? x->q16 + (size_t)r0 * cols : NULL,
                                   wide ? x->q16 + (size_t)(r0 + nr - 1) * cols : NULL};
         const float *xs[2] = {x->scale + (size_t)r0 * subs, x->scale + (size_t)(r0 + nr - 1) * subs};
@@ -429,7 +431,8 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
                 magnitude = _mm256_abs_epi8(c);
             for (int r = 0; r < xrows; r++) {
                 const __m256i ints = WIDE ? wide_dot(lo, hi, x->q16 + (size_t)(r0 + r) * cols + s * SUB)
-                                          : narrow_dot(t.signed_codes, c, magnitude, x->q + (size_t)(r0 + r) * cols + s * SUB);
+                                          : narrow_dot(t.signed_codes, c, magnitude,
+                                                       x->q + (size_t)(r0 + r) * cols + s * SUB);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints),
                                          _mm256_mul_ps(lanes, _mm256_set1_ps(x->scale[(size_t)(r0 + r) * subs + s])),
                                          acc[r]);
@@ -518,14 +521,14 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
         threads = 1;
     // x quantized once for every segment
     void *codes_x = aligned_alloc(64, ((size_t)rows * cols * (wide ? 2 : 1) + 63) & ~(size_t)63);
-    quantized_x xq = {wide ? NULL : codes_x, wide ? codes_x : NULL, scratch_floats((size_t)rows * subs), scratch_floats((size_t)rows * subs),
-                      scratch_floats((size_t)rows * subs)};
+    quantized_x xq = {wide ? NULL : codes_x, wide ? codes_x : NULL, scratch_floats((size_t)rows * subs),
+                      scratch_floats((size_t)rows * subs), scratch_floats((size_t)rows * subs)};
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
     for (int n = 0; n < rows; n++) {
         float *row = scratch_floats((size_t)cols);
         load_row((const char *)x + (size_t)n * x_stride * es, dtype, cols, row);
-        quantize_row(row, cols, wide ? NULL : xq.q + (size_t)n * cols, wide ? xq.q16 + (size_t)n * cols : NULL, xq.scale + (size_t)n * subs, xq.sum + (size_t)n * subs,
-                     xq.qsum + (size_t)n * subs);
+        quantize_row(row, cols, wide ? NULL : xq.q + (size_t)n * cols, wide ? xq.q16 + (size_t)n * cols : NULL,
+                     xq.scale + (size_t)n * subs, xq.sum + (size_t)n * subs, xq.qsum + (size_t)n * subs);
         free(row);
     }
 #if defined(__AVX2__)
