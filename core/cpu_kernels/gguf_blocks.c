@@ -252,17 +252,17 @@ static inline __m256i narrow_dot(const int IS_SIGNED, __m256i c, __m256i magnitu
                              _mm256_set1_epi16(1));
 }
 
-// RR rows of x (from xrow) against TILE decoded weight rows: sums[r][o] (no offsets). Inlined with RR, IS_SIGNED and
-// WIDE (x in int16) constant, so the TILE * RR accumulators stay in registers.
+// RR rows of x against TILE decoded weight rows over the sub-blocks of one parity (s = parity, parity + 2, ..):
+// acc[r][o], the 8 lanes (no offsets). Inlined with RR, IS_SIGNED and WIDE (x in int16) constant, so the TILE * RR
+// accumulators stay in registers (both parities at once would not fit in AVX2's 16).
 static inline __attribute__((always_inline)) void dot_pass(const int RR, const int IS_SIGNED, const int WIDE, int cols,
-                                                           const uint8_t *const *c, const float *const *l,
+                                                           int parity, const uint8_t *const *c, const float *const *l,
                                                            const int8_t *const *xq, const int16_t *const *xq16,
-                                                           const float *const *xs, float sums[][TILE]) {
+                                                           const float *const *xs, __m256 acc[][TILE]) {
     const int subs = cols / SUB;
-    __m256 acc[2][TILE];
     for (int r = 0; r < RR; r++)
         for (int o = 0; o < TILE; o++) acc[r][o] = _mm256_setzero_ps();
-    for (int s = 0; s < subs; s++) {
+    for (int s = parity; s < subs; s += 2) {
         __m256i w[TILE], magnitude[TILE];
         for (int o = 0; o < TILE; o++) {
             w[o] = _mm256_load_si256((const __m256i *)(c[o] + s * SUB));
@@ -284,20 +284,21 @@ static inline __attribute__((always_inline)) void dot_pass(const int RR, const i
             }
         }
     }
-    for (int r = 0; r < RR; r++)
-        for (int o = 0; o < TILE; o++) sums[r][o] = hsum8(acc[r][o]);
 }
 
 // TILE weight rows x every row of x; `tile` < TILE only for a layer's last rows (those lanes read the tile's first
-// row again and are not stored)
+// row again and are not stored). Every sum in row_dot's order (an output does not depend on the path it took):
+// hsum8(even sub-blocks' lanes + odd ones') + the offsets' term (32-weight types: even and odd sub-blocks' scalar
+// chains; K types: an 8-lane sum, lane j taking sub-block j of every block).
 static void dot_tile_avx2(const block_type *t, int tile, int xrows, int cols, const uint8_t *codes,
                           const float *lanes, const float *offsets, const quantized_x *x, float *out) {
     const int subs = cols / SUB;
     const uint8_t *c[TILE];
-    const float *l[TILE];
+    const float *l[TILE], *off[TILE];
     for (int o = 0; o < TILE; o++) {
         c[o] = codes + (size_t)(o < tile ? o : 0) * cols;
         l[o] = lanes + (size_t)(o < tile ? o : 0) * subs * 8;
+        off[o] = offsets + (size_t)(o < tile ? o : 0) * subs;
     }
     const int wide = x->q16 != NULL;
     for (int r0 = 0; r0 < xrows; r0 += 2) {
@@ -307,27 +308,43 @@ static void dot_tile_avx2(const block_type *t, int tile, int xrows, int cols, co
         const int16_t *xq16[2] = {wide ? x->q16 + (size_t)r0 * cols : NULL,
                                   wide ? x->q16 + (size_t)(r0 + nr - 1) * cols : NULL};
         const float *xs[2] = {x->scale + (size_t)r0 * subs, x->scale + (size_t)(r0 + nr - 1) * subs};
-        float sums[2][TILE];
-#define DOT_PASS(SIGNED, WIDE) \
-        if (nr == 2) dot_pass(2, SIGNED, WIDE, cols, c, l, xq, xq16, xs, sums); \
-        else dot_pass(1, SIGNED, WIDE, cols, c, l, xq, xq16, xs, sums);
-        if (t->signed_codes) {
-            if (wide) { DOT_PASS(1, 1) } else { DOT_PASS(1, 0) }
-        } else {
-            if (wide) { DOT_PASS(0, 1) } else { DOT_PASS(0, 0) }
+        __m256 even[2][TILE], odd[2][TILE];
+#define DOT_PASS(SIGNED, WIDE, PARITY, ACC) \
+        if (nr == 2) dot_pass(2, SIGNED, WIDE, cols, PARITY, c, l, xq, xq16, xs, ACC); \
+        else dot_pass(1, SIGNED, WIDE, cols, PARITY, c, l, xq, xq16, xs, ACC);
+        for (int parity = 0; parity < 2; parity++) {
+            __m256 (*acc)[TILE] = parity ? odd : even;
+            if (t->signed_codes) {
+                if (wide) { DOT_PASS(1, 1, parity, acc) } else { DOT_PASS(1, 0, parity, acc) }
+            } else {
+                if (wide) { DOT_PASS(0, 1, parity, acc) } else { DOT_PASS(0, 0, parity, acc) }
+            }
         }
 #undef DOT_PASS
-        // the offsets' term, each output's sum in row_dot's order; the outputs' chains interleaved (one alone waits
-        // on its own latency: it took half the time of a 16-row call)
+        // the offsets' term; the outputs' chains interleaved (one alone waits on its own latency: it took half the
+        // time of a 16-row call)
         const float *xo[2] = {(t->centred ? x->qsum : x->sum) + (size_t)r0 * subs,
                               (t->centred ? x->qsum : x->sum) + (size_t)(r0 + nr - 1) * subs};
-        float shift[2][TILE] = {{0.0f}};
-        for (int s = 0; s < subs; s++)
+        float shift[2][TILE];
+        if (t->super == SUB) {
+            float chain[2][2][TILE] = {{{0.0f}}};  // [parity][row][output]
+            for (int s = 0; s < subs; s++)
+                for (int r = 0; r < 2; r++)
+                    for (int o = 0; o < TILE; o++) chain[s & 1][r][o] = fmaf(off[o][s], xo[r][s], chain[s & 1][r][o]);
             for (int r = 0; r < 2; r++)
-                for (int o = 0; o < TILE; o++) shift[r][o] = fmaf(offsets[(size_t)(o < tile ? o : 0) * subs + s], xo[r][s],
-                                                                  shift[r][o]);
+                for (int o = 0; o < TILE; o++) shift[r][o] = chain[0][r][o] + chain[1][r][o];
+        } else {
+            for (int r = 0; r < 2; r++)
+                for (int o = 0; o < TILE; o++) {
+                    __m256 v = _mm256_setzero_ps();
+                    for (int s = 0; s < subs; s += 8)
+                        v = _mm256_fmadd_ps(_mm256_loadu_ps(off[o] + s), _mm256_loadu_ps(xo[r] + s), v);
+                    shift[r][o] = hsum8(v);
+                }
+        }
         for (int r = 0; r < nr; r++)
-            for (int o = 0; o < tile; o++) out[(size_t)(r0 + r) * tile + o] = sums[r][o] + shift[r][o];
+            for (int o = 0; o < tile; o++)
+                out[(size_t)(r0 + r) * tile + o] = hsum8(_mm256_add_ps(even[r][o], odd[r][o])) + shift[r][o];
     }
 }
 
@@ -404,43 +421,158 @@ static inline __attribute__((always_inline)) void sub_block(const int type, cons
     }
 }
 
-// out[r] = W row . x row r for `xrows` (1 or 2) rows of x, the weight row decoded once (WIDE: x in int16). (Four
-// weight rows side by side, independent accumulators, measured 1.8x slower at one row of x on Zen 2.)
+// a sub-block's codes (32 bytes, signed or not) against `xrows` rows of x from row r0: its 8 scale lanes' int32 sums
+static inline __attribute__((always_inline)) void code_dots(const int IS_SIGNED, const int WIDE, const int xrows,
+                                                            __m256i c, const quantized_x *x, int r0, int cols, int s,
+                                                            __m256i *ints) {
+    __m256i magnitude = c, lo = c, hi = c;
+    if (WIDE)
+        widen_codes(IS_SIGNED, c, &lo, &hi);
+    else if (IS_SIGNED)
+        magnitude = _mm256_abs_epi8(c);
+    for (int r = 0; r < xrows; r++)
+        ints[r] = WIDE ? wide_dot(lo, hi, x->q16 + (size_t)(r0 + r) * cols + s * SUB)
+                       : narrow_dot(IS_SIGNED, c, magnitude, x->q + (size_t)(r0 + r) * cols + s * SUB);
+}
+
+// sub-block s (the one block of a 32-weight type at b) against `xrows` rows of x: into acc[r], shift[r]
+static inline __attribute__((always_inline)) void small_block_dot(const int type, const int xrows, const int WIDE,
+                                                                  const uint8_t *b, int s, int cols,
+                                                                  const quantized_x *x, int r0, __m256 *acc,
+                                                                  float *shift) {
+    block_type t;
+    block_type_of(type, &t);
+    const int subs = cols / SUB;
+    const float *sums = t.centred ? x->qsum : x->sum;
+    __m256i c, ints[2];
+    __m256 lanes;
+    float offset;
+    sub_block(type, b, 0, &c, &lanes, &offset);
+    code_dots(t.signed_codes, WIDE, xrows, c, x, r0, cols, s, ints);
+    for (int r = 0; r < xrows; r++) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]),
+                                 _mm256_mul_ps(lanes, _mm256_set1_ps(x->scale[(size_t)(r0 + r) * subs + s])), acc[r]);
+        shift[r] = fmaf(offset, sums[(size_t)(r0 + r) * subs + s], shift[r]);
+    }
+}
+
+// bits j of 32 bytes (Q5_K's fifth bits of sub-block j) moved to bit 4 (j constant: one shift; 16-bit shifts carry
+// no bit into the 0x10 place of a neighbouring byte)
+static inline __attribute__((always_inline)) __m256i fifth_of(__m256i qh, int j) {
+    const __m256i moved = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+// One super-block (256 weights: 8 sub-blocks) of a K type against `xrows` rows of x, the ggml way round: its packed
+// sub-block scales and mins unpacked for all 8 sub-blocks at once with vector ops (scalar unpacking per sub-block
+// took as long as the dot products), each scale times x's scale of that sub-block into a table, the mins' term as
+// one 8-lane FMA (lane j: sub-block j) into minsum. Even / odd sub-blocks sum into separate accumulators.
+static inline __attribute__((always_inline)) void k_block_dot(const int type, const int xrows, const int WIDE,
+                                                              const uint8_t *b, int blk, int cols,
+                                                              const quantized_x *x, int r0, __m256 *even,
+                                                              __m256 *odd, __m256 *minsum) {
+    const int subs = cols / SUB, s0 = blk * 8;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    float table[2][16] __attribute__((aligned(32)));  // per row of x: each scale lane's scale times x's scale
+    if (type == GG_Q6_K) {
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(b + 192));  // 16 int8 scales, one per 16 weights
+        const __m256 d = _mm256_set1_ps(half_at(b + 208));
+        const __m256 first = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed)));
+        const __m256 second = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8))));
+        for (int r = 0; r < xrows; r++) {
+            const __m256 xs = _mm256_loadu_ps(x->scale + (size_t)(r0 + r) * subs + s0);
+            _mm256_store_ps(table[r], _mm256_mul_ps(first, _mm256_permutevar8x32_ps(xs, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))));
+            _mm256_store_ps(table[r] + 8, _mm256_mul_ps(second, _mm256_permutevar8x32_ps(xs, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql[2] = {_mm256_loadu_si256((const __m256i *)(b + h * 64)),
+                                   _mm256_loadu_si256((const __m256i *)(b + h * 64 + 32))};
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+            for (int g = 0; g < 4; g++) {
+                const int j = h * 4 + g;
+                const __m256i low = _mm256_and_si256(g >= 2 ? _mm256_srli_epi16(ql[g & 1], 4) : ql[g & 1], low4);
+                const __m256i high = _mm256_and_si256(g == 2 ? qh : g < 2 ? _mm256_slli_epi16(qh, 4 - 2 * g)
+                                                                          : _mm256_srli_epi16(qh, 2),
+                                                      _mm256_set1_epi8(0x30));
+                const __m256i c = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                __m256i ints[2];
+                code_dots(1, WIDE, xrows, c, x, r0, cols, s0 + j, ints);
+                for (int r = 0; r < xrows; r++) {
+                    const __m256 lanes = _mm256_set_m128(_mm_broadcast_ss(table[r] + 2 * j + 1),
+                                                         _mm_broadcast_ss(table[r] + 2 * j));
+                    __m256 *acc = j & 1 ? odd : even;
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]), lanes, acc[r]);
+                }
+            }
+        }
+        return;
+    }
+    // Q4_K / Q5_K: 12 bytes hold 8 6-bit scales and 8 6-bit mins (k_scale_min's layout), regrouped as ggml does
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    const __m128i scales_mins = _mm_setr_epi32((int)(u[0] & six), (int)((u[2] & four) | (((u[0] >> 6) & two) << 4)),
+                                               (int)(u[1] & six), (int)(((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4)));
+    const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales_mins)));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
+    for (int r = 0; r < xrows; r++) {
+        const size_t at = (size_t)(r0 + r) * subs + s0;
+        _mm256_store_ps(table[r], _mm256_mul_ps(scales, _mm256_loadu_ps(x->scale + at)));
+        minsum[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x->sum + at), minsum[r]);
+    }
+    const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48);
+    const __m256i qh = type == GG_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + i * 32));
+        for (int half = 0; half < 2; half++) {
+            const int j = 2 * i + half;
+            __m256i c = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low4);
+            if (type == GG_Q5_K)
+                c = _mm256_or_si256(c, fifth_of(qh, j));
+            __m256i ints[2];
+            code_dots(0, WIDE, xrows, c, x, r0, cols, s0 + j, ints);
+            for (int r = 0; r < xrows; r++) {
+                __m256 *acc = half ? odd : even;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]), _mm256_broadcast_ss(table[r] + j), acc[r]);
+            }
+        }
+    }
+}
+
+// out[r] = W row . x row r for `xrows` (1 or 2) rows of x, the weight row decoded once (WIDE: x in int16). Even and
+// odd sub-blocks sum into separate accumulators, then hsum8(even + odd) + the offsets' term (dot_tile_avx2 sums in
+// the same order: a row's result does not depend on the path). (Four weight rows side by side, independent
+// accumulators, measured 1.8x slower at one row of x on Zen 2.)
 static inline __attribute__((always_inline)) void row_dot(const int type, const int xrows, const int WIDE,
                                                           const uint8_t *row, int cols, const quantized_x *x, int r0,
                                                           float *out) {
     block_type t;
     block_type_of(type, &t);
-    const int subs = cols / SUB, per_block = t.super / SUB;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    float shift[2] = {0.0f, 0.0f};
-    const float *sums = t.centred ? x->qsum : x->sum;
-    for (int blk = 0; blk < cols / t.super; blk++) {
-        const uint8_t *b = row + (size_t)blk * t.bytes;
-        _mm_prefetch((const char *)b + PREFETCH_AHEAD, _MM_HINT_T0);
-        for (int j = 0; j < per_block; j++) {
-            __m256i c;
-            __m256 lanes;
-            float offset;
-            sub_block(type, b, j, &c, &lanes, &offset);
-            const int s = blk * per_block + j;
-            __m256i magnitude = c, lo = c, hi = c;
-            if (WIDE)
-                widen_codes(t.signed_codes, c, &lo, &hi);
-            else if (t.signed_codes)
-                magnitude = _mm256_abs_epi8(c);
-            for (int r = 0; r < xrows; r++) {
-                const __m256i ints = WIDE ? wide_dot(lo, hi, x->q16 + (size_t)(r0 + r) * cols + s * SUB)
-                                          : narrow_dot(t.signed_codes, c, magnitude,
-                                                       x->q + (size_t)(r0 + r) * cols + s * SUB);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints),
-                                         _mm256_mul_ps(lanes, _mm256_set1_ps(x->scale[(size_t)(r0 + r) * subs + s])),
-                                         acc[r]);
-                shift[r] = fmaf(offset, sums[(size_t)(r0 + r) * subs + s], shift[r]);
-            }
+    const int blocks = cols / t.super;
+    __m256 even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, odd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 minsum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float shift_even[2] = {0.0f, 0.0f}, shift_odd[2] = {0.0f, 0.0f};
+    if (t.super == SUB) {
+        int blk = 0;
+        for (; blk + 1 < blocks; blk += 2) {
+            const uint8_t *b = row + (size_t)blk * t.bytes;
+            _mm_prefetch((const char *)b + PREFETCH_AHEAD, _MM_HINT_T0);
+            small_block_dot(type, xrows, WIDE, b, blk, cols, x, r0, even, shift_even);
+            small_block_dot(type, xrows, WIDE, b + t.bytes, blk + 1, cols, x, r0, odd, shift_odd);
+        }
+        if (blk < blocks)
+            small_block_dot(type, xrows, WIDE, row + (size_t)blk * t.bytes, blk, cols, x, r0, even, shift_even);
+    } else {
+        for (int blk = 0; blk < blocks; blk++) {
+            const uint8_t *b = row + (size_t)blk * t.bytes;
+            for (int line = 0; line < t.bytes; line += 64)  // a K block spans 3-4 cache lines
+                _mm_prefetch((const char *)b + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            k_block_dot(type, xrows, WIDE, b, blk, cols, x, r0, even, odd, minsum);
         }
     }
-    for (int r = 0; r < xrows; r++) out[r] = hsum8(acc[r]) + shift[r];
+    for (int r = 0; r < xrows; r++)
+        out[r] = hsum8(_mm256_add_ps(even[r], odd[r])) + (t.super == SUB ? shift_even[r] + shift_odd[r] : hsum8(minsum[r]));
 }
 
 // rows [first, first + count) of one weight against rows r0 .. r0 + xrows - 1 of x: out[r][o] (row stride `total`)
@@ -489,7 +621,8 @@ static void decode_rows(int type, const block_type *t, const uint8_t *rows, int6
             float *l = lanes + ((size_t)r * subs + blk * per_block) * 8, *o = offsets + (size_t)r * subs + blk * per_block;
 #if defined(__AVX2__)
             if (!portable) {  // each sub-block as the register path decodes it, stored
-                _mm_prefetch((const char *)block + PREFETCH_AHEAD, _MM_HINT_T0);
+                for (int line = 0; line < t->bytes; line += 64)
+                    _mm_prefetch((const char *)block + PREFETCH_AHEAD + line, _MM_HINT_T0);
                 for (int j = 0; j < per_block; j++) {
                     __m256i codes32;
                     __m256 lanes8;

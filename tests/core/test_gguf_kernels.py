@@ -92,14 +92,18 @@ def test_matmul_within_the_bound(qtype, portable, activations):
 
 
 @pytest.mark.parametrize("activations", list(QUANTIZED))
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype, activations):
-    raw = torch.from_numpy(random_blocks(qtype, 64, 1024, seed=2))
-    weights = GgufSegments([(int(qtype), raw)], 1024)
-    x = torch.randn(7, 1024)
+    """One row at a time (the register path), two, and seven (decoded tiles): the same bits (every path sums in the
+    same order); an odd number of 32-weight blocks (Q4_0, Q5_1) for the even / odd split."""
+    cols = 1024 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 1056
+    raw = torch.from_numpy(random_blocks(qtype, 64, cols, seed=2))
+    weights = GgufSegments([(int(qtype), raw)], cols)
+    x = torch.randn(7, cols)
     batch = gguf_linear(x, weights, activations=activations)
     assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights, activations=activations) for i in range(7)]),
                        batch)
+    assert torch.equal(gguf_linear(x[:2], weights, activations=activations), batch[:2])
     # the same integer sums, fp32 sums in another order
     portable = gguf_linear(x, weights, portable=True, activations=activations)
     assert (portable - batch).abs().max() <= 1e-5 * batch.abs().max()
