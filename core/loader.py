@@ -77,6 +77,15 @@ def _from_gguf(gguf: Path, native: bool) -> Path:
     return cached_checkpoint(gguf, "gguf-index", INDEX_VERSION, lambda out: write_index(gguf, out), INDEX_FILE)
 
 
+def gguf_file_of(model: str | None) -> Path | None:
+    """The GGUF file a model spec names (the embedded default is one), or None where it names none (a safetensors
+    directory, a hub id): what an engine that reads only GGUF files (llama.cpp) can be given."""
+    if model in EMBEDDED_ALIASES:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
+
+
 def embedded_gguf_path() -> Path:
     try:
         files = importlib.metadata.distribution(EMBEDDED_PACKAGE).files or []

@@ -10,12 +10,20 @@ measured in the same run on identical prompts:
 
 The replies generated without a cache build the history of every mode (greedy), so all modes time the
 same token ids; the replies of the other modes are checked against them token for token. TTFT is the
-time from add_request to the first step output carrying a token, driving engine.step() directly."""
+time from add_request to the first step output carrying a token, driving engine.step() directly.
+
+Beside them, where the model is a GGUF file and llama-cpp-python is installed (`kvforge bench peers`' peers
+dir, or --llama-python), llama.cpp on the same file and the same prompt token ids, in a process of its own
+(peer_worker.run_llama_cpp_chat): its TTFT per turn with its context kept from the turn before (`memory`: it
+reuses the longest prefix it holds, as its server does within a slot) and cleared before each turn
+(`recompute`: what a restarted llama.cpp server does; it keeps no KV across a restart unless a slot is saved
+and restored by hand)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import tempfile
 import threading
@@ -24,11 +32,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvforge.app.bench.arguments import bench_parser, checked_model
+from kvforge.app.bench.peer_engines import add_peer_options
 from kvforge.app.bench.report import emit
 from kvforge.app.bench.runs import bench_engine, warm_up
 from kvforge.app.bench.workloads import user_messages
 
 TARGET_RATIO = 0.2  # persisted-after-restart TTFT / no-cache TTFT at the last turn
+LLAMA_TIMEOUT_S = 7200  # llama.cpp's two passes over the conversation (an 8B's no-cache turns take ~1 h on 2 cores)
 
 
 def _turn(engine, prompt: list[int], params, request_id: str, stop: threading.Event) -> dict:
@@ -124,12 +134,39 @@ def _measure(args: argparse.Namespace, path: Path, stop: threading.Event) -> dic
                      "loaded_blocks": loaded, "load_failures": failures}}
 
 
+def _llama_cpp_turns(args: argparse.Namespace, measured: dict) -> dict:
+    """The conversation kvforge timed, on llama.cpp (see the module's docstring), or why it was skipped."""
+    from kvforge.app.bench.peer_engines import ENGINES, EngineRun, find_peer
+    from kvforge.app.bench.peers import run_engine
+    from kvforge.core.loader import gguf_file_of
+
+    gguf = gguf_file_of(args.model)
+    if gguf is None:
+        return {"status": "skipped", "why": "llama.cpp runs GGUF files only"}
+    python, why = find_peer("llama", args)
+    if python is None:
+        return {"status": "skipped", "why": why}
+    replies = [len(r["token_ids"]) for r in measured["no_cache"]]
+    job = {"kind": "llama.cpp-chat", "model": str(gguf), "prompts": measured["prompts"], "reply_tokens": replies,
+           "output_tokens": max(replies), "threads": measured["threads"]}
+    run = EngineRun(next(e for e in ENGINES if e.name == "llama.cpp"), python=python)
+    env = dict(os.environ, OMP_NUM_THREADS=str(measured["threads"]))
+    with tempfile.TemporaryDirectory(prefix="kvforge-bench-chat-llama-") as workdir:
+        run_engine(run, job, Path(workdir), timeout=LLAMA_TIMEOUT_S, env=env)
+    if run.status != "ok":
+        return {"status": run.status, "why": run.why, "stderr_tail": run.stderr_tail}
+    rows = {(row["mode"], row["turn"]): row for row in run.measurements}
+    return {"status": "ok", "library": run.info.get("library"), "file": str(gguf),
+            "turns": [{mode: rows[(mode, t)] for mode in ("memory", "recompute")}
+                      for t in range(1, len(replies) + 1)]}
+
+
 def _mismatches(runs: list[dict], reference: list[dict]) -> list[int]:
     """1-based turns whose reply differs from the reference reply."""
     return [t + 1 for t, (r, ref) in enumerate(zip(runs, reference)) if r["token_ids"] != ref["token_ids"]]
 
 
-def _report(args: argparse.Namespace, path: Path, m: dict, wall: float) -> dict:
+def _report(args: argparse.Namespace, path: Path, m: dict, llama: dict, wall: float) -> dict:
     per_turn = []
     for t in range(args.turns):
         a, b, c = m["no_cache"][t], m["memory"][t], m["persisted"][t]
@@ -139,6 +176,9 @@ def _report(args: argparse.Namespace, path: Path, m: dict, wall: float) -> dict:
             "cached_tokens": {"no_cache": a["cached_tokens"], "memory": b["cached_tokens"],
                               "persisted": c["cached_tokens"]},
             "ratio_memory": b["ttft_s"] / a["ttft_s"], "ratio_persisted": c["ttft_s"] / a["ttft_s"],
+            "llama_cpp": None if llama["status"] != "ok" else {
+                "ttft_s": {mode: row["ttft_s"] for mode, row in llama["turns"][t].items()},
+                "reused_tokens": {mode: row["reused_tokens"] for mode, row in llama["turns"][t].items()}},
         })
     mismatches = {mode: _mismatches(m[mode], m["no_cache"]) for mode in ("memory", "persisted")}
     last = per_turn[-1]
@@ -150,6 +190,7 @@ def _report(args: argparse.Namespace, path: Path, m: dict, wall: float) -> dict:
         "replies_identical_by_mode": {"memory": not mismatches["memory"], "persisted": not mismatches["persisted"]},
         "reply_mismatch_turns": mismatches,
         "disk": m["disk"],
+        "llama_cpp": {k: v for k, v in llama.items() if k != "turns"},
         "target": {"turn": last["turn"], "ratio_persisted": last["ratio_persisted"], "max_ratio": TARGET_RATIO,
                    "met": last["ratio_persisted"] <= TARGET_RATIO},
         "wall_s": wall,
@@ -183,6 +224,18 @@ def _print_table(r: dict) -> None:
     d = r["disk"]
     print(f"disk tier: {d['written_blocks']} blocks written ({human_bytes(d['bytes'])}), {d['loaded_blocks']} "
           f"loaded after the restarts, {d['load_failures']} load failures")
+    llama = r["llama_cpp"]
+    if llama["status"] == "ok":
+        print(f"llama.cpp ({llama['library']}, the same file and prompt token ids, its own process): TTFT in ms, "
+              "(n) = prompt tokens it reused")
+        print(f"{'turn':>4}  {'context kept':>12} {'(reused)':>8}  {'after restart':>13}  "
+              f"{'kvforge persisted / llama.cpp restart':>38}")
+        for p in r["per_turn"]:
+            ttft, reused = p["llama_cpp"]["ttft_s"], p["llama_cpp"]["reused_tokens"]
+            print(f"{p['turn']:>4}  {ttft['memory'] * 1000:>12.1f} {'(' + str(reused['memory']) + ')':>8}  "
+                  f"{ttft['recompute'] * 1000:>13.1f}  {p['ttft_s']['persisted'] / ttft['recompute']:>37.2f}x")
+    else:
+        print(f"llama.cpp: {llama['status']} ({llama['why']})")
     t = r["target"]
     print(f"turn {t['turn']}: persisted after restart {t['ratio_persisted']:.2f}x the no-cache TTFT "
           f"(target <= {t['max_ratio']}x): {'met' if t['met'] else 'NOT met'}")
@@ -217,7 +270,8 @@ def run_chat_bench(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with _stop_on_interrupt(stop):
         measured = build_off_main_thread(lambda: _measure(args, path, stop))
-    report = _report(args, path, measured, time.perf_counter() - start)
+    llama = _llama_cpp_turns(args, measured)
+    report = _report(args, path, measured, llama, time.perf_counter() - start)
     emit(report, args.json, _print_table)
     return report
 
@@ -232,4 +286,5 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     chat.add_argument("--kv-cache-gb", type=float, default=None,
                       help="each engine's KV pool in GiB (default: the engine's, 1 GiB on CPU; a long conversation "
                            "on a larger model needs more)")
+    add_peer_options(chat, ("llama",), "kvforge only: skip llama.cpp")
     return chat

@@ -62,6 +62,21 @@ def default_peers_dir() -> Path:
     return Path(os.environ.get("KVFORGE_PEERS_DIR") or Path.home() / ".cache" / "kvforge-peers")
 
 
+PEER_NAMES = {"vllm": "vLLM CPU", "llama": "llama-cpp-python"}
+
+
+def add_peer_options(parser: argparse.ArgumentParser, peers: tuple[str, ...], no_peers_help: str) -> None:
+    """--peers-dir, an interpreter flag per peer in `peers` and --no-peers: where find_peer looks."""
+    parser.add_argument("--peers-dir", default=None,
+                        help="where the peers' virtualenvs are: vllm/ and llama/ (default: $KVFORGE_PEERS_DIR or "
+                             "~/.cache/kvforge-peers)")
+    for peer in peers:
+        _, _, flag, variable = PEERS[peer]
+        parser.add_argument(flag, default=None, help=f"the interpreter that has {PEER_NAMES[peer]} (default: "
+                                                     f"${variable} or the peers dir's)")
+    parser.add_argument("--no-peers", action="store_true", help=no_peers_help)
+
+
 def find_peer(peer: str, args: argparse.Namespace, needs: tuple[str, ...] = ()) -> tuple[str | None, str | None]:
     """The peer's interpreter (flag > environment variable > the peers dir), or None and why it is skipped. The
     interpreter must find the peer's module and the modules in `needs`."""

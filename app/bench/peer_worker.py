@@ -6,18 +6,19 @@ at its top, and each engine's library inside that engine's function. The parent 
 directory and runs it from there, so nothing of the bench package lands on the peer's sys.path. vLLM spawns
 processes that re-import this file: the work starts under `if __name__ == "__main__":`.
 
-The job (JSON): kind (hf | kvforge | vllm | llama.cpp), model (a safetensors directory; llama.cpp: the GGUF
-file), dtype, prompts (token ids, chat template applied: every engine gets the same ids), batches, requests
-(per batch), output_tokens, threads, kv_cache_gib, pad_id, out (a file: one JSON line per measurement,
-appended as each one ends, so a crash keeps the finished ones).
-
-At batch B an engine serves `requests[B]` of the prompts in waves of B submitted at once (a wave starts when
-the previous one has finished), each request greedy and forced to `output_tokens` tokens (EOS ignored),
-prefix caching off (every request computes its whole prompt). Each line written is either
-{"info": {...}} (the library's version, the load time, the memory after load and at the end: `memory()`) or a
-measurement {"batch", "requests",
-"generated_tokens", "wall_s", "ttft_s": [per request] | null, "tpot_s": [...] | null, "timing"} or
+The job (JSON): kind (hf | kvforge | vllm | llama.cpp | llama.cpp-chat), model (a safetensors directory; llama.cpp:
+the GGUF file), dtype, prompts (token ids, chat template applied: every engine gets the same ids), batches, requests
+(per batch), output_tokens, threads, kv_cache_gib, pad_id, out (a file: one JSON line per measurement, appended as
+each one ends, so a crash keeps the finished ones). At batch B an engine serves `requests[B]` of the prompts in
+waves of B submitted at once (a wave starts when the previous one has finished), each request greedy and forced to
+`output_tokens` tokens (EOS ignored), prefix caching off (every request computes its whole prompt). Each line
+written is either {"info": {...}} (the library's version, the load time, the memory after load and at the end:
+`memory()`) or a measurement {"batch", "requests", "generated_tokens", "wall_s", "ttft_s": [per request] | null,
+"tpot_s": [...] | null, "timing"} or
 {"batch", "skipped": why} for a batch the engine cannot run.
+
+`kvforge bench chat` runs kind llama.cpp-chat the same way: its prompts are a conversation's turns, with
+reply_tokens (per turn) in place of batches (run_llama_cpp_chat).
 """
 
 from __future__ import annotations
@@ -186,15 +187,13 @@ def run_vllm(job: Job) -> None:
     job.finished()  # while the LLM, and its engine-core process, are alive
 
 
-def run_llama_cpp(job: Job) -> None:
-    """llama-cpp-python's Llama on the GGUF file, one sequence at a time (its Python API has no batching: batches
-    above 1 are skipped). EOS is masked out of the logits (the end-of-generation tokens can never be sampled).
-    TTFT: until the generator yields the first token; TPOT: (last - first token) / (tokens - 1)."""
+def _llama_cpp(job: Job, n_ctx: int):
+    """llama-cpp-python's Llama on the job's GGUF, loaded (the info line emitted), and a logits processor that
+    masks every end-of-generation token out (EOS can never be sampled)."""
     import llama_cpp
     from llama_cpp import Llama, LogitsProcessorList
 
     start = perf()
-    n_ctx = max(len(p) for p in job.prompts) + job.tokens + 16
     llm = Llama(model_path=job.spec["model"], n_ctx=n_ctx, n_threads=job.threads, n_threads_batch=job.threads,
                 n_batch=512, seed=0, verbose=False)
     is_eog = getattr(llama_cpp, "llama_vocab_is_eog", None)  # every end-of-generation token, where exposed
@@ -206,9 +205,16 @@ def run_llama_cpp(job: Job) -> None:
         scores[banned] = -float("inf")
         return scores
 
-    processors = LogitsProcessorList([no_eos])
     job.loaded({"library": f"llama-cpp-python {llama_cpp.__version__}", "load_s": perf() - start,
                 "eos_masked": banned})
+    return llm, LogitsProcessorList([no_eos])
+
+
+def run_llama_cpp(job: Job) -> None:
+    """llama-cpp-python's Llama on the GGUF file, one sequence at a time (its Python API has no batching: batches
+    above 1 are skipped). EOS is masked out of the logits (the end-of-generation tokens can never be sampled).
+    TTFT: until the generator yields the first token; TPOT: (last - first token) / (tokens - 1)."""
+    llm, processors = _llama_cpp(job, max(len(p) for p in job.prompts) + job.tokens + 16)
 
     def one(ids: list[int], n: int) -> tuple[float, list[float]]:
         llm.reset()  # no reuse of the previous request's prefix
@@ -298,7 +304,37 @@ def _dist_version(name: str) -> str:
         return "?"
 
 
-RUNNERS = {"hf": run_hf, "kvforge": run_kvforge, "vllm": run_vllm, "llama.cpp": run_llama_cpp}
+def run_llama_cpp_chat(job: Job) -> None:
+    """`kvforge bench chat`'s conversation on llama-cpp-python: the job's prompts are its turns' chat prompts (the
+    same token ids kvforge timed), `reply_tokens` each turn's reply length (forced: EOS masked). Two passes:
+    `memory`, one Llama kept across the turns: it reuses the longest prefix its context holds from the previous
+    turn (the prompt and its own reply), as llama.cpp's server does within a slot; `recompute`, its context cleared
+    before each turn: what a restarted llama.cpp server does (it keeps no KV across a restart unless a slot is saved
+    and restored by hand). One line per turn: {"mode", "turn", "ttft_s", "reused_tokens", "tokens"}."""
+    replies = job.spec["reply_tokens"]
+    llm, processors = _llama_cpp(job, max(len(p) for p in job.prompts) + max(replies) + 16)
+    for _ in llm.generate(job.warm_ids(), temp=0.0, reset=True, logits_processor=processors):
+        break
+    for mode in ("memory", "recompute"):
+        llm.reset()
+        for turn, (ids, n) in enumerate(zip(job.prompts, replies), 1):
+            if mode == "recompute":
+                llm.reset()
+            held = list(llm._input_ids[:llm.n_tokens])  # what the context holds: the reuse llama.cpp will find
+            reused = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
+            start, first, count = perf(), None, 0
+            for _ in llm.generate(ids, temp=0.0, reset=True, logits_processor=processors):
+                count += 1
+                first = first or perf()
+                if count == n:
+                    break
+            job.emit({"mode": mode, "turn": turn, "ttft_s": first - start, "reused_tokens": reused,
+                      "tokens": count})
+    job.finished()
+
+
+RUNNERS = {"hf": run_hf, "kvforge": run_kvforge, "vllm": run_vllm, "llama.cpp": run_llama_cpp,
+           "llama.cpp-chat": run_llama_cpp_chat}
 
 
 def main(argv: list[str]) -> int:

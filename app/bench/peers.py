@@ -53,6 +53,7 @@ from kvforge.app.bench.peer_engines import (
     STDERR_TAIL_LINES,
     Engine,
     EngineRun,
+    add_peer_options,
     find_peer,
     last_lines,
     say,
@@ -361,15 +362,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                        help="--shape's GGUF quantization: q4_0 (default), q4_k_m, q8_0, f16")
     peers.add_argument("--kvforge-4bit", default=None, metavar="DIR",
                        help="also kvforge on this 4-bit GPTQ / AWQ checkpoint in bf16 (e.g. from `kvforge quantize`)")
-    peers.add_argument("--peers-dir", default=None,
-                       help="where the peers' virtualenvs are: vllm/ and llama/ (default: $KVFORGE_PEERS_DIR or "
-                            "~/.cache/kvforge-peers)")
-    peers.add_argument("--vllm-python", default=None,
-                       help="the interpreter that has vLLM CPU (default: $KVFORGE_VLLM_PYTHON or the peers dir's)")
-    peers.add_argument("--llama-python", default=None,
-                       help="the interpreter that has llama-cpp-python (default: $KVFORGE_LLAMA_PYTHON or the "
-                            "peers dir's)")
-    peers.add_argument("--no-peers", action="store_true", help="HF and kvforge only: skip vLLM and llama.cpp")
+    add_peer_options(peers, ("vllm", "llama"), "HF and kvforge only: skip vLLM and llama.cpp")
     peers.add_argument("--rounds", type=int, default=1,
                        help="run every engine this many times, one after another in turn, and report the medians "
                             "(on a shared machine runs minutes apart differ by 10-30%%; default: 1)")

@@ -19,9 +19,11 @@ def report(embedded_path, tmp_path_factory) -> dict:
     so the test can check that the temporary data directory of the persisted mode is removed."""
     tmp = tmp_path_factory.mktemp("bench-chat-tmp")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TMPDIR=str(tmp))
+    # llama.cpp is no part of CI: pointed at an interpreter that does not exist, it must be reported as skipped
+    missing = tmp_path_factory.mktemp("no-peers-here") / "python"
     result = subprocess.run(
         [sys.executable, "-m", "kvforge.app.cli", "bench", "chat", "--turns", str(TURNS), "--reply-tokens", "8",
-         "--user-tokens", "40", "--kv-cache-gb", "0.25", "--json"],
+         "--user-tokens", "40", "--kv-cache-gb", "0.25", "--llama-python", str(missing), "--json"],
         capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert list(tmp.iterdir()) == []
@@ -73,3 +75,16 @@ def test_bad_arguments_are_a_clear_error(capsys):
     assert "--turns" in capsys.readouterr().err
     assert main(["bench", "chat", "--kv-cache-gb", "0"]) == 2
     assert "--kv-cache-gb must be > 0" in capsys.readouterr().err
+
+
+def test_llama_cpp_is_reported_as_skipped_where_it_cannot_run(report, tmp_path):
+    assert report["llama_cpp"]["status"] == "skipped"
+    assert "no-peers-here" in report["llama_cpp"]["why"] and "--llama-python" in report["llama_cpp"]["why"]
+    assert all(t["llama_cpp"] is None for t in report["per_turn"])
+    # a model that is no GGUF file: llama.cpp cannot be given it, whatever is installed
+    import argparse
+
+    from kvforge.app.bench.chat import _llama_cpp_turns
+
+    args = argparse.Namespace(model=str(tmp_path), no_peers=False, llama_python=None, peers_dir=None)
+    assert _llama_cpp_turns(args, {}) == {"status": "skipped", "why": "llama.cpp runs GGUF files only"}
