@@ -1034,21 +1034,27 @@ static void exact_weights_any(int type, const uint8_t *row, int cols, float *w) 
 #undef CALL
 }
 
-// sums[r][o] (row stride `stride`) = x[r] . w[o] for rows of x [0, xrows) and `count` (<= PANEL) panel rows
+// sums[r][o] (row stride `stride`) = x[r] . w[o] for rows of x [0, xrows) and `count` (<= PANEL) panel rows: XR
+// rows of x x 4 panel rows of accumulators in registers (each (r, o) summed in exact_rows' order: lane l over
+// k = l mod 8, then hsum8_fixed)
+#define PANEL_XR 3
 static void panel_dot(const float *w, int count, const float *x, int xrows, int cols, float *sums, int64_t stride) {
-    for (int r0 = 0; r0 < xrows; r0 += 2) {
-        const int nr = xrows - r0 < 2 ? 1 : 2;
-        const float *xa = x + (size_t)r0 * cols, *xb = x + (size_t)(r0 + nr - 1) * cols;
-        for (int o0 = 0; o0 < count; o0 += 4) {  // a 2 x 4 register tile
-            __m256 acc[2][4];
-            for (int r = 0; r < 2; r++)
+    for (int r0 = 0; r0 < xrows; r0 += PANEL_XR) {
+        const int nr = xrows - r0 < PANEL_XR ? xrows - r0 : PANEL_XR;
+        const float *xr[PANEL_XR];
+        for (int r = 0; r < PANEL_XR; r++) xr[r] = x + (size_t)(r0 + (r < nr ? r : nr - 1)) * cols;
+        for (int o0 = 0; o0 < count; o0 += 4) {
+            __m256 acc[PANEL_XR][4];
+            for (int r = 0; r < PANEL_XR; r++)
                 for (int o = 0; o < 4; o++) acc[r][o] = _mm256_setzero_ps();
+            const float *wr[4];
+            for (int o = 0; o < 4; o++) wr[o] = w + (size_t)(o0 + o < count ? o0 + o : o0) * cols;
             for (int k = 0; k < cols; k += 8) {
-                const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
+                __m256 v[PANEL_XR];
+                for (int r = 0; r < PANEL_XR; r++) v[r] = _mm256_loadu_ps(xr[r] + k);
                 for (int o = 0; o < 4; o++) {
-                    const __m256 wv = _mm256_loadu_ps(w + (size_t)(o0 + o < count ? o0 + o : o0) * cols + k);
-                    acc[0][o] = _mm256_fmadd_ps(wv, va, acc[0][o]);
-                    acc[1][o] = _mm256_fmadd_ps(wv, vb, acc[1][o]);
+                    const __m256 wv = _mm256_loadu_ps(wr[o] + k);
+                    for (int r = 0; r < PANEL_XR; r++) acc[r][o] = _mm256_fmadd_ps(wv, v[r], acc[r][o]);
                 }
             }
             for (int r = 0; r < nr; r++)
