@@ -109,21 +109,23 @@ def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype, activations):
     assert (portable - batch).abs().max() <= 1e-5 * batch.abs().max()
 
 
-def test_fused_segments_of_mixed_types_and_strided_rows():
-    """q / k / v of a Q4_K_M file: Q4_K, Q4_K, Q6_K side by side in one output; x in bf16 with a row stride (a
-    slice of a wider tensor); a segment that is a row slice of a bigger tensor (tensor parallelism)."""
+@pytest.mark.parametrize("activations", list(QUANTIZED))
+def test_fused_segments_of_mixed_types_and_strided_rows(activations):
+    """q / k / v of a Q4_K_M file: Q4_K, Q4_K, Q6_K side by side in one output (in int16 x is kept in two layouts,
+    natural for Q4_K and slot order for Q6_K); x in bf16 with a row stride (a slice of a wider tensor); a segment that
+    is a row slice of a bigger tensor (tensor parallelism)."""
     parts = [(T.Q4_K, random_blocks(T.Q4_K, 32, 512, seed=4)), (T.Q4_K, random_blocks(T.Q4_K, 8, 512, seed=5)),
              (T.Q6_K, random_blocks(T.Q6_K, 16, 512, seed=6)[4:12])]
     weights = GgufSegments([(int(t), torch.from_numpy(r)) for t, r in parts], 512)
     wide = torch.randn(3, 700).to(torch.bfloat16)
     x = wide[:, 100:612]
-    got = gguf_linear(x, weights, activations="int8")
+    got = gguf_linear(x, weights, activations=activations)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 48)
-    separate = torch.cat([gguf_linear(x, GgufSegments([(int(t), torch.from_numpy(r))], 512), activations="int8")
+    separate = torch.cat([gguf_linear(x, GgufSegments([(int(t), torch.from_numpy(r))], 512), activations=activations)
                           for t, r in parts], 1)
     assert torch.equal(got, separate)
     reference = torch.cat([torch.from_numpy(dequantize(r, t)) for t, r in parts]).double()
-    bound = torch.cat([error_bound(x.float(), r, t) for t, r in parts], 1)
+    bound = torch.cat([error_bound(x.float(), r, t, activations) for t, r in parts], 1)
     # bf16 output: one more rounding (2^-8 relative)
     assert ((got.double() - x.double() @ reference.T).abs() <= bound + got.double().abs() / 256).all()
 
