@@ -51,11 +51,10 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
     """Return a directory holding config.json, the tokenizer and the weights: safetensors, or for a GGUF source (the
     embedded default is one) a dense safetensors conversion, or with `native_gguf` an index of the GGUF file whose
     weights are then read from the file itself, in place (core/gguf_source.py; the `gguf` quant method)."""
-    if model in EMBEDDED_ALIASES:
-        return _from_gguf(embedded_gguf_path(), native_gguf)
+    gguf = gguf_file_of(model)
+    if gguf is not None:
+        return _from_gguf(gguf, native_gguf)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path, native_gguf)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model directory {path} has no config.json")

@@ -14,8 +14,7 @@ waves of B submitted at once (a wave starts when the previous one has finished),
 `output_tokens` tokens (EOS ignored), prefix caching off (every request computes its whole prompt). Each line
 written is either {"info": {...}} (the library's version, the load time, the memory after load and at the end:
 `memory()`) or a measurement {"batch", "requests", "generated_tokens", "wall_s", "ttft_s": [per request] | null,
-"tpot_s": [...] | null, "timing"} or
-{"batch", "skipped": why} for a batch the engine cannot run.
+"tpot_s": [...] | null, "timing"} or {"batch", "skipped": why} for a batch the engine cannot run.
 
 `kvforge bench chat` runs kind llama.cpp-chat the same way: its prompts are a conversation's turns, with
 reply_tokens (per turn) in place of batches (run_llama_cpp_chat).

@@ -249,9 +249,9 @@ static inline __attribute__((always_inline)) void widen_codes(const int IS_SIGNE
     }
 }
 
-// 32 codes (bytes) widened to int16 in natural order: lo codes 0-15, hi 16-31 (the layout of every type but Q6_K:
-// the codes of a 4-bit block widened straight from memory cost a third fewer instructions than the slot layout's
-// unpacks, a Q4_0 GEMV 18.9 -> 23 GB/s on Zen 2)
+// 32 codes (bytes) widened to int16 in natural order: lo codes 0-15, hi 16-31 (the layout of the types without
+// `slots`: the codes of a 4-bit block widened straight from memory cost a third fewer instructions than the slot
+// layout's unpacks, a Q4_0 GEMV 18.9 -> 23 GB/s on Zen 2)
 static inline __attribute__((always_inline)) void widen_natural(const int IS_SIGNED, __m256i c, __m256i *lo,
                                                                 __m256i *hi) {
     const __m128i low = _mm256_castsi256_si128(c), high = _mm256_extracti128_si256(c, 1);
@@ -443,7 +443,7 @@ static inline __attribute__((always_inline)) void sub_block(const int type, cons
 }
 
 // a sub-block's codes (32 bytes, signed or not) against `xrows` rows of x from row r0: its 8 scale lanes' int32 sums
-// (WIDE: 0 x in int8, 1 in int16 slot order, 2 in int16 natural order; WIDTH_OF picks it for a type)
+// (WIDE: 0 x in int8, 1 in int16 slot order, 2 in int16 natural order; width_of picks it for a type)
 static inline __attribute__((always_inline)) void code_dots(const int IS_SIGNED, const int WIDE, const int xrows,
                                                             __m256i c, const quantized_x *x, int r0, int cols, int s,
                                                             __m256i *ints) {
@@ -458,7 +458,12 @@ static inline __attribute__((always_inline)) void code_dots(const int IS_SIGNED,
         ints[r] = WIDE ? wide_dot(lo, hi, (WIDE == 1 ? x->q16s : x->q16) + (size_t)(r0 + r) * cols + s * SUB)
                        : narrow_dot(IS_SIGNED, c, magnitude, x->q + (size_t)(r0 + r) * cols + s * SUB);
 }
-#define WIDTH_OF(type, WIDE) ((WIDE) ? ((type) == GG_Q6_K || (type) == GG_Q5_K ? 1 : 2) : 0)
+// code_dots' WIDE for a type: x's layout is the block type's (`slots`) in int16
+static inline __attribute__((always_inline)) int width_of(const int type, const int WIDE) {
+    block_type t;
+    block_type_of(type, &t);
+    return WIDE ? (t.slots ? 1 : 2) : 0;
+}
 
 // codes already widened in natural order (lo: 0-15, hi: 16-31) against `xrows` rows of x in int16
 static inline __attribute__((always_inline)) void natural_dots(const int xrows, __m256i lo, __m256i hi,
@@ -488,7 +493,7 @@ static inline __attribute__((always_inline)) void small_block_dot(const int type
     __m256 lanes;
     float offset;
     sub_block(type, b, 0, &c, &lanes, &offset);
-    code_dots(t.signed_codes, WIDTH_OF(type, WIDE), xrows, c, x, r0, cols, s, ints);
+    code_dots(t.signed_codes, width_of(type, WIDE), xrows, c, x, r0, cols, s, ints);
     for (int r = 0; r < xrows; r++) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]),
                                  _mm256_mul_ps(lanes, _mm256_set1_ps(x->scale[(size_t)(r0 + r) * subs + s])), acc[r]);
@@ -605,7 +610,7 @@ static inline __attribute__((always_inline)) void k_block_dot(const int type, co
                                                       _mm256_set1_epi8(0x30));
                 const __m256i c = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
                 __m256i ints[2];
-                code_dots(1, WIDTH_OF(GG_Q6_K, WIDE), xrows, c, x, r0, cols, s0 + j, ints);
+                code_dots(1, width_of(GG_Q6_K, WIDE), xrows, c, x, r0, cols, s0 + j, ints);
                 for (int r = 0; r < xrows; r++) {
                     const __m256 lanes = _mm256_set_m128(_mm_broadcast_ss(table[r] + 2 * j + 1),
                                                          _mm_broadcast_ss(table[r] + 2 * j));
@@ -633,20 +638,14 @@ static inline __attribute__((always_inline)) void k_block_dot(const int type, co
     const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48);
     const __m256i qh = type == GG_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     if (WIDE && type == GG_Q4_K) {  // the codes widened straight from memory, in natural order (lo: 0-15, hi: 16-31)
-        const __m256i h[2] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(qh)),
-                              _mm256_cvtepu8_epi16(_mm256_extracti128_si256(qh, 1))};
         for (int i = 0; i < 4; i++) {
             const __m256i bytes[2] = {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + i * 32))),
                                       _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + i * 32 + 16)))};
             for (int half = 0; half < 2; half++) {
                 const int j = 2 * i + half;
                 __m256i codes[2];
-                for (int k = 0; k < 2; k++) {
+                for (int k = 0; k < 2; k++)
                     codes[k] = half ? _mm256_srli_epi16(bytes[k], 4) : _mm256_and_si256(bytes[k], _mm256_set1_epi16(15));
-                    if (type == GG_Q5_K)  // bit j of the zero-extended qh byte moved to bit 4
-                        codes[k] = _mm256_or_si256(codes[k], _mm256_and_si256(
-                            j <= 4 ? _mm256_slli_epi16(h[k], 4 - j) : _mm256_srli_epi16(h[k], j - 4), _mm256_set1_epi16(16)));
-                }
                 __m256i ints[2];
                 natural_dots(xrows, codes[0], codes[1], x, r0, cols, s0 + j, ints);
                 for (int r = 0; r < xrows; r++) {
@@ -665,7 +664,7 @@ static inline __attribute__((always_inline)) void k_block_dot(const int type, co
             if (type == GG_Q5_K)
                 c = _mm256_or_si256(c, fifth_of(qh, j));
             __m256i ints[2];
-            code_dots(0, WIDTH_OF(type, WIDE), xrows, c, x, r0, cols, s0 + j, ints);
+            code_dots(0, width_of(type, WIDE), xrows, c, x, r0, cols, s0 + j, ints);
             for (int r = 0; r < xrows; r++) {
                 __m256 *acc = half ? odd : even;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]), _mm256_broadcast_ss(table[r] + j), acc[r]);

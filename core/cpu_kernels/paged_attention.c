@@ -301,6 +301,17 @@ static void pv_avx2(const char *v_plane, const size_t *rows, int n, int G, int D
 }
 #endif
 
+// the SIMD path of this build, where there is one: qk / pv and the head sizes it takes (a multiple of SIMD_HEAD_DIM)
+#if defined(__AVX512F__)
+#define SIMD_HEAD_DIM 64
+#define qk_simd qk_avx512
+#define pv_simd pv_avx512
+#elif defined(__AVX2__)
+#define SIMD_HEAD_DIM 32
+#define qk_simd qk_avx2
+#define pv_simd pv_avx2
+#endif
+
 #define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                     \
     static void name(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, \
                      int D, float scale, float softcap, int dtype, size_t es, float *qf, float *acc, float *row,   \
@@ -346,19 +357,12 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
                 const char *k_plane = (const char *)cache + (size_t)h * plane * es;
                 const char *v_plane = (const char *)cache + (size_t)(kv_heads + h) * plane * es;
                 visible_rows(table, first, L, block_size, (size_t)D * es, rows);
-#if defined(__AVX512F__)
-                if (D % 64 == 0 && !portable) {  // four keys per reduction tree (the same math as attend())
-                    qk_avx512(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
+#if defined(SIMD_HEAD_DIM)
+                if (D % SIMD_HEAD_DIM == 0 && !portable) {  // four keys per reduction tree (the same math as attend())
+                    qk_simd(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
                     soft_cap(scores, (size_t)G * n, softcap);
                     softmax_rows(scores, G, n);
-                    pv_avx512(v_plane, rows, n, G, D, dtype, es, scores, acc);
-                } else
-#elif defined(__AVX2__)
-                if (D % 32 == 0 && !portable) {  // four keys per reduction tree (the same math as attend())
-                    qk_avx2(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
-                    soft_cap(scores, (size_t)G * n, softcap);
-                    softmax_rows(scores, G, n);
-                    pv_avx2(v_plane, rows, n, G, D, dtype, es, scores, acc);
+                    pv_simd(v_plane, rows, n, G, D, dtype, es, scores, acc);
                 } else
 #endif
                     run(q_row, k_plane, v_plane, rows, n, G, D, scale, softcap, dtype, es, qf, acc, row, scores);
