@@ -70,6 +70,13 @@ class QuantMethod(ABC):
         return None
 
     @classmethod
+    def exact_fp32(cls, options: dict[str, Any]) -> bool:
+        """Whether its linears compute in fp32 what the dense model's compute, bit for bit; where they do not, the
+        model's fp32 SiLU and RMSNorm may take the fused C kernels, which differ in the last bits
+        (core/layers/backend.py). True unless a method says otherwise."""
+        return True
+
+    @classmethod
     def options_for_checkpoint(cls, quantization_config: dict[str, Any]) -> dict[str, Any] | None:
         """The layout options a checkpoint whose config.json carries this `quantization_config` fixes;
         None when the checkpoint is not in this method's format (raise for a format it refuses)."""

@@ -139,7 +139,7 @@ class ModelRunner:
                              f"not on {torch.device(config.device).type}")
         options = quant_cls.validate_options(config.quant_options)
         kernels = resolve_kernels(config.kernels, torch.device(config.device))
-        with torch.device(config.device), kernel_backend(kernels):
+        with torch.device(config.device), kernel_backend(kernels, quant_cls.exact_fp32(options)):
             model = build_model(hf_config, config.torch_dtype, QuantConfig.for_checkpoint(
                 quant_cls, options, checkpoint_quantization(hf_config, model_path)), config.context_length(hf_config))
         load_weights(model, model_path, progress=progress,

@@ -25,15 +25,19 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.c, gguf_blocks.c; all include common.h
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# -fno-trapping-math: without it GCC keeps a clamp (`x > 87 ? 87 : x`) as a branch and leaves the loop around it
+# scalar (exp_clamped: SiLU 8192 values 42 -> ~4 us); it changes no computed value, only which floating-point
+# exception flags a loop may raise, and no kernel reads them
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32,
                         _F32, _I32, _I32, _I32],
-    "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32],
-    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32],
-    "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
+    "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32, _I32],
+    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
+    "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32],
+    "store_kv": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
@@ -144,47 +148,73 @@ def _run(kernel: str, *args) -> None:
     fn(*args)
 
 
-def fused_elementwise_for(x: torch.Tensor) -> bool:
-    """Whether the fused elementwise kernels (core/cpu_kernels/elementwise.c: bf16 only) take `x`: a bf16 CPU
-    tensor, where the kernels build."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and unavailable() is None
+FUSED_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # what the fused elementwise kernels take
 
 
-def _require_bf16(*tensors: torch.Tensor) -> None:
-    if any(t.dtype != torch.bfloat16 for t in tensors):
-        raise ValueError(f"the fused elementwise kernels take bfloat16 tensors, got {[t.dtype for t in tensors]}")
+def fused_elementwise_for(x: torch.Tensor, fp32: bool = False) -> bool:
+    """Whether the fused elementwise kernels (core/cpu_kernels/elementwise.c) take `x`: a bf16 CPU tensor, or an
+    fp32 one where `fp32` allows it (rotary: bit for bit torch's; SiLU / RMSNorm: where the model's linears are
+    not exact anyway, core/layers/backend.py), where the kernels build."""
+    return ((x.dtype == torch.bfloat16 or (fp32 and x.dtype == torch.float32)) and x.device.type == "cpu"
+            and unavailable() is None)
+
+
+def _fused_dtype(x: torch.Tensor, *others: torch.Tensor) -> int:
+    """The dtype code of the fused kernels' tensors: bf16 or fp32, all one dtype (checked cheaply: a decode step
+    calls these kernels ~100 times)."""
+    if x.dtype not in FUSED_DTYPES or any(t.dtype != x.dtype for t in others):
+        raise ValueError(f"the fused elementwise kernels take bfloat16 or float32 tensors, all one dtype, got "
+                         f"{[t.dtype for t in (x, *others)]}")
+    return DTYPE_CODES[x.dtype]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused gate_up projection x [rows, 2 * inter] (bf16, unit column stride)."""
-    _require_bf16(x)
+    """silu(gate) * up of the fused gate_up projection x [rows, 2 * inter] (bf16 / fp32, unit column stride)."""
+    dtype = _fused_dtype(x)
     rows, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, inter)
-    _run("silu_and_mul", x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+    _run("silu_and_mul", x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, dtype, torch.get_num_threads())
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """RMSNorm of x (+ residual) [rows, hidden], contiguous bf16 (the weight too): norm(x + residual), and
+    """RMSNorm of x (+ residual) [rows, hidden], contiguous bf16 / fp32 (the weight too): norm(x + residual), and
     x + residual when a residual is given (then a tuple), as core/layers/norm.py's torch path computes them."""
-    _require_bf16(x, weight, *([] if residual is None else [residual]))
+    dtype = _fused_dtype(x, weight, *([] if residual is None else [residual]))
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
     _run("add_rms_norm", x.data_ptr(), None if residual is None else residual.data_ptr(),
          None if total is None else total.data_ptr(), out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
-         torch.get_num_threads())
+         dtype, torch.get_num_threads())
     return out if residual is None else (out, total)
 
 
 def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """core/layers/rotary.apply_rotary written back into x (bf16 [tokens, heads, head_dim], heads contiguous within
-    a row, e.g. the q|k columns of a fused qkv output) and returned; cos, sin [tokens, 1, head_dim] bf16."""
-    _require_bf16(x, cos, sin)
+    """core/layers/rotary.apply_rotary written back into x (bf16 / fp32 [tokens, heads, head_dim], heads contiguous
+    within a row, e.g. the q|k columns of a fused qkv output) and returned; cos, sin [tokens, 1, head_dim], x's
+    dtype."""
+    dtype = _fused_dtype(x, cos, sin)
     rows, heads, head_dim = x.shape
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
-    _run("rotary", x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+    _run("rotary", x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, dtype,
          torch.get_num_threads())
     return x
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor) -> None:
+    """The step's new K and V [tokens, kv_heads, head_dim] (heads contiguous within a row, any row stride: e.g. the
+    columns of a fused qkv output) written into one layer's contiguous paged cache at `rows` (int64, one per
+    (K/V, token, head), indexing the cache viewed as [-1, head_dim]): torch's stack + index_copy_ in one pass.
+    The rows come from the runner (in range by construction); they are not checked here."""
+    tokens, kv_heads, head_dim = k.shape
+    if not (k.dtype == v.dtype == cache.dtype and k.dtype in DTYPE_CODES and k.shape == v.shape
+            and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
+            and rows.dtype == torch.int64 and rows.numel() == 2 * tokens * kv_heads
+            and cache.is_contiguous() and rows.is_contiguous()):
+        raise ValueError("store_kv: k / v [tokens, kv_heads, head_dim] with heads contiguous, a contiguous cache of "
+                         "their dtype, int64 rows, one per (K/V, token, head)")
+    _run("store_kv", k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache.data_ptr(), rows.data_ptr(), tokens,
+         kv_heads, head_dim, DTYPE_CODES[k.dtype])
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

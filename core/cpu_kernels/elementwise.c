@@ -1,58 +1,78 @@
-// Fused elementwise ops of the decoder layer on CPU, for bf16 models: one pass over the rows where torch takes
-// several (each a pass over memory, with a conversion to fp32 and back). Each keeps the rounding steps of the
-// torch path it replaces (core/layers/activation.py, core/layers/norm.py, core/layers/rotary.py): every value
-// torch writes in bf16 is rounded to bf16 here too, so the results equal torch's except where an fp32 exp or a
-// sum order moves a value across a rounding boundary. bf16 only: fp32 keeps torch's ops (bit-identical to the
-// reference), and GCC 12 does not vectorise such loops over _Float16.
+// Fused elementwise ops of the decoder layer on CPU: one pass over the rows where torch takes several (each a
+// pass over memory, in bf16 with a conversion to fp32 and back, and each op's dispatch: ~20-30 us a call on a
+// decode step's one row, where the kernel takes a few). In bf16 each keeps the rounding steps of the torch path it
+// replaces (core/layers/activation.py, core/layers/norm.py, core/layers/rotary.py): every value torch writes in
+// bf16 is rounded to bf16 here too, so the results equal torch's except where an fp32 exp or a sum order moves a
+// value across a rounding boundary. In fp32 rotary equals torch's bit for bit (products and sum rounded as torch
+// rounds them: no fused multiply-add, see below); SiLU's exp and RMSNorm's sum order differ from torch's in the
+// last bits, so the layers take those two in fp32 only where the model's linears are not exact anyway
+// (core/layers/backend.py). fp16 is not offered: GCC 12 does not vectorise such loops over _Float16.
 #include <math.h>
+#include <string.h>
 
 #include "common.h"
 
+// what torch keeps of a value it writes in the tensor's dtype: bf16's rounding, or the fp32 value itself
+#define KEPT(dtype, v) ((dtype) == BF16 ? round_bf16(v) : (v))
+
 // out[t, i] = silu(x[t, i]) * x[t, inter + i]: x the fused gate_up projection [rows, 2 * inter] (row stride
-// x_stride), out [rows, inter]. As torch: silu in fp32 rounded to bf16, the product rounded again.
-void kvf_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t inter, int32_t threads) {
+// x_stride, elements), out [rows, inter]. As torch: silu in fp32 (kept in the dtype), times up, kept again.
+void kvf_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t inter, int32_t dtype,
+                      int32_t threads) {
+    const size_t size = dtype_size(dtype);
 #pragma omp parallel num_threads(threads) if (rows * inter >= 32768)
     {
         float *gate = scratch_floats(inter), *up = scratch_floats(inter);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
-            const uint16_t *row = (const uint16_t *)x + t * x_stride;
-            load_row(row, BF16, inter, gate);
-            load_row(row + inter, BF16, inter, up);
+            const char *row = (const char *)x + t * x_stride * size;
+            load_row(row, dtype, inter, gate);
+            load_row(row + inter * size, dtype, inter, up);
+            if (dtype == BF16) {
 #pragma omp simd
-            for (int i = 0; i < inter; i++) gate[i] = round_bf16(gate[i] / (1.0f + exp_clamped(-gate[i]))) * up[i];
-            store_row(gate, BF16, inter, (uint16_t *)out + t * inter);
+                for (int i = 0; i < inter; i++) gate[i] = round_bf16(gate[i] / (1.0f + exp_clamped(-gate[i]))) * up[i];
+            } else {
+#pragma omp simd
+                for (int i = 0; i < inter; i++) gate[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+            }
+            store_row(gate, dtype, inter, (char *)out + t * inter * size);
         }
         free(gate);
         free(up);
     }
 }
 
-// RMSNorm with the residual add fused (residual may be NULL): sum = x + residual rounded to bf16 (written to
-// sum_out unless NULL), out = weight * round(sum * rsqrt(mean(sum^2) + eps)), rounded. Rows contiguous, `hidden`
-// values each.
+// RMSNorm with the residual add fused (residual may be NULL): sum = x + residual kept in the dtype (written to
+// sum_out unless NULL), out = weight * kept(sum * rsqrt(mean(sum^2) + eps)), kept. Rows contiguous, `hidden`
+// values each; the weight in the same dtype.
 void kvf_add_rms_norm(const void *x, const void *residual, void *sum_out, void *out, const void *weight,
-                      int64_t rows, int32_t hidden, float eps, int32_t threads) {
+                      int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t threads) {
+    const size_t size = dtype_size(dtype);
 #pragma omp parallel num_threads(threads) if (rows * hidden >= 32768)
     {
         float *s = scratch_floats(hidden), *r = scratch_floats(hidden), *w = scratch_floats(hidden);
-        load_row(weight, BF16, hidden, w);
+        load_row(weight, dtype, hidden, w);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
-            load_row((const uint16_t *)x + t * hidden, BF16, hidden, s);
+            load_row((const char *)x + t * hidden * size, dtype, hidden, s);
             if (residual != NULL) {
-                load_row((const uint16_t *)residual + t * hidden, BF16, hidden, r);
+                load_row((const char *)residual + t * hidden * size, dtype, hidden, r);
+                if (dtype == BF16) {
 #pragma omp simd
-                for (int i = 0; i < hidden; i++) s[i] = round_bf16(s[i] + r[i]);
-                if (sum_out != NULL) store_row(s, BF16, hidden, (uint16_t *)sum_out + t * hidden);
+                    for (int i = 0; i < hidden; i++) s[i] = round_bf16(s[i] + r[i]);
+                } else {
+#pragma omp simd
+                    for (int i = 0; i < hidden; i++) s[i] += r[i];
+                }
+                if (sum_out != NULL) store_row(s, dtype, hidden, (char *)sum_out + t * hidden * size);
             }
             float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
             for (int i = 0; i < hidden; i++) squares += s[i] * s[i];
             const float rstd = 1.0f / sqrtf(squares / (float)hidden + eps);
 #pragma omp simd
-            for (int i = 0; i < hidden; i++) r[i] = w[i] * round_bf16(s[i] * rstd);
-            store_row(r, BF16, hidden, (uint16_t *)out + t * hidden);
+            for (int i = 0; i < hidden; i++) r[i] = w[i] * KEPT(dtype, s[i] * rstd);
+            store_row(r, dtype, hidden, (char *)out + t * hidden * size);
         }
         free(s);
         free(r);
@@ -61,34 +81,61 @@ void kvf_add_rms_norm(const void *x, const void *residual, void *sum_out, void *
 }
 
 // Rotary embedding in place: x [rows, heads, D] with row stride x_stride and head stride D (elements); cos, sin
-// [rows, D] contiguous. As torch's apply_rotary: x * cos + rotate_half(x) * sin, each product and the sum rounded
-// to bf16 (rotate_half(x) = (-x[D/2:], x[:D/2])).
+// [rows, D] contiguous. As torch's apply_rotary: x * cos + rotate_half(x) * sin, each product and the sum kept in
+// the dtype (rotate_half(x) = (-x[D/2:], x[:D/2])). The products go through memory (p, q) and are summed in a loop
+// of their own: written as one expression GCC would fuse a product into the sum (an FMA rounds once where torch
+// rounds twice), and fp32 would no longer equal torch's bits.
 void kvf_rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t rows, int32_t heads,
-                int32_t head_dim, int32_t threads) {
+                int32_t head_dim, int32_t dtype, int32_t threads) {
     const int half = head_dim / 2;
+    const size_t size = dtype_size(dtype);
 #pragma omp parallel num_threads(threads) if (rows * heads * head_dim >= 32768)
     {
         float *c = scratch_floats(head_dim), *s = scratch_floats(head_dim), *v = scratch_floats(head_dim),
-              *o = scratch_floats(head_dim);
+              *p = scratch_floats(head_dim), *q = scratch_floats(head_dim);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
-            load_row((const uint16_t *)cos + t * head_dim, BF16, head_dim, c);
-            load_row((const uint16_t *)sin + t * head_dim, BF16, head_dim, s);
+            load_row((const char *)cos + t * head_dim * size, dtype, head_dim, c);
+            load_row((const char *)sin + t * head_dim * size, dtype, head_dim, s);
             for (int h = 0; h < heads; h++) {
-                uint16_t *row = (uint16_t *)x + t * x_stride + (size_t)h * head_dim;
-                load_row(row, BF16, head_dim, v);
+                char *row = (char *)x + (t * x_stride + (int64_t)h * head_dim) * size;
+                load_row(row, dtype, head_dim, v);
 #pragma omp simd
-                for (int i = 0; i < half; i++)
-                    o[i] = round_bf16(round_bf16(v[i] * c[i]) + round_bf16(-v[i + half] * s[i]));
+                for (int i = 0; i < half; i++) {
+                    p[i] = KEPT(dtype, v[i] * c[i]);
+                    q[i] = KEPT(dtype, -v[i + half] * s[i]);
+                }
 #pragma omp simd
-                for (int i = half; i < head_dim; i++)
-                    o[i] = round_bf16(round_bf16(v[i] * c[i]) + round_bf16(v[i - half] * s[i]));
-                store_row(o, BF16, head_dim, row);
+                for (int i = half; i < head_dim; i++) {
+                    p[i] = KEPT(dtype, v[i] * c[i]);
+                    q[i] = KEPT(dtype, v[i - half] * s[i]);
+                }
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) p[i] = KEPT(dtype, p[i] + q[i]);
+                store_row(p, dtype, head_dim, row);
             }
         }
         free(c);
         free(s);
         free(v);
-        free(o);
+        free(p);
+        free(q);
+    }
+}
+
+// The step's new K and V written into one layer's paged cache: k, v [tokens, kv_heads, D] (row strides in elements;
+// heads contiguous within a row, e.g. the columns of a fused qkv output), rows[(plane * tokens + t) * kv_heads + h]
+// the cache row ([2 * kv_heads * slots, D] view) of token t's head h, plane 0 K, 1 V. torch's stack + index_copy_
+// took ~18 us a layer for one token; this is a few hundred bytes copied.
+void kvf_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *cache, const int64_t *rows,
+                  int64_t tokens, int32_t kv_heads, int32_t head_dim, int32_t dtype) {
+    const size_t size = dtype_size(dtype), bytes = (size_t)head_dim * size;
+    for (int plane = 0; plane < 2; plane++) {
+        const char *src = plane ? (const char *)v : (const char *)k;
+        const int64_t row_stride = plane ? v_stride : k_stride;
+        for (int64_t t = 0; t < tokens; t++)
+            for (int h = 0; h < kv_heads; h++)
+                memcpy((char *)cache + rows[(plane * tokens + t) * kv_heads + h] * bytes,
+                       src + (t * row_stride + (int64_t)h * head_dim) * size, bytes);
     }
 }

@@ -1,6 +1,7 @@
 """RMSNorm, with the residual add fused in (the decoder layer's add-then-normalise pattern); one Triton
-kernel does both when the model is built with the Triton kernels, and on CPU in bf16 one pass of the C
-kernel (core/cpu_kernels/elementwise.c, the same roundings as the torch ops below)."""
+kernel does both when the model is built with the Triton kernels, and on CPU one pass of the C kernel
+(core/cpu_kernels/elementwise.c): in bf16 with the same roundings as the torch ops below, in fp32 where the
+model's linears are not exact anyway (core/layers/backend.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.core.cpu_kernels import add_rms_norm, fused_elementwise_for
-from kvforge.core.layers.backend import use_triton
+from kvforge.core.layers.backend import fused_fp32_elementwise, use_triton
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.fused = None  # the Triton kernel (norm and residual add in one), when the model is built with them
+        self.fp32_kernel = fused_fp32_elementwise()  # the C kernel in fp32 too
         if use_triton():
             from kvforge.core.kernels.fused import rms_norm
 
@@ -39,7 +41,7 @@ class RMSNorm(nn.Module):
             out, total = self.fused(x.reshape(-1, shape[-1]), self.weight, self.eps, residual.reshape(-1, shape[-1]))
             return out.view(shape), total.view(shape)
         if (x.dim() == 2 and x.is_contiguous() and (residual is None or residual.is_contiguous())
-                and self.weight.dtype == x.dtype and fused_elementwise_for(x)):
+                and self.weight.dtype == x.dtype and fused_elementwise_for(x, self.fp32_kernel)):
             return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)

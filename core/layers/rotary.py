@@ -78,13 +78,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary; in place, one pass of the C kernel where it takes x (bf16 on CPU, heads contiguous), with the
-    same roundings (core/cpu_kernels/elementwise.c). cos / sin narrower than a head (a partial rotary factor): the
-    first dimensions turn, in place, the rest pass."""
+    """apply_rotary; in place, one pass of the C kernel where it takes x (bf16 / fp32 on CPU, heads contiguous), with
+    the same roundings: its results are torch's bit for bit (core/cpu_kernels/elementwise.c). cos / sin narrower
+    than a head (a partial rotary factor): the first dimensions turn, in place, the rest pass."""
     turned = cos.shape[-1]
     if turned < x.shape[-1]:
         x[..., :turned] = apply_rotary(x[..., :turned], cos, sin)
         return x
-    if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and fused_elementwise_for(x):
+    if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and fused_elementwise_for(x, fp32=True):
         return rotary_inplace(x, cos, sin)
     return apply_rotary(x, cos, sin)

@@ -213,6 +213,10 @@ class GgufMethod(DenseMethod):
     def options_for_checkpoint(cls, quantization_config: dict[str, Any]) -> dict[str, Any] | None:
         return {} if quantization_config.get("quant_method") == "gguf" else None
 
+    @classmethod
+    def exact_fp32(cls, options: dict[str, Any]) -> bool:
+        return options["kernel"] == "dense"  # the blocks' sums (and int16 x) are not torch's matmul
+
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
         # filled by _load_blocks with views of the file, one per projection (shard), never copied
         param = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
@@ -409,8 +413,8 @@ class GgufMethod(DenseMethod):
             if activations == "auto":
                 activations = "int16" if x.numel() <= layer.int16_rows * x.shape[-1] else "fp32"
             out = gguf_linear(x, layer.segments, activations=activations)
-            if layer.output_order is not None:
-                out = out[..., layer.output_order]
+            if layer.output_order is not None:  # index_select: half the time of out[..., order] (9 vs 19 us)
+                out = torch.index_select(out, -1, layer.output_order)
             return out if bias is None else out + bias.to(out.dtype)
         if layer.triton is not None:
             from kvforge.plugins.quant.triton_gemm import dequant_gemm

@@ -124,3 +124,63 @@ def test_fused_elementwise_kernels_equal_torchs_ops_bit_for_bit_in_bf16():
     v = fused_qkv[:, 12:].clone()
     assert torch.equal(rotate(fused_qkv[:, :12], cos, sin), expected)
     assert torch.equal(fused_qkv[:, :12], expected) and torch.equal(fused_qkv[:, 12:], v)  # in place, v untouched
+
+
+def test_fp32_rotary_equals_torchs_bit_for_bit_and_silu_norm_take_fp32_only_where_linears_are_inexact():
+    """fp32: rotary takes the C kernel on every model (its products and sum round as torch's do: equal bits over
+    many values, where an FMA would differ); SiLU and RMSNorm take theirs only in layers built with
+    exact_fp32=False (a quant method whose linears are not the dense model's), within a few ulps of torch's."""
+    import torch.nn.functional as F
+
+    from kvforge.core.layers.activation import SiluAndMul
+    from kvforge.core.layers.backend import kernel_backend
+    from kvforge.core.layers.norm import RMSNorm
+    from kvforge.core.layers.rotary import apply_rotary, rotate
+
+    torch.manual_seed(3)
+    fused_qkv = torch.randn(41, 15, 64) * 5
+    cos, sin = torch.randn(41, 1, 64), torch.randn(41, 1, 64)
+    expected = apply_rotary(fused_qkv[:, :12].clone(), cos, sin)
+    v = fused_qkv[:, 12:].clone()
+    assert torch.equal(rotate(fused_qkv[:, :12], cos, sin), expected)
+    assert torch.equal(fused_qkv[:, :12], expected) and torch.equal(fused_qkv[:, 12:], v)
+
+    gate_up, x, residual = torch.randn(37, 2 * 160) * 4, torch.randn(37, 96), torch.randn(37, 96)
+    weight = torch.rand(96) + 0.5
+    silu = F.silu(gate_up[:, :160]) * gate_up[:, 160:]
+    norm_out = F.rms_norm(x + residual, (96,), weight, 1e-5)
+    for exact in (True, False):
+        with kernel_backend("torch", exact_fp32=exact):
+            act, norm = SiluAndMul(), RMSNorm(96, 1e-5)
+        norm.weight.copy_(weight)
+        out, total = norm(x, residual)
+        assert torch.equal(total, x + residual)
+        if exact:  # torch's own ops
+            assert torch.equal(act(gate_up), silu) and torch.equal(out, norm_out)
+        else:  # the kernels: the exp and the sum order differ in the last bits, not more
+            assert not torch.equal(act(gate_up), silu) or not torch.equal(out, norm_out)
+            torch.testing.assert_close(act(gate_up), silu, rtol=2e-6, atol=1e-6)
+            torch.testing.assert_close(out, norm_out, rtol=2e-6, atol=1e-6)
+            torch.testing.assert_close(norm(x), F.rms_norm(x, (96,), weight, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_writes_what_stack_and_index_copy_write(dtype):
+    """The new K / V of a step, read from a fused qkv output's columns (strided rows) and from a separate tensor,
+    land in the cache rows torch's stack + index_copy_ fills; nothing else changes."""
+    from kvforge.core.cpu_kernels import store_kv
+
+    torch.manual_seed(4)
+    tokens, kv_heads, head_dim, slots = 3, 4, 32, 40
+    qkv = torch.randn(tokens, (8 + 2 * kv_heads) * head_dim).to(dtype)
+    k = qkv[:, 8 * head_dim: (8 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (8 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim).clone()  # its own row stride
+    cache = torch.randn(2, kv_heads, slots // 8, 8, head_dim).to(dtype)
+    planes = torch.arange(2 * kv_heads).view(2, 1, kv_heads, 1) * slots
+    rows = (planes + torch.tensor([5, 17, 39]).view(1, -1, 1, 1)).view(-1)
+    expected = cache.clone()
+    expected.view(-1, head_dim).index_copy_(0, rows, torch.stack((k, v)).view(-1, head_dim))
+    store_kv(k, v, cache, rows)
+    assert torch.equal(cache, expected)
+    with pytest.raises(ValueError, match="store_kv"):
+        store_kv(k, v.float() if dtype != torch.float32 else v.half(), cache, rows)
