@@ -23,7 +23,7 @@ from kvforge.app.bench.workloads import chat_messages
 OP_CLASSES = {
     "linears": ("linear", "addmm", "mm", "matmul", "mkldnn_linear", "_weight_int4pack_mm", "_weight_int8pack_mm",
                 "_weight_int4pack_mm_for_cpu", "mkldnn_rnn_layer", "_linear_pointwise", "linear_prepacked",
-                "matmul_nbits", "embedding", "gguf_linear", "gguf_linear_exact", "gguf_float_linear", "gguf_dequant",
+                "matmul_nbits", "embedding", "gguf_linear", "gguf_linear_exact", "gguf_dequant",
                 "int8_linear", "dequant_int4", "dequant_int8"),
     "attention math": ("bmm", "baddbmm", "_softmax", "softmax", "scaled_dot_product_attention",
                        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",

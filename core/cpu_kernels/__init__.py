@@ -44,7 +44,6 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
-    "gguf_float_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _I64, _I64, _PTR, _I64, _I32],
 }
 
 
@@ -336,18 +335,11 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False,
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weights.out_features, dtype=rows.dtype)
     bits = GGUF_ACTIVATIONS[activations]
-    if rows.shape[0] and weights.floats:  # fp32 math on x as given, weight rows converted as they are read
-        column = 0
-        for qtype, blocks in weights.parts:
-            _run("gguf_float_linear", rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype],
-                 qtype, blocks.data_ptr(), blocks.stride(0), blocks.shape[0], out[:, column:].data_ptr(),
-                 out.stride(0), torch.get_num_threads())
-            column += blocks.shape[0]
-    elif rows.shape[0]:
+    if rows.shape[0]:
         args = (rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype], len(weights.parts),
                 weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
                 torch.get_num_threads(), portable)
-        if bits:
+        if bits and not weights.floats:  # float weights: always fp32 math on x as given
             _run("gguf_linear", *args, bits)
         else:
             _run("gguf_linear_exact", *args)

@@ -138,18 +138,22 @@ def test_layout_errors_are_named():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_float_weights_are_read_in_place(dtype):
-    """F32 / F16 / BF16 weights (their bytes as the file holds them): fp32 math on x as given, each row's result
-    independent of the batch; rows read back as their values."""
+@pytest.mark.parametrize("cols", [200, 203])  # 203: the last cols % 8 products after the lanes' sum (portable path)
+def test_float_weights_are_read_in_place(dtype, cols):
+    """F32 / F16 / BF16 weights (their bytes as the file holds them): fp32 math on x as given, through the same
+    paths as the block types (rows converted in registers for a few rows of x, a converted panel for many, the
+    portable loops), each row's result independent of the batch and of the path; rows read back as their values."""
     qtype = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}[dtype]
-    weight = (torch.randn(37, 200) * 0.02).to(dtype)
+    weight = (torch.randn(37, cols) * 0.02).to(dtype)
     raw = weight.view(torch.uint8)
-    segments = GgufSegments([(qtype, raw[:20]), (qtype, raw[20:])], 200)
-    x = torch.randn(6, 200)
+    segments = GgufSegments([(qtype, raw[:20]), (qtype, raw[20:])], cols)
+    x = torch.randn(70, cols)  # more rows than one chunk of the panel path
     got = gguf_linear(x, segments)
     expected = x.double() @ weight.double().T
     assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], segments) for i in range(6)]), got)
-    assert torch.equal(gguf_dequant(qtype, raw, 200, torch.tensor([3, 36])), weight[[3, 36]].float())
+    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], segments) for i in range(6)]), got[:6])
+    assert torch.equal(gguf_linear(x[:3], segments), got[:3])
+    assert torch.equal(gguf_linear(x, segments, portable=True), got)
+    assert torch.equal(gguf_dequant(qtype, raw, cols, torch.tensor([3, 36])), weight[[3, 36]].float())
     with pytest.raises(ValueError, match="float and block types"):
-        GgufSegments([(qtype, raw), (int(T.Q8_0), torch.from_numpy(random_blocks(T.Q8_0, 4, 224)))], 200)
+        GgufSegments([(qtype, raw), (int(T.Q8_0), torch.from_numpy(random_blocks(T.Q8_0, 4, 224)))], cols)
