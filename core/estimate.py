@@ -41,27 +41,43 @@ def parameter_count(hf_config) -> int:
     return vocab * hidden + linear_parameter_count(c) + layers * per_layer_rest + hidden + head
 
 
+def _dense_linear_bytes(hf_config, torch_dtype: torch.dtype, quant: QuantConfig | None) -> int | None:
+    """Bytes per weight of a dense model's linears where the dense method keeps a bf16 / fp16 checkpoint's dtype in
+    an fp32 model (plugins/quant/dense.py, `weights: auto`; the config's dtype names the checkpoint's); else None."""
+    from kvforge.plugins.quant.dense import NARROW_FLOATS
+
+    if torch_dtype != torch.float32 or (quant is not None and (quant.method.name != "none" or
+                                                                quant.options.get("weights", "auto") != "auto")):
+        return None
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    stored = DTYPES.get(stored) if isinstance(stored, str) else stored
+    return stored.itemsize if stored in NARROW_FLOATS else None
+
+
 def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConfig | None = None,
                     tp_size: int = 1) -> dict:
     """Bytes of weights and of the KV cache for `context_tokens` tokens. Each projection takes the bits per
     weight `quant` stores it in (its method's figure, scales included) or, when `quant` keeps it dense (the
-    modules_to_not_convert) or there is no `quant`, the dtype's size; embeddings, norms and the LM head stay in
-    `dtype` (a tied head is held twice: the embedding and the head's packed copy), and so does the KV cache."""
+    modules_to_not_convert) or there is no `quant`, the dtype's size (a bf16 / fp16 checkpoint's in an fp32 model that
+    keeps them so, as the head too); embeddings and norms stay in `dtype` (a tied head is held twice: the embedding
+    and the head's own copy), and so does the KV cache."""
     torch_dtype = DTYPES[resolve_dtype(dtype)]
     element = torch.empty((), dtype=torch_dtype).element_size()
+    linear_element = _dense_linear_bytes(hf_config, torch_dtype, quant) or element
     quant = quant.with_packed_modules(LlamaForCausalLM.packed_modules_mapping) if quant is not None else None
 
     def projection_bytes(size: int = 1, rank: int = 0) -> float:
         total = 0.0
         for prefix, count in projection_weights(hf_config, size, rank).items():
             bits = quant.bits_per_weight(prefix) if quant is not None else None
-            total += count * (bits / 8 if bits else element)
+            total += count * (bits / 8 if bits else linear_element)
         return total
 
     params, linear, projections = parameter_count(hf_config), linear_parameter_count(hf_config), projection_bytes()
-    weights = (params - linear) * element + projections
-    if getattr(hf_config, "tie_word_embeddings", False):  # the LM head keeps its own prepacked copy (speed)
-        weights += hf_config.vocab_size * hf_config.hidden_size * element
+    head = hf_config.vocab_size * hf_config.hidden_size
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    # the head at the dense linears' size; a tied head keeps its own copy (prepacked, or the checkpoint's dtype)
+    weights = (params - linear - (0 if tied else head)) * element + projections + head * linear_element
     kv = context_tokens * kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
                                              head_dim_of(hf_config), torch_dtype)
     estimate = {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),

@@ -266,6 +266,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
                 if target.endswith(".bias") and not tensor.any():  # auto-gptq writes zero biases
                     continue
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")
+            if getattr(param, "choose_dtype", None) is not None and not is_blocks(tensor):
+                param.choose_dtype(tensor.dtype)  # a method that keeps the checkpoint's dtype takes it here
             loader = getattr(param, "weight_loader", None)
             value = tensor if tensor.dtype == param.dtype or is_blocks(tensor) else tensor.to(param.dtype)
             if loader is None:

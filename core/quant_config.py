@@ -96,4 +96,6 @@ class QuantConfig:
 
     def method_for(self, prefix: str) -> QuantMethod:
         """A new quant method for the linear layer named `prefix`."""
-        return dense_method() if self.is_dense(prefix) else self.method(**self.options)
+        if self.is_dense(prefix) and self.method.name != "none":  # a quantized model's dense layers: the defaults
+            return dense_method()
+        return self.method(**self.options)  # (the dense method's own options reach the head too)

@@ -1,9 +1,19 @@
 """The built-in `none` method: dense fp32 / bf16 / fp16 weights, registered like any plugin.
 
 On CPU it offers two kernels, chosen per shape by timing them on the machine (core/kernel_choice.py): torch's
-`F.linear` and oneDNN's prepacked linear (faster on some CPUs, slower on others; docs/MEASUREMENTS.md)."""
+`F.linear` and oneDNN's prepacked linear (faster on some CPUs, slower on others; docs/MEASUREMENTS.md).
+
+A bf16 / fp16 checkpoint in an fp32 model on CPU (the default dtype where the CPU has no native bf16) keeps its
+weights in the checkpoint's dtype (`weights: auto`): half the memory of fp32 copies, and decode, which reads every
+weight once a token, reads half the bytes. The C kernel of GGUF's float weights computes with them
+(core/cpu_kernels/gguf_blocks.c: each weight converted to fp32 as it is read, exactly, fp32 math on x as given; its
+own summation order, not torch's). Zen 2, 2 threads, 8192 x 2048: a BF16 GEMV streams 27.8 GB/s of bf16 where
+torch's fp32 one reads twice the bytes, 128 rows 56.6 GMAC/s against torch's fp32 43. `weights: model` converts them
+to the model dtype at load (torch's matmul: the reference's sums bit for bit, what the parity tests pin)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -52,23 +62,63 @@ def create_dense_weight(layer: torch.nn.Module, in_features: int, out_features_p
     layer.register_parameter("weight", weight)
 
 
+NARROW_FLOATS = (torch.bfloat16, torch.float16)  # checkpoint dtypes an fp32 model on CPU keeps (`weights: auto`)
+
+
+def keep_narrow_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
+    """The loader's hook before each checkpoint tensor (or fused shard) of `param` is copied in: the first one's
+    bf16 / fp16 dtype becomes the parameter's (its fp32 storage, never written, is dropped); shards of different
+    dtypes after it put the parameter back in fp32 (exact: a narrow float widens without rounding)."""
+    if getattr(param, "dtype_chosen", False):
+        if param.dtype != dtype and param.dtype in NARROW_FLOATS:
+            param.data = param.data.float()
+        return
+    param.dtype_chosen = True
+    if dtype in NARROW_FLOATS and param.dtype == torch.float32:
+        param.data = torch.empty(param.shape, dtype=dtype)
+
+
+def keeps_checkpoint_dtype(options: dict, params_dtype: torch.dtype) -> bool:
+    """Whether a layer built now keeps a bf16 / fp16 checkpoint's weights as they are (`weights: auto`, an fp32
+    model on CPU, the C kernels built here)."""
+    from kvforge.core.cpu_kernels import unavailable
+
+    return (options.get("weights", "auto") == "auto" and params_dtype == torch.float32
+            and torch.get_default_device().type == "cpu" and unavailable() is None)
+
+
 class DenseMethod(QuantMethod):
     cuda_graph_safe = True  # plain matmuls: no host syncs
     name = "none"
     description = "Dense weights in the model dtype (no quantization)."
-    settings: dict = {}
+    settings: dict = {
+        "weights": {"type": "string", "enum": ["auto", "model"], "default": "auto",
+                    "description": "auto: on CPU an fp32 model keeps a bf16 / fp16 checkpoint's weights in that dtype "
+                                   "(half the memory; a C kernel converts them as it reads them, fp32 math); model: "
+                                   "converted to the model dtype at load (torch's matmul)"},
+    }
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
         create_dense_weight(layer, in_features, out_features_per_shard, params_dtype)
         layer.packed_weight = None  # oneDNN's layout of the weight, when that kernel is chosen
+        layer.float_segments = None  # the C kernel's view of a weight kept narrower than the model dtype
+        layer.compute_dtype = params_dtype
         layer.weight_bytes = 0
+        if keeps_checkpoint_dtype(self.options, params_dtype):
+            layer.weight.choose_dtype = functools.partial(keep_narrow_dtype, layer.weight)
 
     def process_after_loading(self, layer) -> None:
         w = layer.weight
         layer.weight_bytes = w.numel() * w.element_size()
+        if w.dtype != layer.compute_dtype:  # kept as the checkpoint stores it: read by the GGUF float kernel
+            from kvforge.core.cpu_kernels import GGUF_FLOATS, GgufSegments
+
+            code = next(code for code, dtype in GGUF_FLOATS.items() if dtype == w.dtype)
+            layer.float_segments = GgufSegments([(code, w.data.contiguous().view(torch.uint8))], w.shape[1])
 
     def kernels(self, layer) -> dict[str, LinearKernel]:
-        if layer.weight is None or not onednn_packing_available(layer.weight):
+        if layer.weight is None or getattr(layer, "float_segments", None) is not None or \
+                not onednn_packing_available(layer.weight):
             return {}
         return {"torch": TORCH_LINEAR, "onednn": ONEDNN_LINEAR}
 
@@ -79,6 +129,11 @@ class DenseMethod(QuantMethod):
             layer.weight = None
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if getattr(layer, "float_segments", None) is not None:
+            from kvforge.core.cpu_kernels import gguf_linear
+
+            out = gguf_linear(x, layer.float_segments)
+            return out if bias is None else out + bias
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)
         return F.linear(x, layer.weight, bias)

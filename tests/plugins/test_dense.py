@@ -78,3 +78,81 @@ def test_forced_choice_switches_every_layer_of_a_model(tmp_path):
     with torch.inference_mode():
         assert torch.allclose(model[0](x), first, atol=1e-5)
     assert not (tmp_path / "kernel_choice").exists()  # a forced choice times nothing and caches nothing
+
+
+@pytest.fixture(scope="module")
+def narrow_checkpoints(tmp_path_factory, embedded_path):
+    """The tiny Llama saved as bf16 and as fp16 safetensors (the dtypes checkpoints ship in)."""
+    import copy
+
+    from tests.helpers.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("narrow")
+    reference = save_tiny_model("llama3", root / "fp32", embedded_path, seed=5)
+    paths = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        save_tiny_model("llama3", root / str(dtype), embedded_path, seed=5)  # tokenizer files and config
+        copy.deepcopy(reference).to(dtype).save_pretrained(root / str(dtype))
+        paths[dtype] = root / str(dtype)
+    return paths
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_narrow_checkpoint_in_an_fp32_model_keeps_its_weights(narrow_checkpoints, dtype):
+    """A bf16 / fp16 checkpoint served in fp32 on CPU (`dtype auto` where the CPU has no native bf16): the projections
+    and the head stay in the checkpoint's dtype (half the bytes) and compute through the C kernel, fp32 math on the
+    exactly widened weights; `weights: model` converts them at load (torch's matmul). The two differ only in their
+    sums' order: the same greedy tokens where no near-tie, logprobs within fp32 rounding."""
+    from kvforge.core import LLM, SamplingParams
+    from tests.helpers.parity import logprobs_close
+    from tests.helpers.tiny_models import random_prompts
+
+    path = str(narrow_checkpoints[dtype])
+    kept = LLM(path, dtype="float32", progress=False, kv_cache_bytes=16 << 20)
+    widened = LLM(path, dtype="float32", progress=False, kv_cache_bytes=16 << 20, quant_options={"weights": "model"})
+    layers = {name: [m for m in llm.engine.runner.model.modules() if hasattr(m, "quant_method")]
+              for name, llm in (("kept", kept), ("widened", widened))}
+    assert {m.weight.dtype for m in layers["kept"]} == {dtype}
+    assert all(m.float_segments is not None for m in layers["kept"])
+    # (a widened layer's weight may be oneDNN's packed copy, where the kernel choice took that kernel)
+    assert {(m.weight if m.weight is not None else m.packed_weight).dtype for m in layers["widened"]} == {torch.float32}
+    assert 2 * sum(m.weight_bytes for m in layers["kept"]) == sum(m.weight_bytes for m in layers["widened"])
+    # the estimate before loading (kvforge models, the UI) counts what each keeps
+    from kvforge.core.estimate import estimate_memory
+    from kvforge.core.quant_config import QuantConfig
+    from kvforge.plugins.quant.dense import DenseMethod
+
+    for llm, options in ((kept, {}), (widened, {"weights": "model"})):
+        quant = QuantConfig.for_checkpoint(DenseMethod, DenseMethod.validate_options(options), None)
+        estimate = estimate_memory(llm.engine.hf_config, "float32", 0, quant)["weights_bytes"]
+        assert abs(estimate / llm.engine.runtime().weight_bytes - 1) < 0.02, (options, estimate)
+
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    prompts = random_prompts((9, 33, 70), seed=6)
+    outs, references = kept.generate(prompts, params), widened.generate(prompts, params)
+
+    def top(out) -> list[set[int]]:
+        return [{t for t, _ in lp.top} for lp in out.logprobs]
+
+    assert not [f for f in (logprobs_close(o.token_ids, top(o), r.token_ids, top(r), str(i))
+                            for i, (o, r) in enumerate(zip(outs, references))) if f]
+    for o, r in zip(outs, references):
+        same = next((i for i, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b), len(o.token_ids))
+        for a, b in zip(o.logprobs[:same], r.logprobs[:same]):
+            assert abs(a.logprob - b.logprob) < 1e-4
+    assert sum(o.token_ids == r.token_ids for o, r in zip(outs, references)) >= 2
+
+
+def test_shards_of_different_dtypes_widen_the_parameter_exactly():
+    """A fused layer whose checkpoint projections come in different dtypes (bf16 gate, fp32 up): the parameter
+    returns to fp32, the bf16 shard widened exactly (the loader calls choose_dtype before each copy)."""
+    from kvforge.core.layers.linear import MergedColumnParallelLinear
+
+    layer = MergedColumnParallelLinear(32, [16, 16], params_dtype=torch.float32)
+    gate, up = torch.randn(16, 32).bfloat16(), torch.randn(16, 32)
+    for shard, tensor in enumerate((gate, up)):
+        layer.weight.choose_dtype(tensor.dtype)
+        layer.weight_loader(layer.weight, tensor.to(layer.weight.dtype), shard)
+    layer.process_after_loading()
+    assert layer.weight.dtype == torch.float32 and layer.float_segments is None
+    assert torch.equal(layer.weight, torch.cat([gate.float(), up]))
