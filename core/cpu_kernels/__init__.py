@@ -42,7 +42,7 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
-    "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32],
+    "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
 }
 
@@ -321,11 +321,13 @@ GGUF_ACTIVATIONS = {"fp32": 0, "int16": 16, "int8": 8}  # gguf_linear's `activat
 
 
 def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False,
-                activations: str = "fp32") -> torch.Tensor:
+                activations: str = "fp32", batch_invariant: bool = True) -> torch.Tensor:
     """x [..., in_features] @ W.T for the GGUF-block weights, in x's dtype (fp32 / bf16 / fp16), fp32 math.
     `activations`: "fp32": x as given meets W formed exactly as GGUF dequantizes it (fp32 rounding only); "int16" /
     "int8": x quantized per 32 values to that width (int8 as ggml does), integer dot products (the error bound is in
-    gguf_blocks.c). `portable`: the plain C loops even where the AVX2 ones run."""
+    gguf_blocks.c). `portable`: the plain C loops even where the AVX2 ones run. `batch_invariant` (fp32): a row's
+    result the same bits whatever rows run with it; False lets many rows take the faster outer-product tile, whose
+    sums run over k in another order (gguf_blocks.c's outer_linear)."""
     cols = weights.in_features
     # a decode step's x is already [rows, cols] with unit stride: its reshape and the output's view back cost more
     # than a small matmul's kernel (a 16 x 256 one: 23 us a call with them, 10 without)
@@ -342,7 +344,7 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False,
         if bits and not weights.floats:  # float weights: always fp32 math on x as given
             _run("gguf_linear", *args, bits)
         else:
-            _run("gguf_linear_exact", *args)
+            _run("gguf_linear_exact", *args, batch_invariant)
     return out if plain else out.view(*x.shape[:-1], weights.out_features).to(x.dtype)
 
 

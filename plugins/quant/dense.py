@@ -8,8 +8,9 @@ weights in the checkpoint's dtype (`weights: auto`): half the memory of fp32 cop
 weight once a token, reads half the bytes. The C kernel of GGUF's float weights computes with them
 (core/cpu_kernels/gguf_blocks.c: each weight converted to fp32 as it is read, exactly, fp32 math on x as given; its
 own summation order, not torch's). Zen 2, 2 threads, 8192 x 2048: a BF16 GEMV streams 27.8 GB/s of bf16 where
-torch's fp32 one reads twice the bytes, 128 rows 56.6 GMAC/s against torch's fp32 43. `weights: model` converts them
-to the model dtype at load (torch's matmul: the reference's sums bit for bit, what the parity tests pin)."""
+torch's fp32 one reads twice the bytes; 140 rows x 2048 x 6144: 66 GMAC/s, oneDNN's fp32 69, F.linear's 42.
+`weights: model` converts them to the model dtype at load (torch's matmul: the reference's sums bit for bit, what
+the parity tests pin)."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ class DenseMethod(QuantMethod):
         if getattr(layer, "float_segments", None) is not None:
             from kvforge.core.cpu_kernels import gguf_linear
 
-            out = gguf_linear(x, layer.float_segments)
+            out = gguf_linear(x, layer.float_segments, batch_invariant=False)  # as torch's matmul: prefill faster
             return out if bias is None else out + bias
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)

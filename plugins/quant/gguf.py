@@ -410,9 +410,10 @@ class GgufMethod(DenseMethod):
             from kvforge.core.cpu_kernels import gguf_linear
 
             activations = self.options["activations"]
+            invariant = activations == "fp32"  # `auto` decodes in int16: prefill need not sum as a decode step does
             if activations == "auto":
                 activations = "int16" if x.numel() <= layer.int16_rows * x.shape[-1] else "fp32"
-            out = gguf_linear(x, layer.segments, activations=activations)
+            out = gguf_linear(x, layer.segments, activations=activations, batch_invariant=invariant)
             if layer.output_order is not None:  # index_select: half the time of out[..., order] (9 vs 19 us)
                 out = torch.index_select(out, -1, layer.output_order)
             return out if bias is None else out + bias.to(out.dtype)

@@ -73,6 +73,31 @@ def test_exact_matmul_is_x_times_the_dequantized_weight(qtype):
     assert torch.equal(gguf_linear(x[:2], weights), got[:2])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_many_rows_without_the_fixed_order(qtype):
+    """batch_invariant=False (the `auto` activations' prefill, dense weights kept bf16): from 24 rows of x the
+    outer-product tile, each sum over k in order: still fp32 rounding from x @ W (a looser constant: one accumulator
+    over 512 products), mixed with a second segment; fewer rows, and the portable loops, keep the fixed order."""
+    torch.manual_seed(0)
+    if qtype == T.BF16:
+        dense = (torch.randn(53, 512) * 0.02).bfloat16()
+        parts, reference = [(30, dense[:37].view(torch.uint8)), (30, dense[37:].view(torch.uint8))], dense.double()
+    else:
+        raw, other = random_blocks(qtype, 37, 512, seed=1), random_blocks(T.Q6_K, 16, 512, seed=2)
+        parts = [(int(qtype), torch.from_numpy(raw)), (int(T.Q6_K), torch.from_numpy(other))]
+        reference = torch.cat([torch.from_numpy(dequantize(raw, qtype)), torch.from_numpy(dequantize(other, T.Q6_K))])
+        reference = reference.double()
+    weights = GgufSegments(parts, 512)
+    x = torch.randn(40, 512) * torch.rand(40, 512) ** 4
+    got = gguf_linear(x, weights, batch_invariant=False)
+    expected = x.double() @ reference.T
+    assert ((got.double() - expected).abs() <= 1e-5 * (x.double().abs() @ reference.abs().T) + 1e-30).all()
+    fixed = gguf_linear(x, weights)
+    assert not torch.equal(got, fixed)  # the other path ran
+    assert torch.equal(gguf_linear(x[:23], weights, batch_invariant=False), fixed[:23])
+    assert torch.equal(gguf_linear(x, weights, portable=True, batch_invariant=False), fixed)
+
+
 @pytest.mark.parametrize("activations", list(QUANTIZED))
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
