@@ -42,12 +42,13 @@ def parameter_count(hf_config) -> int:
 
 
 def _dense_linear_bytes(hf_config, torch_dtype: torch.dtype, quant: QuantConfig | None) -> int | None:
-    """Bytes per weight of a dense model's linears where the dense method keeps a bf16 / fp16 checkpoint's dtype in
-    an fp32 model (plugins/quant/dense.py, `weights: auto`; the config's dtype names the checkpoint's); else None."""
+    """Bytes per weight of the dense linears (a dense model's, a quantized one's head and modules kept dense) where
+    the dense method keeps a bf16 / fp16 checkpoint's dtype in an fp32 model (plugins/quant/dense.py, `weights: auto`,
+    a quantized model's dense layers included; the config's dtype names the checkpoint's); else None."""
     from kvforge.plugins.quant.dense import NARROW_FLOATS
 
-    if torch_dtype != torch.float32 or (quant is not None and (quant.method.name != "none" or
-                                                                quant.options.get("weights", "auto") != "auto")):
+    if torch_dtype != torch.float32 or (quant is not None and quant.method.name == "none" and
+                                        quant.options.get("weights", "auto") != "auto"):
         return None
     stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     stored = DTYPES.get(stored) if isinstance(stored, str) else stored

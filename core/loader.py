@@ -218,8 +218,15 @@ def iterate_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            names = list(f.keys())
+        for name in names:
+            # a tensor is a view of the file's mapping (no copy), and the mapping lives as long as the views of the
+            # opening that made it: one opening per tensor, so the pages of the tensors already copied into the
+            # model are unmapped as the load goes (one open file's pages stayed resident until its last tensor:
+            # a 1.7B bf16 checkpoint in 4 shards peaked 0.8 GiB over its loaded size)
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                tensor = f.get_tensor(name)
+            yield name, tensor
 
 
 TensorStream = Iterator[tuple[str, torch.Tensor]]
