@@ -481,8 +481,8 @@ def test_resolve_quant(tmp_path):
         resolve_quant("gptq", {"bits": 8}, config, tmp_path)
     with pytest.raises(ValueError, match="'kernel'"):
         resolve_quant("none", {"kernel": "fast"}, config, tmp_path)
-    # dense checkpoint: what the user asked for, unchanged
-    assert resolve_quant("none", {}, _llama_config(), tmp_path) == ("none", {})
+    # dense checkpoint: what the user asked for, the method's defaults filled in
+    assert resolve_quant("none", {}, _llama_config(), tmp_path) == ("none", {"weights": "auto"})  # its default
     assert resolve_quant("gptq", {}, _llama_config(), tmp_path)[1]["kernel"] == "auto"  # defaults filled in
     with pytest.raises(ValueError, match="'x'"):  # a dense checkpoint still checks the options
         resolve_quant("none", {"x": 1}, _llama_config(), tmp_path)

@@ -128,8 +128,10 @@ def test_swap_quant_plugin_without_restart_in_flight_reply_finishes(page, server
 def test_a_plugin_that_cannot_run_here_is_refused_and_the_old_model_keeps_serving(page, server):
     before = served_quant(server)
     choose(page, "settings-quant", "toy-gpu-only")
-    # the options box follows the choice (toy-int8's options do not apply): wait for it before applying
-    page.wait_for_function("document.querySelector('#settings-quant-options textarea').value === '{}'")
+    # the options box follows the choice (toy-int8's options do not apply; the dense method's, inherited, do): wait
+    # for it before applying
+    page.wait_for_function("(v => v.includes('weights') && !v.includes('scale_floor'))"
+                           "(document.querySelector('#settings-quant-options textarea').value)")
     status = apply_and_wait(page)
     assert status.startswith("Refused") and "cuda" in status and "keeps serving" in status, status
     assert served_quant(server) == before
