@@ -28,6 +28,8 @@ void kvf_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
             const char *row = (const char *)x + t * x_stride * size;
             load_row(row, dtype, inter, gate);
             load_row(row + inter * size, dtype, inter, up);
+            // one loop per dtype, not KEPT: with the choice inside, GCC leaves this loop (and the residual add's
+            // below) scalar (SiLU of 8192 values 20 -> 42 us)
             if (dtype == BF16) {
 #pragma omp simd
                 for (int i = 0; i < inter; i++) gate[i] = round_bf16(gate[i] / (1.0f + exp_clamped(-gate[i]))) * up[i];

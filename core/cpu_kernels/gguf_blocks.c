@@ -67,6 +67,26 @@ static int block_type_of(int type, block_type *t) {
     }
 }
 
+// The weights of a call cut into groups of `per` rows that never cross a segment (a unit of work on the threads):
+// how many groups, and group g's segment, first row in it, output column and row count (<= per)
+static int64_t row_groups(int segments, const int64_t *outs, int per) {
+    int64_t groups = 0;
+    for (int s = 0; s < segments; s++) groups += (outs[s] + per - 1) / per;
+    return groups;
+}
+
+static int row_group(int64_t g, int per, const int64_t *outs, int *segment, int64_t *first, int64_t *column) {
+    int s = 0;
+    int64_t col = 0;
+    while (g >= (outs[s] + per - 1) / per) {
+        g -= (outs[s] + per - 1) / per;
+        col += outs[s];
+        s++;
+    }
+    *segment = s, *first = g * per, *column = col;
+    return outs[s] - *first < per ? (int)(outs[s] - *first) : per;
+}
+
 static inline float half_at(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
 
 static inline void fill8(float *lanes, float lo, float hi) {  // lanes 0-3 scale weights 0-15, lanes 4-7 16-31
@@ -781,8 +801,9 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
                      void *out, int32_t threads, int32_t portable, int32_t x_bits) {
     const size_t es = dtype_size(dtype);
     const int subs = cols / SUB, wide = x_bits == 16;
-    int64_t total = 0, tiles = 0;
-    for (int s = 0; s < segments; s++) { total += outs[s]; tiles += (outs[s] + TILE - 1) / TILE; }
+    int64_t total = 0;
+    for (int s = 0; s < segments; s++) total += outs[s];
+    const int64_t tiles = row_groups(segments, outs, TILE);
     if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
         threads = 1;
     // x quantized once for every segment (in int16 also in slot order where a segment's type takes it)
@@ -843,13 +864,11 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
         float *sums = scratch_floats((size_t)rows * TILE);
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < tiles; k++) {
-            int s = 0;  // the tile's segment and first row
-            int64_t first = k, column = 0;
-            while (first >= (outs[s] + TILE - 1) / TILE) { first -= (outs[s] + TILE - 1) / TILE; column += outs[s]; s++; }
-            first *= TILE;
+            int s;
+            int64_t first, column;
+            const int tile = row_group(k, TILE, outs, &s, &first, &column);
             block_type t;
             block_type_of(types[s], &t);
-            const int tile = outs[s] - first < TILE ? (int)(outs[s] - first) : TILE;
             decode_rows(types[s], &t, (const uint8_t *)weights[s] + first * row_bytes[s], row_bytes[s], tile, cols,
                         codes, lanes, offsets, portable);
 #if defined(__AVX2__)
@@ -1259,8 +1278,7 @@ static void outer_dot(const float *wt, int count, const float *x, int xrows, int
 static void outer_linear(int rows, int cols, int segments, const int32_t *types, const void *const *weights,
                          const int64_t *row_bytes, const int64_t *outs, int64_t total, const float *xf, float *sums,
                          int threads) {
-    int64_t units = 0;
-    for (int s = 0; s < segments; s++) units += (outs[s] + OUTER_NR - 1) / OUTER_NR;
+    const int64_t units = row_groups(segments, outs, OUTER_NR);
     for (int r0 = 0; r0 < rows; r0 += OUTER_CHUNK) {
         const int xrows = rows - r0 < OUTER_CHUNK ? rows - r0 : OUTER_CHUNK;
 #pragma omp parallel num_threads(threads)
@@ -1269,15 +1287,9 @@ static void outer_linear(int rows, int cols, int segments, const int32_t *types,
                   *part = scratch_floats((size_t)OUTER_CHUNK * OUTER_NR);
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < units; u++) {
-                int s = 0;
-                int64_t first = u, column = 0;
-                while (first >= (outs[s] + OUTER_NR - 1) / OUTER_NR) {
-                    first -= (outs[s] + OUTER_NR - 1) / OUTER_NR;
-                    column += outs[s];
-                    s++;
-                }
-                first *= OUTER_NR;
-                const int count = outs[s] - first < OUTER_NR ? (int)(outs[s] - first) : OUTER_NR;
+                int s;
+                int64_t first, column;
+                const int count = row_group(u, OUTER_NR, outs, &s, &first, &column);
                 const uint8_t *row = (const uint8_t *)weights[s] + first * row_bytes[s];
                 for (int o = 0; o < count; o++) exact_weights_any(types[s], row + o * row_bytes[s], cols, w + (size_t)o * cols);
                 transpose_rows(w, count, cols, wt);
@@ -1299,8 +1311,9 @@ void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_
                            int32_t segments, const int32_t *types, const void *const *weights, const int64_t *row_bytes,
                            const int64_t *outs, void *out, int32_t threads, int32_t portable, int32_t invariant) {
     const size_t es = dtype_size(dtype);
-    int64_t total = 0, panels = 0;
-    for (int s = 0; s < segments; s++) { total += outs[s]; panels += (outs[s] + PANEL - 1) / PANEL; }
+    int64_t total = 0;
+    for (int s = 0; s < segments; s++) total += outs[s];
+    const int64_t panels = row_groups(segments, outs, PANEL);
     if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
         threads = 1;
     float *xf = scratch_floats((size_t)rows * cols), *sums = scratch_floats((size_t)rows * total);
@@ -1319,11 +1332,9 @@ void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_
             float *w = scratch_floats((size_t)PANEL * cols);
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
-                int s = 0;
-                int64_t first = p, column = 0;
-                while (first >= (outs[s] + PANEL - 1) / PANEL) { first -= (outs[s] + PANEL - 1) / PANEL; column += outs[s]; s++; }
-                first *= PANEL;
-                const int count = outs[s] - first < PANEL ? (int)(outs[s] - first) : PANEL;
+                int s;
+                int64_t first, column;
+                const int count = row_group(p, PANEL, outs, &s, &first, &column);
                 const uint8_t *row = (const uint8_t *)weights[s] + first * row_bytes[s];
                 block_type t = {0};  // (none for a float type: its rows are converted, not decoded)
                 block_type_of(types[s], &t);
