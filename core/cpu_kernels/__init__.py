@@ -44,7 +44,9 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
+    "gguf_simd_built": [],
 }
+RETURNS = {"gguf_simd_built": _I32}  # (the others return nothing)
 
 
 class KernelUnavailable(RuntimeError):
@@ -89,7 +91,7 @@ def _library() -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(library, f"kvf_{name}")
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, RETURNS.get(name)
     return library
 
 
@@ -318,14 +320,26 @@ class GgufSegments:
 
 
 GGUF_ACTIVATIONS = {"fp32": 0, "int16": 16, "int8": 8}  # gguf_linear's `activations`: x's bits when quantized
+# gguf_linear's `simd`: the widest code built for this CPU, the plain C loops, or AVX2 even where AVX-512 is built
+# (gguf_blocks.c's SIMD_WIDEST / SIMD_NONE / SIMD_AVX2; the tests compare them)
+GGUF_SIMD = {"widest": 0, "none": 1, "avx2": 2}
+GGUF_SIMD_FEATURES = ("avx2", "avx512_int16_pairs", "avx512_bf16_tile")  # gguf_simd_features' names, by bit
 
 
-def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False,
+def gguf_simd_features() -> tuple[str, ...]:
+    """The SIMD code gguf_linear runs on this CPU by default (gguf_blocks.c: AVX2; AVX-512 BW / DQ / VL / VNNI: the
+    decode step's int16 dot products two sub-blocks at a time; AVX512_BF16: many rows of bf16 x in bf16 products)."""
+    bits = _library().kvf_gguf_simd_built()
+    return tuple(name for i, name in enumerate(GGUF_SIMD_FEATURES) if bits >> i & 1)
+
+
+def gguf_linear(x: torch.Tensor, weights: GgufSegments, simd: str = "widest",
                 activations: str = "fp32", batch_invariant: bool = True) -> torch.Tensor:
     """x [..., in_features] @ W.T for the GGUF-block weights, in x's dtype (fp32 / bf16 / fp16), fp32 math.
     `activations`: "fp32": x as given meets W formed exactly as GGUF dequantizes it (fp32 rounding only); "int16" /
     "int8": x quantized per 32 values to that width (int8 as ggml does), integer dot products (the error bound is in
-    gguf_blocks.c). `portable`: the plain C loops even where the AVX2 ones run. `batch_invariant` (fp32): a row's
+    gguf_blocks.c). `simd`: a key of GGUF_SIMD (every one gives the same bits but the plain C loops, whose fp32
+    sums may run in another order with quantized x). `batch_invariant` (fp32): a row's
     result the same bits whatever rows run with it; False lets many rows take the faster outer-product tile, whose
     sums run over k in another order (gguf_blocks.c's outer_linear)."""
     cols = weights.in_features
@@ -340,7 +354,7 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, portable: bool = False,
     if rows.shape[0]:
         args = (rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype], len(weights.parts),
                 weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
-                torch.get_num_threads(), portable)
+                torch.get_num_threads(), GGUF_SIMD[simd])
         if bits and not weights.floats:  # float weights: always fp32 math on x as given
             _run("gguf_linear", *args, bits)
         else:

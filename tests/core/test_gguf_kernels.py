@@ -10,7 +10,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvforge.core.cpu_kernels import GGUF_SUPER, GgufSegments, gguf_dequant, gguf_linear, unavailable
+from kvforge.core.cpu_kernels import (
+    GGUF_SIMD,
+    GGUF_SUPER,
+    GgufSegments,
+    gguf_dequant,
+    gguf_linear,
+    gguf_simd_features,
+    unavailable,
+)
 from kvforge.plugins.quant.gguf_blocks import DECODERS, decode
 from tests.helpers.gguf_layers import random_blocks
 from tests.helpers.optional_parts import require
@@ -68,7 +76,7 @@ def test_exact_matmul_is_x_times_the_dequantized_weight(qtype):
     got = gguf_linear(x, weights)
     expected = x.double() @ reference.T
     assert ((got.double() - expected).abs() <= 1e-6 * (x.double().abs() @ reference.abs().T) + 1e-30).all()
-    assert torch.equal(gguf_linear(x, weights, portable=True), got)
+    assert torch.equal(gguf_linear(x, weights, simd="none"), got)
     assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights) for i in range(5)]), got)
     assert torch.equal(gguf_linear(x[:2], weights), got[:2])
 
@@ -95,20 +103,20 @@ def test_many_rows_without_the_fixed_order(qtype):
     fixed = gguf_linear(x, weights)
     assert not torch.equal(got, fixed)  # the other path ran
     assert torch.equal(gguf_linear(x[:23], weights, batch_invariant=False), fixed[:23])
-    assert torch.equal(gguf_linear(x, weights, portable=True, batch_invariant=False), fixed)
+    assert torch.equal(gguf_linear(x, weights, simd="none", batch_invariant=False), fixed)
 
 
 @pytest.mark.parametrize("activations", list(QUANTIZED))
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("simd", list(GGUF_SIMD))
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
-def test_matmul_within_the_bound(qtype, portable, activations):
+def test_matmul_within_the_bound(qtype, simd, activations):
     torch.manual_seed(0)
     raw = random_blocks(qtype, 37, 512, seed=1)  # 37 rows: a last tile of one row
     weights = GgufSegments([(int(qtype), torch.from_numpy(raw))], 512)
     reference = torch.from_numpy(dequantize(raw, qtype)).double()
     for rows in (1, 2, 5):  # one row, a whole pass of two, and a remainder
         x = torch.randn(rows, 512) * torch.rand(rows, 512) ** 4  # uneven magnitudes within a block
-        got = gguf_linear(x, weights, portable=portable, activations=activations)
+        got = gguf_linear(x, weights, simd=simd, activations=activations)
         error = (got.double() - x.double() @ reference.T).abs()
         ratio = (error / error_bound(x, raw, qtype, activations)).max().item()
         assert ratio <= 1, (rows, ratio)
@@ -117,11 +125,12 @@ def test_matmul_within_the_bound(qtype, portable, activations):
 
 
 @pytest.mark.parametrize("activations", list(QUANTIZED))
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype, activations):
-    """One row at a time (the register path), two, and seven (decoded tiles): the same bits (every path sums in the
-    same order); an odd number of 32-weight blocks (Q4_0, Q5_1) for the even / odd split."""
-    cols = 1024 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 1056
+    """One row at a time (the register path: with int16 x on AVX-512 two sub-blocks at a time, else AVX2's), two, and
+    seven (decoded tiles): the same bits (every path sums in the same order); an odd number of 32-weight blocks (the
+    32-weight types: 33, a group of 8 short) for the even / odd split."""
+    cols = 1024 if GGUF_SUPER[int(qtype)][0] == 256 else 1056
     raw = torch.from_numpy(random_blocks(qtype, 64, cols, seed=2))
     weights = GgufSegments([(int(qtype), raw)], cols)
     x = torch.randn(7, cols)
@@ -129,9 +138,37 @@ def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype, activations):
     assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights, activations=activations) for i in range(7)]),
                        batch)
     assert torch.equal(gguf_linear(x[:2], weights, activations=activations), batch[:2])
+    assert torch.equal(torch.cat([gguf_linear(x[i:i + 2], weights, simd="avx2", activations=activations)
+                                  for i in range(0, 7, 2)]), batch)
     # the same integer sums, fp32 sums in another order
-    portable = gguf_linear(x, weights, portable=True, activations=activations)
+    portable = gguf_linear(x, weights, simd="none", activations=activations)
     assert (portable - batch).abs().max() <= 1e-5 * batch.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_many_bf16_rows_without_the_fixed_order(qtype):
+    """Many rows of a bf16 model's x without the fixed order (prefill): where AVX512_BF16 is built, the weights rounded
+    to bf16 meet x in bf16 products, within 2^-8 of |x| @ |W| (each weight's rounding, 2^-9 relative, and the
+    output's); elsewhere, and with simd avx2, the fp32 tile (x widened exactly: x.float()'s result, rounded). Two
+    segments whose units cross between them; x a slice of a wider tensor (a row stride)."""
+    if qtype == T.BF16:
+        dense = torch.randn(64, 512)
+        raw = dense.bfloat16().view(torch.uint8).numpy()
+        parts = [(raw[:40], dense[:40].bfloat16().double()), (raw[40:], dense[40:].bfloat16().double())]
+    else:
+        raw = random_blocks(qtype, 64, 512, seed=7)
+        parts = [(raw[:40], torch.from_numpy(dequantize(raw[:40], qtype)).double()),
+                 (raw[40:], torch.from_numpy(dequantize(raw[40:], qtype)).double())]
+    weights = GgufSegments([(int(qtype), torch.from_numpy(r)) for r, _ in parts], 512)
+    reference = torch.cat([w for _, w in parts])
+    x = (torch.randn(40, 700) * torch.rand(40, 700) ** 4).bfloat16()[:, 100:612]
+    got = gguf_linear(x, weights, batch_invariant=False)
+    widened = gguf_linear(x.float(), weights, batch_invariant=False).bfloat16()
+    assert torch.equal(gguf_linear(x, weights, simd="avx2", batch_invariant=False), widened)
+    error = (got.double() - x.double() @ reference.T).abs()
+    assert (error <= (x.double().abs() @ reference.abs().T) / 256 + 1e-30).all()
+    if qtype != T.BF16:  # (bf16 weights lose nothing to the rounding: both paths give about the same bits)
+        assert torch.equal(got, widened) == ("avx512_bf16_tile" not in gguf_simd_features())  # which path ran
 
 
 @pytest.mark.parametrize("activations", list(QUANTIZED))
@@ -178,7 +215,7 @@ def test_float_weights_are_read_in_place(dtype, cols):
     assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], segments) for i in range(6)]), got[:6])
     assert torch.equal(gguf_linear(x[:3], segments), got[:3])
-    assert torch.equal(gguf_linear(x, segments, portable=True), got)
+    assert torch.equal(gguf_linear(x, segments, simd="none"), got)
     assert torch.equal(gguf_dequant(qtype, raw, cols, torch.tensor([3, 36])), weight[[3, 36]].float())
     with pytest.raises(ValueError, match="float and block types"):
         GgufSegments([(qtype, raw), (int(T.Q8_0), torch.from_numpy(random_blocks(T.Q8_0, 4, 224)))], cols)
