@@ -49,7 +49,7 @@ INT8_GROUPS = {GGMLQuantizationType.Q5_0: (32, False), GGMLQuantizationType.Q5_1
                GGMLQuantizationType.Q8_0: (32, False), GGMLQuantizationType.Q5_K: (32, True),
                GGMLQuantizationType.Q6_K: (16, False)}
 ACTIVATIONS = ("auto", "fp32", "int16", "int8")
-INT16_TIMED_ROWS = (1, 2, 3, 4, 6, 8)  # row counts at which `auto` times int16 x against fp32 x
+INT16_TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts at which `auto` times int16 x against fp32 x
 WIDE_ROWS = (4, 8, 16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the kernels
 TIMED_OUTPUTS = 16384
 
@@ -160,12 +160,13 @@ def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> i
 
 
 @functools.cache
-def int16_rows(threads: int) -> int:
-    """`activations: auto`: up to how many rows of x (0: none) the blocks kernel with x quantized to int16 beats it
-    with fp32 x at every timed count, on this CPU. Timed on a random Q4_K weight (Q4_K_M files' main type) of
-    4096 x 2048 (the kernels' costs scale alike with the shape), once per CPU signature and thread count, a steady
-    timing cached like `wide_rows`'. On a 2-core Zen 2 (AVX2) int16 was 2.2x faster at 1 row (a decode step reads
-    the weight once: decoding its codes to fp32 is what costs) and fp32's panel path won from 5 rows."""
+def int16_rows(threads: int, dtype: torch.dtype = torch.float32) -> int:
+    """`activations: auto`: up to how many rows of x (0: none) the blocks kernel with x quantized to int16 beats the
+    path `auto` takes otherwise (x as given in the model's dtype, without the fixed order) at every timed count, on
+    this CPU. Timed on a random Q4_K weight (Q4_K_M files' main type) of 4096 x 2048 (the kernels' costs scale alike
+    with the shape), once per CPU signature, thread count and dtype, a steady timing cached like `wide_rows`'. On a
+    2-core Zen 2 (AVX2) int16 was 2.2x faster at 1 row (a decode step reads the weight once: decoding its codes to
+    fp32 is what costs) and fp32's panel path won from 5 rows; on Zen 5 (AVX-512) int16 won at every count to 16."""
     from kvforge.core.cpu_kernels import GgufSegments, gguf_layout, gguf_linear, unavailable
     from kvforge.core.kernel_choice import cached_choice, time_calls
 
@@ -180,8 +181,9 @@ def int16_rows(threads: int) -> int:
                                generator=generator)
         blocks[:, 0:4] = torch.tensor([0.01, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite
         weights = GgufSegments([(int(GGMLQuantizationType.Q4_K), blocks.view(out_features, -1))], in_features)
-        inputs = {rows: torch.randn(rows, in_features) for rows in INT16_TIMED_ROWS}
-        timing = time_calls({acts: {r: (lambda x=x, a=acts: gguf_linear(x, weights, activations=a))
+        inputs = {rows: torch.randn(rows, in_features, dtype=dtype) for rows in INT16_TIMED_ROWS}
+        timing = time_calls({acts: {r: (lambda x=x, a=acts: gguf_linear(x, weights, activations=a,
+                                                                        batch_invariant=False))
                                     for r, x in inputs.items()} for acts in ("int16", "fp32")}, min_total=0.002)
         choice = 0
         for rows in INT16_TIMED_ROWS:
@@ -190,7 +192,9 @@ def int16_rows(threads: int) -> int:
             choice = rows
         return choice, timing
 
-    return cached_choice(f"gguf_int16_rows:rows={','.join(map(str, INT16_TIMED_ROWS))}:t{threads}", measure)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return cached_choice(f"gguf_int16_rows:rows={','.join(map(str, INT16_TIMED_ROWS))}:{dtype_name}:t{threads}",
+                         measure)
 
 
 class GgufMethod(DenseMethod):
@@ -315,7 +319,7 @@ class GgufMethod(DenseMethod):
                                             for (_, rows, order), start in zip(parts, starts)])
         layer.weight_bytes = sum(rows.numel() for _, rows, _ in parts)  # the file's pages this layer reads
         if self.options["activations"] == "auto":
-            layer.int16_rows = int16_rows(torch.get_num_threads())
+            layer.int16_rows = int16_rows(torch.get_num_threads(), layer.params_dtype)
         return True
 
     def _use_int4pack(self, layer, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:

@@ -127,19 +127,21 @@ def test_matmul_within_the_bound(qtype, simd, activations):
 @pytest.mark.parametrize("activations", list(QUANTIZED))
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype, activations):
-    """One row at a time (the register path: with int16 x on AVX-512 two sub-blocks at a time, else AVX2's), two, and
-    seven (decoded tiles): the same bits (every path sums in the same order); an odd number of 32-weight blocks (the
-    32-weight types: 33, a group of 8 short) for the even / odd split."""
+    """One row at a time (the register path: with int16 x on AVX-512 two sub-blocks at a time, else AVX2's), two,
+    seven (AVX-512 int16: the register path, 4 + 3 rows a pass; else decoded tiles) and twenty (decoded tiles): the
+    same bits (every path sums in the same order); with AVX2's code forced, two rows at a time; an odd number of
+    32-weight blocks (the 32-weight types: 33, a group of 8 short) for the even / odd split."""
     cols = 1024 if GGUF_SUPER[int(qtype)][0] == 256 else 1056
     raw = torch.from_numpy(random_blocks(qtype, 64, cols, seed=2))
     weights = GgufSegments([(int(qtype), raw)], cols)
-    x = torch.randn(7, cols)
+    x = torch.randn(20, cols)
     batch = gguf_linear(x, weights, activations=activations)
-    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights, activations=activations) for i in range(7)]),
+    assert torch.equal(torch.cat([gguf_linear(x[i:i + 1], weights, activations=activations) for i in range(20)]),
                        batch)
     assert torch.equal(gguf_linear(x[:2], weights, activations=activations), batch[:2])
+    assert torch.equal(gguf_linear(x[:7], weights, activations=activations), batch[:7])
     assert torch.equal(torch.cat([gguf_linear(x[i:i + 2], weights, simd="avx2", activations=activations)
-                                  for i in range(0, 7, 2)]), batch)
+                                  for i in range(0, 20, 2)]), batch)
     # the same integer sums, fp32 sums in another order
     portable = gguf_linear(x, weights, simd="none", activations=activations)
     assert (portable - batch).abs().max() <= 1e-5 * batch.abs().max()
