@@ -1576,10 +1576,42 @@ static void outer_linear(int rows, int cols, int segments, const int32_t *types,
 // pair of k 2 loads of weights and OUTER_MR16 broadcasts of x's pair for 24 instructions of 32 products. The weights'
 // rows are converted in pairs of values (32 bits: k, k + 1) and transposed like outer_linear's fp32 ones, so that each
 // pair of k holds 32 outputs' pairs side by side. Each sum runs over k in pairs in order, OUTER_KC at a time; the
-// weights are decoded once per OUTER_CHUNK16 rows of x. Zen 5, 2 threads, 140 rows of 2048 against 8192 weight rows:
-// Q4_0 95 -> 300-320 GMAC/s, Q4_K 103 -> 260-340, Q6_K 103 -> 270-290 (the fp32 tile -> this; oneDNN's bf16 GEMM on
+// weights are decoded once per OUTER_CHUNK16 rows of x (bf16_row). Zen 5, 2 threads, 140 rows of 2048 against 8192
+// weight rows: Q4_0 95 -> 350 GMAC/s, Q4_K 103 -> 390, Q6_K 103 -> 360 (the fp32 tile -> this; oneDNN's bf16 GEMM on
 // weights already expanded: ~400-450).
 enum { OUTER_NR16 = 32, OUTER_MR16 = 12, OUTER_CHUNK16 = 256 };
+// from this many rows of x (Zen 5: faster than the fp32 panel from 8 rows, 8192 x 2048 Q4_0 2.0 -> 1.6 ms; at 16 rows
+// the AVX-512 int16 pairs are faster still, 1.65 against 2.0, and `auto` times that choice)
+enum { OUTER_MIN_ROWS16 = 8 };
+
+// one weight row of a block type -> bf16 (dst: cols values), each weight formed exactly as exact_weights forms it
+// (lanes * code + offset in one fma) and rounded to nearest even: sub_block's registers widened 16 at a time
+// (the fp32 row and a second pass cost 3 ms of a 140-row 8192 x 2048 Q4_0 call's 7.5)
+static inline __attribute__((always_inline)) void bf16_row(const int type, const uint8_t *row, int cols,
+                                                           uint16_t *dst) {
+    block_type t;
+    block_type_of(type, &t);
+    for (int blk = 0; blk < cols / t.super; blk++) {
+        const uint8_t *b = row + (size_t)blk * t.bytes;
+        for (int j = 0; j < t.super / SUB; j++) {
+            __m256i codes;
+            __m256 lanes;
+            float offset;
+            sub_block(type, b, j, &codes, &lanes, &offset);
+            const __m128i first = _mm256_castsi256_si128(codes), last = _mm256_extracti128_si256(codes, 1);
+            const __m512i low = t.signed_codes ? _mm512_cvtepi8_epi32(first) : _mm512_cvtepu8_epi32(first);
+            const __m512i high = t.signed_codes ? _mm512_cvtepi8_epi32(last) : _mm512_cvtepu8_epi32(last);
+            // lanes 0-3 scale weights 0-15, lanes 4-7 16-31 (fill8's layout)
+            const __m512 s0 = _mm512_broadcastss_ps(_mm256_castps256_ps128(lanes));
+            const __m512 s1 = _mm512_broadcastss_ps(_mm256_extractf128_ps(lanes, 1));
+            const __m512 o = _mm512_set1_ps(offset);
+            const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(high), o),
+                                                        _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(low), o));
+            _mm512_storeu_si512(dst + (size_t)blk * t.super + j * SUB, (__m512i)packed);
+        }
+    }
+}
+
 
 // rows [count][cols] in fp32 -> bf16 (round to nearest even), as cols / 2 32-bit pairs per row
 static void bf16_pairs(const float *w, int count, int cols, uint32_t *pairs) {
@@ -1629,6 +1661,18 @@ static void outer_dot_bf16(const uint32_t *wt, int count, const uint16_t *x, int
         for (int o = 0; o < count; o++) sums[(size_t)r * stride + o] = part[(size_t)r * OUTER_NR16 + o];
 }
 
+// one weight row of any type -> bf16 (float types through fp32 in `scratch`)
+static void bf16_row_any(int type, const uint8_t *row, int cols, float *scratch, uint16_t *dst) {
+#define CALL(T) bf16_row(T, row, cols, dst)
+    if (float_type(type)) {
+        float_row(type, row, cols, scratch);
+        bf16_pairs(scratch, 1, cols, (uint32_t *)dst);
+        return;
+    }
+    switch (type) { EXACT_CASES(CALL) }
+#undef CALL
+}
+
 // outer_linear for x in bf16 (x [rows] with row stride x_stride), through outer_dot_bf16
 static void outer_linear_bf16(int rows, int cols, const uint16_t *x, int64_t x_stride, int segments,
                               const int32_t *types, const void *const *weights, const int64_t *row_bytes,
@@ -1638,7 +1682,7 @@ static void outer_linear_bf16(int rows, int cols, const uint16_t *x, int64_t x_s
         const int xrows = rows - r0 < OUTER_CHUNK16 ? rows - r0 : OUTER_CHUNK16;
 #pragma omp parallel num_threads(threads)
         {
-            float *w = scratch_floats((size_t)OUTER_NR16 * cols), *part = scratch_floats((size_t)OUTER_CHUNK16 * OUTER_NR16);
+            float *w = scratch_floats((size_t)cols), *part = scratch_floats((size_t)OUTER_CHUNK16 * OUTER_NR16);
             uint32_t *pairs = (uint32_t *)scratch_floats((size_t)OUTER_NR16 * cols / 2),
                      *wt = (uint32_t *)scratch_floats((size_t)OUTER_NR16 * cols / 2);
 #pragma omp for schedule(static)
@@ -1647,8 +1691,8 @@ static void outer_linear_bf16(int rows, int cols, const uint16_t *x, int64_t x_s
                 int64_t first, column;
                 const int count = row_group(u, OUTER_NR16, outs, &s, &first, &column);
                 const uint8_t *row = (const uint8_t *)weights[s] + first * row_bytes[s];
-                for (int o = 0; o < count; o++) exact_weights_any(types[s], row + o * row_bytes[s], cols, w + (size_t)o * cols);
-                bf16_pairs(w, count, cols, pairs);
+                for (int o = 0; o < count; o++)
+                    bf16_row_any(types[s], row + o * row_bytes[s], cols, w, (uint16_t *)(pairs + (size_t)o * cols / 2));
                 transpose_rows((const float *)pairs, count, cols / 2, OUTER_NR16, (float *)wt);
                 outer_dot_bf16(wt, count, x + (size_t)r0 * x_stride, x_stride, xrows, cols,
                                sums + (size_t)r0 * total + column + first, total, part);
@@ -1660,6 +1704,7 @@ static void outer_linear_bf16(int rows, int cols, const uint16_t *x, int64_t x_s
         }
     }
 }
+
 #endif
 
 // kvf_gguf_linear's contract with fp32 activations (x as given, not quantized); see above.
@@ -1678,7 +1723,7 @@ void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_
         threads = 1;
     float *sums = scratch_floats((size_t)rows * total), *xf = NULL;
 #if BF16_TILE
-    if (!invariant && simd == SIMD_WIDEST && dtype == BF16 && rows >= OUTER_MIN_ROWS && cols % 32 == 0) {
+    if (!invariant && simd == SIMD_WIDEST && dtype == BF16 && rows >= OUTER_MIN_ROWS16 && cols % 32 == 0) {
         outer_linear_bf16(rows, cols, (const uint16_t *)x, x_stride, segments, types, weights, row_bytes, outs, total, sums, threads);
         goto store;
     }
