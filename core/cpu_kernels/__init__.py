@@ -41,8 +41,8 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
-    "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
-    "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
+    "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
+    "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
     "gguf_simd_built": [],
 }
@@ -296,9 +296,12 @@ def gguf_layout(qtype: int) -> tuple[int, int]:
 class GgufSegments:
     """The weights of one GGUF-block matmul, side by side in its output (a fused q / k / v or gate / up may mix
     types): per weight its ggml type number and its blocks, uint8 [out_features, row bytes] (any row stride: a
-    memory-mapped file's tensor, or a slice of one), as ctypes arrays built once."""
+    memory-mapped file's tensor, or a slice of one), as ctypes arrays built once. `columns`: where each of those
+    output columns goes in the result (a permutation; Llama's Q / K rows, which GGUF files store permuted, are put
+    back in order as the kernel stores them); None: in order."""
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int) -> None:
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
+                 columns: torch.Tensor | None = None) -> None:
         if len({qtype in GGUF_FLOATS for qtype, _ in parts}) > 1:
             raise ValueError("GGUF weights of float and block types cannot share one matmul")
         for qtype, blocks in parts:
@@ -317,6 +320,11 @@ class GgufSegments:
         self.pointers = (ctypes.c_void_p * n)(*(b.data_ptr() for _, b in parts))
         self.row_bytes = (_I64 * n)(*(b.stride(0) for _, b in parts))
         self.outs = (_I64 * n)(*(b.shape[0] for _, b in parts))
+        self.columns = None
+        if columns is not None:
+            if sorted(columns.tolist()) != list(range(self.out_features)):
+                raise ValueError(f"GGUF output columns: a permutation of {self.out_features} expected")
+            self.columns = (_I64 * self.out_features)(*columns.tolist())
 
 
 GGUF_ACTIVATIONS = {"fp32": 0, "int16": 16, "int8": 8}  # gguf_linear's `activations`: x's bits when quantized
@@ -353,7 +361,7 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, simd: str = "widest",
     bits = GGUF_ACTIVATIONS[activations]
     if rows.shape[0]:
         args = (rows.data_ptr(), rows.stride(0), rows.shape[0], cols, DTYPE_CODES[rows.dtype], len(weights.parts),
-                weights.types, weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(),
+                weights.types, weights.pointers, weights.row_bytes, weights.outs, weights.columns, out.data_ptr(),
                 torch.get_num_threads(), GGUF_SIMD[simd])
         if bits and not weights.floats:  # float weights: always fp32 math on x as given
             _run("gguf_linear", *args, bits)

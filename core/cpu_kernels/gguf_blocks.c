@@ -122,6 +122,17 @@ static int row_group(int64_t g, int per, const int64_t *outs, int *segment, int6
     return outs[s] - *first < per ? (int)(outs[s] - *first) : per;
 }
 
+// sums of output columns [first, first + n) into one row of `out` (`dtype`): in place, or where `columns` sends each
+// output column (the layer's order where the file permutes rows: Llama's Q / K; NULL: in order)
+static void store_columns(const float *sums, int dtype, int64_t first, int n, const int64_t *columns, void *out) {
+    const size_t es = dtype_size(dtype);
+    if (!columns) {
+        store_row(sums, dtype, n, (char *)out + first * es);
+        return;
+    }
+    for (int i = 0; i < n; i++) store_row(sums + i, dtype, 1, (char *)out + columns[first + i] * es);
+}
+
 static inline float half_at(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
 
 static inline void fill8(float *lanes, float lo, float hi) {  // lanes 0-3 scale weights 0-15, lanes 4-7 16-31
@@ -1040,12 +1051,12 @@ static void decode_rows(int type, const block_type *t, const uint8_t *rows, int6
 // out[n][segment's columns] = x[n] @ W.T for each of `segments` weights (a fused projection: q / k / v or gate / up,
 // possibly of different types), their outputs side by side in `out` (contiguous [rows][sum of outs], `dtype`); x
 // [rows][cols] of `dtype` with row stride x_stride. Weight s: `types[s]`, `weights[s]` its first row, `row_bytes[s]`
-// between rows, `outs[s]` rows. `simd`: SIMD_WIDEST, SIMD_NONE (the plain C dot products even where AVX2 runs) or
+// between rows, `outs[s]` rows; `columns` (or NULL) where each output column goes in `out`. `simd`: SIMD_WIDEST, SIMD_NONE (the plain C dot products even where AVX2 runs) or
 // SIMD_AVX2 (not the AVX-512 pairs where they are built): the tests check each.
 // `x_bits`: 8 or 16, x's quantization.
 void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype, int32_t segments,
                      const int32_t *types, const void *const *weights, const int64_t *row_bytes, const int64_t *outs,
-                     void *out, int32_t threads, int32_t simd, int32_t x_bits) {
+                     const int64_t *columns, void *out, int32_t threads, int32_t simd, int32_t x_bits) {
     const int portable = simd == SIMD_NONE;
     const size_t es = dtype_size(dtype);
     const int subs = cols / SUB, wide = x_bits == 16;
@@ -1107,7 +1118,8 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
                 count = outs[s] < left ? outs[s] : left;
             }
         }
-        for (int n = 0; n < rows; n++) store_row(sums + (size_t)n * total, dtype, (int)total, (char *)out + (size_t)n * total * es);
+        for (int n = 0; n < rows; n++)
+            store_columns(sums + (size_t)n * total, dtype, 0, (int)total, columns, (char *)out + (size_t)n * total * es);
         free(sums);
 #if ZMM_PAIRS
         free(paired);
@@ -1140,7 +1152,8 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
 #endif
                 dot_tile_portable(&t, tile, rows, cols, codes, lanes, offsets, &xq, sums);
             for (int n = 0; n < rows; n++)
-                store_row(sums + (size_t)n * tile, dtype, tile, (char *)out + ((size_t)n * total + column + first) * es);
+                store_columns(sums + (size_t)n * tile, dtype, column + first, tile, columns,
+                              (char *)out + (size_t)n * total * es);
         }
         free(codes);
         free(lanes);
@@ -1712,7 +1725,8 @@ static void outer_linear_bf16(int rows, int cols, const uint16_t *x, int64_t x_s
 // batch it runs in).
 void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype,
                            int32_t segments, const int32_t *types, const void *const *weights, const int64_t *row_bytes,
-                           const int64_t *outs, void *out, int32_t threads, int32_t simd, int32_t invariant) {
+                           const int64_t *outs, const int64_t *columns, void *out, int32_t threads, int32_t simd,
+                           int32_t invariant) {
     const int portable = simd == SIMD_NONE;
     (void)portable;  // (read by the AVX2 paths only)
     const size_t es = dtype_size(dtype);
@@ -1778,7 +1792,8 @@ void kvf_gguf_linear_exact(const void *x, int64_t x_stride, int32_t rows, int32_
 #if defined(__AVX2__)
 store:
 #endif
-    for (int n = 0; n < rows; n++) store_row(sums + (size_t)n * total, dtype, (int)total, (char *)out + (size_t)n * total * es);
+    for (int n = 0; n < rows; n++)
+        store_columns(sums + (size_t)n * total, dtype, 0, (int)total, columns, (char *)out + (size_t)n * total * es);
     free(xf);
     free(sums);
 }

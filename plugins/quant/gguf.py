@@ -12,7 +12,7 @@ loading, each layer goes to the fastest path of its device:
   row count where it is faster on this CPU (a decode step: 2.2x fp32's speed at one row on Zen 2, an error 256
   times under int8's), fp32 beyond (prefill, wide batches: fp32's panel path is faster there). The process holds
   the file's pages and nothing else per weight. Llama's Q / K rows, which GGUF files store permuted, are put back
-  in order on the layer's output (a gather of a few columns) instead of in the weight;
+  in order as the kernel stores its outputs (each column where HF's order has it) instead of in the weight;
 - `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4 matmul
   (cpu_kernels.py), groups of 32, scale and zero rounded to bf16; from the row count where it loses (timed once per
   shape, `wide_rows`) a call expands the weight to bf16 (core/cpu_kernels/dequant.c) and runs oneDNN's bf16 GEMM;
@@ -231,7 +231,6 @@ class GgufMethod(DenseMethod):
         layer.weight = None
         layer.segments = None  # the blocks path's GgufSegments
         layer.int16_rows = 0  # `activations: auto`: x with up to this many rows is quantized to int16
-        layer.output_order = None  # HF order of the output columns where the file permutes rows (Llama's Q / K)
         layer.packed_weight = None
         layer.int4 = None
         layer.int8 = None  # (codes, scales, offsets or None) on the int8 path
@@ -312,11 +311,12 @@ class GgufMethod(DenseMethod):
             if wanted == "blocks":
                 raise ValueError(f"gguf: {layer.prefix or 'a layer'} cannot use the blocks kernel: {why}")
             return False
-        layer.segments = GgufSegments([(qtype, rows) for qtype, rows, _ in parts], layer.in_features)
-        if any(order is not None for _, _, order in parts):
+        columns = None
+        if any(order is not None for _, _, order in parts):  # the kernel stores each column where HF's order has it
             starts = [0, *itertools.accumulate(rows.shape[0] for _, rows, _ in parts)]
-            layer.output_order = torch.cat([(torch.arange(rows.shape[0]) if order is None else order) + start
-                                            for (_, rows, order), start in zip(parts, starts)])
+            columns = torch.argsort(torch.cat([(torch.arange(rows.shape[0]) if order is None else order) + start
+                                               for (_, rows, order), start in zip(parts, starts)]))
+        layer.segments = GgufSegments([(qtype, rows) for qtype, rows, _ in parts], layer.in_features, columns)
         layer.weight_bytes = sum(rows.numel() for _, rows, _ in parts)  # the file's pages this layer reads
         if self.options["activations"] == "auto":
             layer.int16_rows = int16_rows(torch.get_num_threads(), layer.params_dtype)
@@ -398,7 +398,7 @@ class GgufMethod(DenseMethod):
     def row_lookup(layer):
         """The layer's weight rows by index, dequantized in fp32 (exactly GGUF's values) from its blocks or its int8
         codes: a tied embedding served from the head's; None where the layer keeps neither."""
-        if layer.segments is not None and layer.output_order is None and len(layer.segments.parts) == 1:
+        if layer.segments is not None and layer.segments.columns is None and len(layer.segments.parts) == 1:
             from kvforge.core.cpu_kernels import gguf_dequant
 
             qtype, blocks = layer.segments.parts[0]
@@ -418,8 +418,6 @@ class GgufMethod(DenseMethod):
             if activations == "auto":
                 activations = "int16" if x.numel() <= layer.int16_rows * x.shape[-1] else "fp32"
             out = gguf_linear(x, layer.segments, activations=activations, batch_invariant=invariant)
-            if layer.output_order is not None:  # index_select: half the time of out[..., order] (9 vs 19 us)
-                out = torch.index_select(out, -1, layer.output_order)
             return out if bias is None else out + bias.to(out.dtype)
         if layer.triton is not None:
             from kvforge.plugins.quant.triton_gemm import dequant_gemm

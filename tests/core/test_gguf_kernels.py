@@ -195,6 +195,24 @@ def test_fused_segments_of_mixed_types_and_strided_rows(activations):
     assert ((got.double() - x.double() @ reference.T).abs() <= bound + got.double().abs() / 256).all()
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int16"])
+def test_output_columns_are_stored_where_asked(activations):
+    """`columns` sends each output column of the weights to its place (how Llama's permuted Q / K rows are put back in
+    order): the same values as the plain call, permuted, for one row (the register path), 20 (tiles) and 40 of bf16
+    x without the fixed order (the prefill tiles); a list that is no permutation is refused."""
+    parts = [(int(T.Q4_K), torch.from_numpy(random_blocks(T.Q4_K, 40, 512, seed=8))),
+             (int(T.Q6_K), torch.from_numpy(random_blocks(T.Q6_K, 24, 512, seed=9)))]
+    columns = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    plain, permuted = GgufSegments(parts, 512), GgufSegments(parts, 512, columns)
+    for x, invariant in ((torch.randn(1, 512), True), (torch.randn(20, 512), True),
+                         (torch.randn(40, 512).bfloat16(), False)):
+        expected = torch.empty(x.shape[0], 64, dtype=x.dtype)
+        expected[:, columns] = gguf_linear(x, plain, activations=activations, batch_invariant=invariant)
+        assert torch.equal(gguf_linear(x, permuted, activations=activations, batch_invariant=invariant), expected)
+    with pytest.raises(ValueError, match="permutation"):
+        GgufSegments(parts, 512, torch.zeros(64, dtype=torch.long))
+
+
 def test_layout_errors_are_named():
     with pytest.raises(ValueError, match="no block kernel"):
         GgufSegments([(int(T.IQ2_XXS), torch.zeros(1, 66, dtype=torch.uint8))], 256)
