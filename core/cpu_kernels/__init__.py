@@ -28,7 +28,11 @@ SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.
 # -fno-trapping-math: without it GCC keeps a clamp (`x > 87 ? 87 : x`) as a branch and leaves the loop around it
 # scalar (exp_clamped: SiLU of 8192 values 42 -> 20 us); it changes no computed value, only which floating-point
 # exception flags a loop may raise, and no kernel reads them
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# KVFORGE_CPU_MARCH: the instruction set to build for (default native: this CPU's widest); e.g. x86-64-v3 builds the
+# AVX2 code, as a CPU without AVX-512 runs it (the tests build it so on an AVX-512 machine too), or for a library
+# cache shared between machines
+MARCH = os.environ.get("KVFORGE_CPU_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files

@@ -213,6 +213,28 @@ def test_output_columns_are_stored_where_asked(activations):
         GgufSegments(parts, 512, torch.zeros(64, dtype=torch.long))
 
 
+def test_the_avx2_build_passes_these_tests_too(tmp_path):
+    """The kernels built for AVX2 alone (KVFORGE_CPU_MARCH=x86-64-v3: what a CPU without AVX-512 runs), in a process
+    of their own, pass this file's other tests: on an AVX-512 machine the AVX2 code is tested as built for AVX2 (not
+    only through simd="avx2", which keeps AVX-512 VNNI's 256-bit instructions)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v3 names an x86 instruction set")
+    env = {**os.environ, "KVFORGE_CPU_MARCH": "x86-64-v3", "KVFORGE_CACHE_DIR": str(tmp_path)}
+    features = subprocess.run([sys.executable, "-c", "from kvforge.core.cpu_kernels import gguf_simd_features; "
+                               "print(*gguf_simd_features())"], env=env, capture_output=True, text=True, timeout=600)
+    assert features.stdout.split() == ["avx2"], features.stderr[-2000:]
+    here = Path(__file__)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
+                          "not avx2_build"], env=env, cwd=here.parents[2], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:]
+
+
 def test_layout_errors_are_named():
     with pytest.raises(ValueError, match="no block kernel"):
         GgufSegments([(int(T.IQ2_XXS), torch.zeros(1, 66, dtype=torch.uint8))], 256)
