@@ -41,6 +41,7 @@ class AwqMethod(GroupQuantMethod):
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
         n, groups, per = sum(out_features_per_shard), self.groups(in_features), self.pack_factor
+        layer.params_dtype = params_dtype  # the blocks kernel times its activations' choice in it
         self.add_param(layer, "qweight", (in_features, n // per), torch.int32,
                        input_dim=0, output_dim=1, packed_dim=1, pack_factor=per)
         self.add_param(layer, "qzeros", (groups, n // per), torch.int32,

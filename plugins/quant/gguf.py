@@ -197,6 +197,20 @@ def int16_rows(threads: int, dtype: torch.dtype = torch.float32) -> int:
                          measure)
 
 
+def blocks_linear(x: torch.Tensor, segments, int16_rows: int, activations: str = "auto",
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for GGUF blocks (a GgufSegments) through the C kernels, with `activations` as the option of
+    that name: `auto` quantizes x to int16 up to `int16_rows` rows (int16_rows()) and takes x as given beyond,
+    without the fixed order (a decode step is int16 anyway); `fp32` keeps every row's result batch-invariant."""
+    from kvforge.core.cpu_kernels import gguf_linear
+
+    invariant = activations == "fp32"
+    if activations == "auto":
+        activations = "int16" if x.numel() <= int16_rows * x.shape[-1] else "fp32"
+    out = gguf_linear(x, segments, activations=activations, batch_invariant=invariant)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 class GgufMethod(DenseMethod):
     name = "gguf"
     description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place "
@@ -411,14 +425,7 @@ class GgufMethod(DenseMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.segments is not None:
-            from kvforge.core.cpu_kernels import gguf_linear
-
-            activations = self.options["activations"]
-            invariant = activations == "fp32"  # `auto` decodes in int16: prefill need not sum as a decode step does
-            if activations == "auto":
-                activations = "int16" if x.numel() <= layer.int16_rows * x.shape[-1] else "fp32"
-            out = gguf_linear(x, layer.segments, activations=activations, batch_invariant=invariant)
-            return out if bias is None else out + bias.to(out.dtype)
+            return blocks_linear(x, layer.segments, layer.int16_rows, self.options["activations"], bias)
         if layer.triton is not None:
             from kvforge.plugins.quant.triton_gemm import dequant_gemm
 

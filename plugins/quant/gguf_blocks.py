@@ -160,3 +160,21 @@ def decode(data: np.ndarray, qtype: GGMLQuantizationType) -> GroupCodes:
     if offsets is not None:
         offsets = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32).reshape(rows, per_row // group))
     return GroupCodes(codes, scales, offsets, group)
+
+
+def encode_centred(codes: torch.Tensor, scales: torch.Tensor) -> tuple[GGMLQuantizationType, torch.Tensor]:
+    """W = scale * (code - centre) per 32 input features as GGUF blocks the C kernels read: codes [N, K] in 0..15
+    (centre 8) as Q4_0, in 0..31 (centre 16) as Q5_0; scales [N, K / 32], each an fp16 value (stored as fp16, so
+    exactly). Returns the type and the blocks, uint8 [N, K / 32 * block bytes] (the layouts _q4_0 / _q5_0 read)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 32, 32)
+    d = scales.to(torch.float16).contiguous().reshape(n, k // 32, 1).view(torch.uint8)  # 2 bytes, little-endian
+    low = (c[..., :16] & 0x0F) | ((c[..., 16:] & 0x0F) << 4)  # weight j's low nibble, weight j + 16's in the high one
+    if int(codes.max()) < 16:
+        qtype, parts = GGMLQuantizationType.Q4_0, [d, low]
+    else:
+        bits = (c >> 4) & 1  # the fifth bit of each of the 32 codes, little-endian over 4 bytes
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+        qh = (bits.view(n, k // 32, 4, 8) * weights).sum(-1, dtype=torch.uint8)
+        qtype, parts = GGMLQuantizationType.Q5_0, [d, qh, low]
+    return qtype, torch.cat(parts, dim=-1).reshape(n, -1).contiguous()

@@ -45,6 +45,7 @@ class GptqMethod(GroupQuantMethod):
 
     def create_weights(self, layer, in_features, out_features_per_shard, params_dtype) -> None:
         n, groups, per = sum(out_features_per_shard), self.groups(in_features), self.pack_factor
+        layer.params_dtype = params_dtype  # the blocks kernel times its activations' choice in it
         if in_features % per:
             raise ValueError(f"gptq: {in_features} input features do not fill {self.bits}-bit words")
         self.add_param(layer, "qweight", (in_features // per, n), torch.int32,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from kvforge.core.cpu_kernels import unavailable
 from kvforge.core.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -157,6 +158,13 @@ def _int4pack_tolerance(x: torch.Tensor, weight: torch.Tensor, spread: torch.Ten
     return bf16 + fp32 + 1e-30
 
 
+def _blocks_tolerance(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """The GGUF kernels with `auto` activations (the blocks kernel): x rounded per 32 values to int16, at most half a
+    step (1 / 65534 of the block's largest |x|) per value, times |W|; plus fp32's terms (a prefill's x as given)."""
+    amax = x.double().abs().unflatten(-1, (-1, 32)).amax(-1).repeat_interleave(32, -1)
+    return F.linear(amax / 65534, weight.abs()) + _fp32_tolerance(x, weight, bias)
+
+
 def _check(layer, x: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, bias) -> float:
     """layer(x) against F.linear(x, W_ref) + b; returns the worst error / tolerance ratio (must be <= 1)."""
     y = layer(x)
@@ -164,6 +172,8 @@ def _check(layer, x: torch.Tensor, weight: torch.Tensor, spread: torch.Tensor, b
     ref = F.linear(x.double(), weight, bias)
     if layer.kernel == "int4pack":
         tol = _int4pack_tolerance(x, weight, spread, bias)
+    elif layer.kernel == "blocks":
+        tol = _blocks_tolerance(x, weight, bias)
     else:
         tol = _fp32_tolerance(x, weight, bias)
     err = (y.double() - ref).abs()
@@ -222,6 +232,31 @@ def test_layer_matches_dequantized_reference(kind, method, options, bias, drop_g
     gen = torch.Generator().manual_seed(1)
     for x in _inputs(KINDS[kind][0], gen):
         _check(layer, x, weight, spread, b)
+
+
+BLOCKS_CASES = [case for case in CASES if case.values[2].get("bits", 4) == 4]
+
+
+@pytest.mark.parametrize(("kind", "method", "options", "bias", "drop_g_idx"), BLOCKS_CASES)
+def test_blocks_kernel_serves_4bit_groups_of_32_exactly(kind, method, options, bias, drop_g_idx):
+    """`kernel: blocks`: the weight rewritten into GGUF blocks (Q4_0 when every zero is 8, else Q5_0) is W exactly
+    (dequantized back, bit for bit the reference in fp32), and the layer's output is within the GGUF kernel's int16
+    bound (_blocks_tolerance); act-order groups (not 32 consecutive features each) are refused by name."""
+    quant_method = _method(method, kernel="blocks", **options)
+    if options.get("desc_act") and options["group_size"] != -1:
+        with pytest.raises(ValueError, match="blocks kernel: its groups do not hold 32 consecutive"):
+            _build(kind, quant_method, bias, seed=3, drop_g_idx=drop_g_idx)
+        return
+    require(unavailable() is None, f"the C kernels cannot be built here: {unavailable()}")
+    layer, weight, _, b = _build(kind, quant_method, bias, seed=3, drop_g_idx=drop_g_idx)
+    assert layer.kernel == "blocks" and layer.int4 is None
+    (qtype, blocks), = layer.segments.parts
+    assert qtype == (2 if options.get("sym") and method == "gptq" else 6)  # Q4_0 / Q5_0
+    assert quant_method.weight_bytes(layer) == blocks.numel() < weight.numel() * 0.7
+    assert torch.equal(quant_method.dequantize(layer, torch.float32).double(), weight)
+    gen = torch.Generator().manual_seed(1)
+    for x in _inputs(KINDS[kind][0], gen):
+        _check(layer, x, weight, None, b)
 
 
 @pytest.fixture
@@ -613,6 +648,24 @@ def test_tiny_llama_auto_kernel_is_int4pack(tiny_llama, checkpoint, method):
     measured = sum(m.quant_method.weight_bytes(m) for m in linears)
     assert expected <= measured <= expected + perms
     assert expected < weights * 4 / 6  # the point of it: over 6x smaller than fp32
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_tiny_llama_on_the_blocks_kernel_matches_hf(tiny_llama, checkpoint, method):
+    """`kernel: blocks` on a whole model: the layers whose groups hold 32 consecutive features each take the GGUF
+    kernels (int16 decode steps), the others are refused by name; where they all do, greedy output is HF's on the
+    dequantized weights (divergences only at HF's near-ties: compare's rule)."""
+    require(unavailable() is None, f"the C kernels cannot be built here: {unavailable()}")
+    _, _, prompts = tiny_llama
+    out, (hf_ids, hf_logits) = checkpoint(method)
+    if QUANTIZED[method].get("desc_act"):
+        with pytest.raises(ValueError, match="blocks kernel: its groups do not hold 32 consecutive"):
+            _generate(out, prompts[:1], quant_options={"kernel": "blocks"})
+        return
+    llm, ours = _generate(out, prompts, quant_options={"kernel": "blocks"})
+    assert {m.kernel for m in _quantized_linears(llm)} == {"blocks"}
+    report = compare(ours, hf_ids, hf_logits)
+    assert report.exact >= len(prompts) - 1, report
 
 
 def _with_extra_tensors(src, dst, extra: dict[str, torch.Tensor]):
