@@ -692,6 +692,31 @@ static inline __attribute__((always_inline)) __m256i fifth_of(__m256i qh, int j)
     return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
+// sub-blocks 2 i and 2 i + 1 of a Q4_K / Q5_K block (the low and high nibbles of 32 bytes): their codes as bytes
+// (Q5_K's with their fifth bit)
+static inline __attribute__((always_inline)) void k_codes(const int type, const uint8_t *b, int i, __m256i c[2]) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == GG_Q4_K ? 16 : 48) + i * 32));
+    c[0] = _mm256_and_si256(q, _mm256_set1_epi8(15));
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(15));
+    if (type == GG_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        c[0] = _mm256_or_si256(c[0], fifth_of(qh, 2 * i));
+        c[1] = _mm256_or_si256(c[1], fifth_of(qh, 2 * i + 1));
+    }
+}
+
+// sub-blocks 2 i and 2 i + 1 of a Q4_K block widened straight from memory to int16, in natural order (lo[k]: codes
+// 0-15 of sub-block 2 i + k, hi[k]: 16-31)
+static inline __attribute__((always_inline)) void q4k_codes16(const uint8_t *b, int i, __m256i lo[2], __m256i hi[2]) {
+    const uint8_t *qs = b + 16 + i * 32;
+    const __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i last = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    lo[0] = _mm256_and_si256(first, _mm256_set1_epi16(15));
+    hi[0] = _mm256_and_si256(last, _mm256_set1_epi16(15));
+    lo[1] = _mm256_srli_epi16(first, 4);
+    hi[1] = _mm256_srli_epi16(last, 4);
+}
+
 // One super-block (256 weights: 8 sub-blocks) of a K type against `xrows` rows of x, the ggml way round: its packed
 // sub-block scales and mins unpacked for all 8 sub-blocks at once with vector ops (scalar unpacking per sub-block
 // took as long as the dot products), each scale times x's scale of that sub-block into a table, the mins' term as
@@ -758,7 +783,6 @@ static inline __attribute__((always_inline)) void k_block_dot(const int type, co
                                                               const quantized_x *x, int r0, __m256 *even,
                                                               __m256 *odd, __m256 *minsum) {
     const int s0 = blk * 8;
-    const __m256i low4 = _mm256_set1_epi8(15);
     float table[MAX_XROWS][16] __attribute__((aligned(32)));  // per row of x: each scale lane's scale times x's scale
     k_block_table(type, xrows, b, s0, cols, x, r0, table, minsum, NULL);
     if (type == GG_Q6_K) {
@@ -774,36 +798,19 @@ static inline __attribute__((always_inline)) void k_block_dot(const int type, co
         }
         return;
     }
-    const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48);
-    const __m256i qh = type == GG_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-    if (WIDE && type == GG_Q4_K) {  // the codes widened straight from memory, in natural order (lo: 0-15, hi: 16-31)
-        for (int i = 0; i < 4; i++) {
-            const __m256i bytes[2] = {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + i * 32))),
-                                      _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + i * 32 + 16)))};
-            for (int half = 0; half < 2; half++) {
-                const int j = 2 * i + half;
-                __m256i codes[2];
-                for (int k = 0; k < 2; k++)
-                    codes[k] = half ? _mm256_srli_epi16(bytes[k], 4) : _mm256_and_si256(bytes[k], _mm256_set1_epi16(15));
-                __m256i ints[MAX_XROWS];
-                natural_dots(xrows, codes[0], codes[1], x, r0, cols, s0 + j, ints);
-                for (int r = 0; r < xrows; r++) {
-                    __m256 *acc = half ? odd : even;
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]), _mm256_broadcast_ss(table[r] + j), acc[r]);
-                }
-            }
-        }
-        return;
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + i * 32));
+    for (int i = 0; i < 4; i++) {  // sub-blocks j = 2 i + half
+        __m256i c[2], lo[2], hi[2];
+        if (WIDE && type == GG_Q4_K)  // the codes widened straight from memory, in natural order
+            q4k_codes16(b, i, lo, hi);
+        else
+            k_codes(type, b, i, c);
         for (int half = 0; half < 2; half++) {
             const int j = 2 * i + half;
-            __m256i c = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low4);
-            if (type == GG_Q5_K)
-                c = _mm256_or_si256(c, fifth_of(qh, j));
             __m256i ints[MAX_XROWS];
-            code_dots(0, width_of(type, WIDE), xrows, c, x, r0, cols, s0 + j, ints);
+            if (WIDE && type == GG_Q4_K)
+                natural_dots(xrows, lo[half], hi[half], x, r0, cols, s0 + j, ints);
+            else
+                code_dots(0, width_of(type, WIDE), xrows, c[half], x, r0, cols, s0 + j, ints);
             for (int r = 0; r < xrows; r++) {
                 __m256 *acc = half ? odd : even;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]), _mm256_broadcast_ss(table[r] + j), acc[r]);
@@ -868,12 +875,11 @@ static inline __attribute__((always_inline)) void k_block_pairs(const int type, 
     float table[MAX_XROWS][16] __attribute__((aligned(32)));
     __m512 tables[MAX_XROWS];
     k_block_table(type, xrows, b, s0, cols, x, r0, table, minsum, tables);
-    if (type != GG_Q6_K)
-        for (int r = 0; r < xrows; r++) tables[r] = _mm512_zextps256_ps512(_mm256_load_ps(table[r]));
     if (type == GG_Q6_K) {  // two scales per sub-block: lanes 0-3 of sub-block j take table[2 j], lanes 4-7 [2 j + 1]
         const int16_t *xp = x->q16sp + (size_t)r0 * cols;
         for (int h = 0; h < 2; h++) {  // sub-blocks 4 h + g: low bits from ql (g odd: its second 32 bytes; g >= 2:
             // the high nibbles), bits 4-5 from qh's bit pair g, both pairs (g = 0, 1 and 2, 3) built 64 bytes wide
+            // (q6k_codes per sub-block and widen_codes, as k_block_dot: 53 -> 47 GB/s on Zen 5, 2 rows 46 -> 37)
             const __m512i ql = _mm512_loadu_si512(b + h * 64);
             const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + h * 32)));
             for (int pair = 0; pair < 2; pair++) {
@@ -896,27 +902,20 @@ static inline __attribute__((always_inline)) void k_block_pairs(const int type, 
         }
         return;
     }
-    const uint8_t *qs = b + (type == GG_Q4_K ? 16 : 48);
-    for (int i = 0; i < 4; i++) {  // sub-blocks 2 i (low nibbles) and 2 i + 1 (high nibbles) of 32 bytes
-        __m256i loA, hiA, loB, hiB;
+    for (int r = 0; r < xrows; r++) tables[r] = _mm512_zextps256_ps512(_mm256_load_ps(table[r]));
+    for (int i = 0; i < 4; i++) {  // sub-blocks 2 i and 2 i + 1 side by side
+        __m256i lo[2], hi[2];
         if (type == GG_Q4_K) {  // natural order, widened straight from memory
-            const __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + i * 32)));
-            const __m256i last = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + i * 32 + 16)));
-            loA = _mm256_and_si256(first, _mm256_set1_epi16(15));
-            hiA = _mm256_and_si256(last, _mm256_set1_epi16(15));
-            loB = _mm256_srli_epi16(first, 4);
-            hiB = _mm256_srli_epi16(last, 4);
-            pair_fma(xrows, side_by_side(loA, loB), side_by_side(hiA, hiB), x->q16p + (size_t)r0 * cols, cols,
-                     s0 + 2 * i, pair_lanes(2 * i), tables, acc);
+            q4k_codes16(b, i, lo, hi);
         } else {  // Q5_K: bytes with their fifth bit, in slot order
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + i * 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-            widen_codes(0, _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(15)), fifth_of(qh, 2 * i)), &loA, &hiA);
-            widen_codes(0, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(15)),
-                                           fifth_of(qh, 2 * i + 1)), &loB, &hiB);
-            pair_fma(xrows, side_by_side(loA, loB), side_by_side(hiA, hiB), x->q16sp + (size_t)r0 * cols, cols,
-                     s0 + 2 * i, pair_lanes(2 * i), tables, acc);
+            __m256i c[2];
+            k_codes(type, b, i, c);
+            widen_codes(0, c[0], &lo[0], &hi[0]);
+            widen_codes(0, c[1], &lo[1], &hi[1]);
         }
+        pair_fma(xrows, side_by_side(lo[0], lo[1]), side_by_side(hi[0], hi[1]),
+                 (type == GG_Q4_K ? x->q16p : x->q16sp) + (size_t)r0 * cols, cols, s0 + 2 * i, pair_lanes(2 * i),
+                 tables, acc);
     }
 }
 #endif
@@ -1625,19 +1624,8 @@ static inline __attribute__((always_inline)) void bf16_row(const int type, const
     }
 }
 
-
-// rows [count][cols] in fp32 -> bf16 (round to nearest even), as cols / 2 32-bit pairs per row
-static void bf16_pairs(const float *w, int count, int cols, uint32_t *pairs) {
-    for (int o = 0; o < count; o++)
-        for (int k = 0; k < cols; k += 32) {
-            const float *v = w + (size_t)o * cols + k;
-            const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v));
-            _mm512_storeu_si512(pairs + ((size_t)o * cols + k) / 2, (__m512i)packed);
-        }
-}
-
 // sums[r][o] (row stride `stride`) = x[r] . w[o] for x rows [0, xrows) (bf16, row stride x_stride) and outputs
-// [0, count): wt [cols / 2][OUTER_NR16] pairs, part a scratch [OUTER_CHUNK][OUTER_NR16]
+// [0, count): wt [cols / 2][OUTER_NR16] pairs, part a scratch [OUTER_CHUNK16][OUTER_NR16]
 static void outer_dot_bf16(const uint32_t *wt, int count, const uint16_t *x, int64_t x_stride, int xrows, int cols,
                            float *sums, int64_t stride, float *part) {
     for (int k0 = 0; k0 < cols; k0 += OUTER_KC) {
@@ -1674,12 +1662,14 @@ static void outer_dot_bf16(const uint32_t *wt, int count, const uint16_t *x, int
         for (int o = 0; o < count; o++) sums[(size_t)r * stride + o] = part[(size_t)r * OUTER_NR16 + o];
 }
 
-// one weight row of any type -> bf16 (float types through fp32 in `scratch`)
+// one weight row of any type -> bf16 (float types through fp32 in `scratch`, rounded to nearest even)
 static void bf16_row_any(int type, const uint8_t *row, int cols, float *scratch, uint16_t *dst) {
 #define CALL(T) bf16_row(T, row, cols, dst)
     if (float_type(type)) {
         float_row(type, row, cols, scratch);
-        bf16_pairs(scratch, 1, cols, (uint32_t *)dst);
+        for (int k = 0; k < cols; k += 32)  // (cols % 32 == 0 on this path)
+            _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(scratch + k + 16),
+                                                                      _mm512_loadu_ps(scratch + k)));
         return;
     }
     switch (type) { EXACT_CASES(CALL) }

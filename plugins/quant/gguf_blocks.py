@@ -174,7 +174,7 @@ def encode_centred(codes: torch.Tensor, scales: torch.Tensor) -> tuple[GGMLQuant
         qtype, parts = GGMLQuantizationType.Q4_0, [d, low]
     else:
         bits = (c >> 4) & 1  # the fifth bit of each of the 32 codes, little-endian over 4 bytes
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-        qh = (bits.view(n, k // 32, 4, 8) * weights).sum(-1, dtype=torch.uint8)
+        bit_values = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+        qh = (bits.view(n, k // 32, 4, 8) * bit_values).sum(-1, dtype=torch.uint8)
         qtype, parts = GGMLQuantizationType.Q5_0, [d, qh, low]
     return qtype, torch.cat(parts, dim=-1).reshape(n, -1).contiguous()

@@ -112,8 +112,9 @@ class GroupQuantMethod(QuantMethod):
         from kvforge.plugins.quant.gguf_blocks import encode_centred
 
         k, n = quant.q.shape
-        if unavailable() is not None:
-            return unavailable()
+        why = unavailable()
+        if why is not None:
+            return why
         if quant.scales.device.type != "cpu" or self.bits != 4 or k % 32:
             return f"it takes 4-bit weights on CPU in groups of 32 input features ({self.bits}-bit, {k} inputs here)"
         groups = quant.g_idx.long().view(k // 32, 32)
