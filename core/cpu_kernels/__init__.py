@@ -335,12 +335,12 @@ GGUF_ACTIVATIONS = {"fp32": 0, "int16": 16, "int8": 8}  # gguf_linear's `activat
 # gguf_linear's `simd`: the widest code built for this CPU, the plain C loops, or AVX2 even where AVX-512 is built
 # (gguf_blocks.c's SIMD_WIDEST / SIMD_NONE / SIMD_AVX2; the tests compare them)
 GGUF_SIMD = {"widest": 0, "none": 1, "avx2": 2}
-GGUF_SIMD_FEATURES = ("avx2", "avx512_int16_pairs", "avx512_bf16_tile")  # gguf_simd_features' names, by bit
+GGUF_SIMD_FEATURES = ("avx2", "avx512_pairs", "avx512_bf16_tile")  # gguf_simd_features' names, by bit
 
 
 def gguf_simd_features() -> tuple[str, ...]:
     """The SIMD code gguf_linear runs on this CPU by default (gguf_blocks.c: AVX2; AVX-512 BW / DQ / VL / VNNI: the
-    decode step's int16 dot products two sub-blocks at a time; AVX512_BF16: many rows of bf16 x in bf16 products)."""
+    decode step's int16 / int8 dot products two sub-blocks at a time; AVX512_BF16: many rows of bf16 x in bf16 products)."""
     bits = _library().kvf_gguf_simd_built()
     return tuple(name for i, name in enumerate(GGUF_SIMD_FEATURES) if bits >> i & 1)
 

@@ -17,8 +17,8 @@
 // codes are built byte-wide, also in the order in-lane unpacks widen bytes (0-7, 16-23, 8-15, 24-31: "slots"), so
 // that each scale lane's weights sum into the same int32 lanes as in int8.
 //
-// On AVX-512 (BW, DQ, VL, VNNI) a decode step's int16 dot products run two sub-blocks at a time in 512-bit registers
-// (row_dot's pairs: the same integers and fp32 operations as AVX2's, the same outputs); with AVX512_BF16 many rows of a
+// On AVX-512 (BW, DQ, VL, VNNI) a decode step's int16 (or int8) dot products run two sub-blocks at a time in 512-bit
+// registers (row_dot's pairs: the same integers and fp32 operations as AVX2's, the same outputs); with AVX512_BF16 many rows of a
 // bf16 model's x (prefill, `invariant` 0) meet the weights rounded to bf16 in bf16 products (outer_linear_bf16).
 //
 // Error, per output: |y - x @ W| <= sum over x's 32-blocks b of (max|x_b| / (2 Q)) * sum_{i in b} |s_i c_i| with
@@ -61,8 +61,8 @@ enum { GG_F32 = 0, GG_F16 = 1, GG_BF16 = 30 };  // float weights, read in place 
 enum { SUB = 32 };     // weights per sub-block (one x scale each)
 enum { TILE = 4 };     // output rows decoded and multiplied together
 enum { FEW_ROWS = 4 }; // up to this many rows of x, weights are decoded in registers as they are used (AVX2)
-// the same with the AVX-512 pairs (int16 x): Zen 5, 2 threads, 8192 x 2048 Q4_0 at 8 rows 2.35 -> 1.11 ms, at 16 rows
-// 3.9 -> 2.35 against the decoded tiles
+// the same with the AVX-512 pairs: Zen 5, 2 threads, 8192 x 2048 Q4_0 at 8 rows 2.35 -> 1.11 ms, at 16 rows 3.9 -> 2.35
+// against the decoded tiles (int16 x; int8 x at 16 rows: 3.8 -> 1.48)
 enum { FEW_ROWS_PAIRS = 16 };
 enum { UNIT = 16 };    // output rows per scheduling unit of that path
 // rows of x per pass of that path over a unit's weights (each pass decodes them again, from the cache): 2 on AVX2,
@@ -230,6 +230,7 @@ typedef struct {
     int16_t *q16s;    // the same values, each 32 in WIDE_SLOT order (for the types with `slots`), or NULL
     int16_t *q16p;    // q16 in the pair layout of row_dot's AVX-512 path (ZMM_PAIRS), or NULL
     int16_t *q16sp;   // q16s likewise, or NULL
+    int pairs8;       // int8 x taken two sub-blocks at a time by row_dot's AVX-512 path (ZMM_PAIRS; q as it is)
     float *scale;     // [rows][cols / 32]: max|x| / 127 (int8) or / 32767 (int16)
     float *sum;       // the exact fp32 sum of the 32 values
     float *qsum;      // scale * the sum of the quantized values
@@ -651,6 +652,16 @@ static inline __attribute__((always_inline)) void small_codes16(const int type, 
     }
 }
 
+// the 32 codes of one block of a 32-weight type as bytes, in natural order (signed for Q8_0)
+static inline __attribute__((always_inline)) __m256i small_codes8(const int type, const uint8_t *block) {
+    const int header = type == GG_Q4_0 || type == GG_Q5_0 || type == GG_Q8_0 ? 2 : 4;
+    if (type == GG_Q8_0)
+        return _mm256_loadu_si256((const __m256i *)(block + 2));
+    if (type == GG_Q4_0 || type == GG_Q4_1)
+        return nibbles32(block + header);
+    return _mm256_or_si256(nibbles32(block + header + 4), fifth_bits(block + header));
+}
+
 static inline __attribute__((always_inline)) void small_group_dot(const int type, const int xrows, const int WIDE,
                                                                   const uint8_t *b, int s0, int cols,
                                                                   const quantized_x *x, int r0, __m256 *even,
@@ -659,7 +670,6 @@ static inline __attribute__((always_inline)) void small_group_dot(const int type
     block_type_of(type, &t);
     float table[MAX_XROWS][8] __attribute__((aligned(32)));
     small_group_table(type, xrows, b, s0, cols, x, r0, table, minsum);
-    const int header = type == GG_Q4_0 || type == GG_Q5_0 || type == GG_Q8_0 ? 2 : 4;
     for (int i = 0; i < 8; i++) {
         const uint8_t *block = b + i * t.bytes;
         __m256i ints[MAX_XROWS];
@@ -668,14 +678,7 @@ static inline __attribute__((always_inline)) void small_group_dot(const int type
             small_codes16(type, block, &lo, &hi);
             natural_dots(xrows, lo, hi, x, r0, cols, s0 + i, ints);
         } else {
-            __m256i c;
-            if (type == GG_Q8_0)
-                c = _mm256_loadu_si256((const __m256i *)(block + 2));
-            else if (type == GG_Q4_0 || type == GG_Q4_1)
-                c = nibbles32(block + header);
-            else
-                c = _mm256_or_si256(nibbles32(block + header + 4), fifth_bits(block + header));
-            code_dots(t.signed_codes, 0, xrows, c, x, r0, cols, s0 + i, ints);
+            code_dots(t.signed_codes, 0, xrows, small_codes8(type, block), x, r0, cols, s0 + i, ints);
         }
         for (int r = 0; r < xrows; r++) {
             __m256 *acc = i & 1 ? odd : even;
@@ -843,21 +846,53 @@ static inline __attribute__((always_inline)) void pair_fma(const int xrows, __m5
     }
 }
 
+// the same with x in int8 (narrow_dot's integers): the pair's codes as bytes side by side (A's 32, B's 32) against x's
+// 64 values in natural order; signed codes meet their magnitudes with x negated where the code is negative. Zen 5,
+// 8192 x 2048 at 16 rows against the int16 pairs: Q4_0 1.64 -> 1.48 ms, Q4_K 1.65 -> 1.32, Q6_K level (the fp32
+// conversion, scale lanes and FMA per pair and row bound both, not the integer products)
+static inline __attribute__((always_inline)) void pair_fma8(const int IS_SIGNED, const int xrows, __m512i c,
+                                                            const int8_t *xq, int cols, int s, __m512i lanes,
+                                                            const __m512 *table, __m512 *acc) {
+    const __m512i magnitude = IS_SIGNED ? _mm512_abs_epi8(c) : c;
+    const __mmask64 negative = IS_SIGNED ? _mm512_movepi8_mask(c) : 0;
+    for (int r = 0; r < xrows; r++) {
+        __m512i v = _mm512_loadu_si512(xq + (size_t)r * cols + s * SUB);
+        if (IS_SIGNED)
+            v = _mm512_mask_sub_epi8(v, negative, _mm512_setzero_si512(), v);
+        const __m512i ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, v);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_permutexvar_ps(lanes, table[r]), acc[r]);
+    }
+}
+
 // the scale-lane indices of sub-blocks s, s + 1 in a table of one scale per sub-block (j: s within the group)
 static inline __m512i pair_lanes(int j) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(j)), _mm256_set1_epi32(j + 1), 1);
 }
 
+// Q6_K's scale-lane indices of sub-blocks j, j + 1 (two scales each: lanes 0-3 of sub-block j take 2 j, lanes 4-7 2 j + 1)
+static inline __m512i q6k_pair_lanes(int j) {
+    return _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 2, 2 * j + 2,
+                             2 * j + 2, 2 * j + 2, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3);
+}
+
 // small_group_dot's pair version: 8 blocks of a 32-weight type from sub-block s0
-static inline __attribute__((always_inline)) void small_group_pairs(const int type, const int xrows, const uint8_t *b,
-                                                                    int s0, int cols, const quantized_x *x, int r0,
-                                                                    __m512 *acc, __m256 *minsum) {
+static inline __attribute__((always_inline)) void small_group_pairs(const int type, const int xrows, const int WIDE,
+                                                                    const uint8_t *b, int s0, int cols,
+                                                                    const quantized_x *x, int r0, __m512 *acc,
+                                                                    __m256 *minsum) {
     block_type t;
     block_type_of(type, &t);
     float table[MAX_XROWS][8] __attribute__((aligned(32)));
     small_group_table(type, xrows, b, s0, cols, x, r0, table, minsum);
     __m512 tables[MAX_XROWS];
     for (int r = 0; r < xrows; r++) tables[r] = _mm512_zextps256_ps512(_mm256_load_ps(table[r]));
+    if (!WIDE) {
+        for (int i = 0; i < 8; i += 2)
+            pair_fma8(t.signed_codes, xrows, side_by_side(small_codes8(type, b + i * t.bytes),
+                                                          small_codes8(type, b + (i + 1) * t.bytes)),
+                      x->q + (size_t)r0 * cols, cols, s0 + i, pair_lanes(i), tables, acc);
+        return;
+    }
     const int16_t *xp = x->q16p + (size_t)r0 * cols;
     for (int i = 0; i < 8; i += 2) {
         __m256i loA, hiA, loB, hiB;
@@ -868,13 +903,30 @@ static inline __attribute__((always_inline)) void small_group_pairs(const int ty
 }
 
 // k_block_dot's pair version
-static inline __attribute__((always_inline)) void k_block_pairs(const int type, const int xrows, const uint8_t *b,
-                                                                int blk, int cols, const quantized_x *x, int r0,
-                                                                __m512 *acc, __m256 *minsum) {
+static inline __attribute__((always_inline)) void k_block_pairs(const int type, const int xrows, const int WIDE,
+                                                                const uint8_t *b, int blk, int cols,
+                                                                const quantized_x *x, int r0, __m512 *acc,
+                                                                __m256 *minsum) {
     const int s0 = blk * 8;
     float table[MAX_XROWS][16] __attribute__((aligned(32)));
     __m512 tables[MAX_XROWS];
     k_block_table(type, xrows, b, s0, cols, x, r0, table, minsum, tables);
+    if (!WIDE) {  // int8 x in natural order: the codes as bytes, a pair side by side
+        const int8_t *xq = x->q + (size_t)r0 * cols;
+        if (type == GG_Q6_K) {
+            for (int j = 0; j < 8; j += 2)
+                pair_fma8(1, xrows, side_by_side(q6k_codes(b, j / 4, j % 4), q6k_codes(b, j / 4, j % 4 + 1)), xq,
+                          cols, s0 + j, q6k_pair_lanes(j), tables, acc);
+            return;
+        }
+        for (int r = 0; r < xrows; r++) tables[r] = _mm512_zextps256_ps512(_mm256_load_ps(table[r]));
+        for (int i = 0; i < 4; i++) {
+            __m256i c[2];
+            k_codes(type, b, i, c);
+            pair_fma8(0, xrows, side_by_side(c[0], c[1]), xq, cols, s0 + 2 * i, pair_lanes(2 * i), tables, acc);
+        }
+        return;
+    }
     if (type == GG_Q6_K) {  // two scales per sub-block: lanes 0-3 of sub-block j take table[2 j], lanes 4-7 [2 j + 1]
         const int16_t *xp = x->q16sp + (size_t)r0 * cols;
         for (int h = 0; h < 2; h++) {  // sub-blocks 4 h + g: low bits from ql (g odd: its second 32 bytes; g >= 2:
@@ -894,10 +946,7 @@ static inline __attribute__((always_inline)) void k_block_pairs(const int type, 
                 // in-lane unpacks: A's slot-order lo / hi (widen_codes') beside B's
                 const __m512i lo = _mm512_srai_epi16(_mm512_unpacklo_epi8(c, c), 8);
                 const __m512i hi = _mm512_srai_epi16(_mm512_unpackhi_epi8(c, c), 8);
-                const __m512i lanes = _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                        2 * j + 1, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 3,
-                                                        2 * j + 3, 2 * j + 3, 2 * j + 3);
-                pair_fma(xrows, lo, hi, xp, cols, s0 + j, lanes, tables, acc);
+                pair_fma(xrows, lo, hi, xp, cols, s0 + j, q6k_pair_lanes(j), tables, acc);
             }
         }
         return;
@@ -934,7 +983,7 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
     for (int r = 0; r < MAX_XROWS; r++) even[r] = odd[r] = minsum[r] = _mm256_setzero_ps();
     int blk = 0;
 #if ZMM_PAIRS
-    if (WIDE && x->q16p) {  // int16 x: two sub-blocks at a time, then the accumulators' halves are `even` and `odd`
+    if (WIDE ? x->q16p != NULL : x->pairs8) {  // two sub-blocks at a time; the accumulators' halves: `even`, `odd`
         __m512 acc[MAX_XROWS];
         for (int r = 0; r < MAX_XROWS; r++) acc[r] = _mm512_setzero_ps();
         if (t.super == SUB) {
@@ -942,14 +991,14 @@ static inline __attribute__((always_inline)) void row_dot(const int type, const 
                 const uint8_t *b = row + (size_t)blk * t.bytes;
                 for (int line = 0; line < 8 * t.bytes; line += 64)
                     _mm_prefetch((const char *)b + PREFETCH_AHEAD + line, PREFETCH_HINT);
-                small_group_pairs(type, xrows, b, blk, cols, x, r0, acc, minsum);
+                small_group_pairs(type, xrows, WIDE, b, blk, cols, x, r0, acc, minsum);
             }
         } else {
             for (; blk < blocks; blk++) {
                 const uint8_t *b = row + (size_t)blk * t.bytes;
                 for (int line = 0; line < t.bytes; line += 64)
                     _mm_prefetch((const char *)b + PREFETCH_AHEAD + line, PREFETCH_HINT);
-                k_block_pairs(type, xrows, b, blk, cols, x, r0, acc, minsum);
+                k_block_pairs(type, xrows, WIDE, b, blk, cols, x, r0, acc, minsum);
             }
         }
         for (int r = 0; r < xrows; r++) {
@@ -1008,6 +1057,8 @@ static void rows_dot_any(int type, int xrows, const uint8_t *w, int64_t rb, int6
 #if ZMM_PAIRS
     if (x->q16p && xrows == 4) { switch (type) { ROWS_DOT_CASES(4, 1) } return; }
     if (x->q16p && xrows == 3) { switch (type) { ROWS_DOT_CASES(3, 1) } return; }
+    if (x->pairs8 && xrows == 4) { switch (type) { ROWS_DOT_CASES(4, 0) } return; }
+    if (x->pairs8 && xrows == 3) { switch (type) { ROWS_DOT_CASES(3, 0) } return; }
 #endif
     if (x->q16) {
         if (xrows == 2) { switch (type) { ROWS_DOT_CASES(2, 1) } } else { switch (type) { ROWS_DOT_CASES(1, 1) } }
@@ -1086,11 +1137,12 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
         free(row);
     }
 #if defined(__AVX2__)
-    const int pairs = ZMM_PAIRS && wide && simd == SIMD_WIDEST;
+    const int pairs = ZMM_PAIRS && simd == SIMD_WIDEST;
     if (!portable && rows <= (pairs ? FEW_ROWS_PAIRS : FEW_ROWS)) {  // decoded in registers, once per 2 or 4 rows of x
 #if ZMM_PAIRS
         int16_t *paired = NULL;
-        if (pairs) {
+        xq.pairs8 = pairs && !wide;
+        if (pairs && wide) {
             paired = aligned_alloc(64, x_bytes * (slots ? 2 : 1));
             xq.q16p = pair_layout(xq.q16, paired, rows, cols);
             xq.q16sp = slots ? pair_layout(xq.q16s, (int16_t *)((char *)paired + x_bytes), rows, cols) : NULL;
@@ -1165,7 +1217,7 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
     free(xq.qsum);
 }
 
-// what this build's kernels use on this CPU (bits: 1 AVX2, 2 the AVX-512 int16 pairs, 4 the AVX512_BF16 tile)
+// what this build's kernels use on this CPU (bits: 1 AVX2, 2 the AVX-512 pairs, 4 the AVX512_BF16 tile)
 int32_t kvf_gguf_simd_built(void) { return AVX2_BUILT | (ZMM_PAIRS << 1) | (BF16_TILE << 2); }
 
 // out[n] = W[ids[n]] dequantized (fp32 / bf16 / fp16, `dtype`), W [.., cols] of `type` with row stride row_bytes;

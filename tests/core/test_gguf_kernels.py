@@ -128,7 +128,7 @@ def test_matmul_within_the_bound(qtype, simd, activations):
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch_and_simd_agrees(qtype, activations):
     """One row at a time (the register path: with int16 x on AVX-512 two sub-blocks at a time, else AVX2's), two,
-    seven (AVX-512 int16: the register path, 4 + 3 rows a pass; else decoded tiles) and twenty (decoded tiles): the
+    seven (AVX-512: the register path, 4 + 3 rows a pass; else decoded tiles) and twenty (decoded tiles): the
     same bits (every path sums in the same order); with AVX2's code forced, two rows at a time; an odd number of
     32-weight blocks (the 32-weight types: 33, a group of 8 short) for the even / odd split."""
     cols = 1024 if GGUF_SUPER[int(qtype)][0] == 256 else 1056
