@@ -340,7 +340,8 @@ GGUF_SIMD_FEATURES = ("avx2", "avx512_pairs", "avx512_bf16_tile")  # gguf_simd_f
 
 def gguf_simd_features() -> tuple[str, ...]:
     """The SIMD code gguf_linear runs on this CPU by default (gguf_blocks.c: AVX2; AVX-512 BW / DQ / VL / VNNI: the
-    decode step's int16 / int8 dot products two sub-blocks at a time; AVX512_BF16: many rows of bf16 x in bf16 products)."""
+    decode step's int16 / int8 dot products two sub-blocks at a time; AVX512_BF16: many rows of bf16 x in bf16
+    products)."""
     bits = _library().kvf_gguf_simd_built()
     return tuple(name for i, name in enumerate(GGUF_SIMD_FEATURES) if bits >> i & 1)
 
