@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvforge.app.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvforge.app.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.core.config import DECODE_ATTENTION, KERNELS, LINEAR_KERNELS, engine_default
 
 if sys.version_info >= (3, 11):
@@ -74,7 +74,7 @@ def at_least(low: int) -> Callable[[str, Any], None]:
 
 def keep_alive_seconds(value: str | float) -> float:
     """--keep-alive in seconds (math.inf: until room is needed); ValueError naming the setting."""
-    from kvforge.app.models import parse_keep_alive
+    from kvforge.app.models.host import parse_keep_alive
 
     try:
         return parse_keep_alive(float(value) if re.fullmatch(r"-?\d+(\.\d+)?", str(value)) else value)

@@ -1,7 +1,8 @@
 """Every engine knob, its default, what it means and what it accepts, in one place.
 
 Each field's metadata holds its help text and bounds (`knob`); __post_init__ checks the bounds, and the app
-(app/settings.py, app/models.py, app/protocol.py) reads the defaults from here instead of repeating them.
+(app/settings.py, app/models/host.py, app/dialects/openai/protocol.py) reads the defaults from here instead of
+repeating them.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def _show(bound: float) -> str:
 @dataclass(frozen=True)
 class Bounds:
     """What one numeric sampling field accepts. SamplingParams checks it; the HTTP request models
-    (app/protocol.py) take their schema's limits from it (`limits()`), so a bound is declared only here."""
+    (app/dialects/openai/protocol.py) take their schema's limits from it (`limits()`), so a bound is declared only
+    here."""
 
     integer: bool
     ge: float | None = None

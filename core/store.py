@@ -3,7 +3,7 @@
 One URL selects it: a SQLite file (the default, inside the data directory) or PostgreSQL
 (`postgresql+psycopg://...`). The schema (every table: core/migrations) is created and upgraded by Alembic
 on open. Its tables are mapped by their owners on the declarative `Base` here: the KV index rows by
-core/kv/sql_index.py, conversations and messages by app/conversations.py. Every write is one short
+core/kv/sql_index.py, conversations and messages by app/sessions/conversations.py. Every write is one short
 transaction, so a process killed at any moment leaves the database consistent (SQLite runs in WAL mode).
 Timestamps are Unix seconds, like the OpenAI API's.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from kvforge.app.chat_service import ChatService
+from kvforge.app.sessions.service import ChatService
 from kvforge.ui.dashboard import DashboardSampler
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ client posted for them, each in a collapsible bubble after it), a streamed reply
 kept), Regenerate and Edit last message, and the generation settings (system prompt, temperature, top-p, max
 tokens, the repetition guard): each conversation shows its own, which start at the served model's defaults
 (core/generation_defaults.py; "Model defaults" goes back to them) and are kept with it when a message is sent.
-A conversation's tools are set, and their results posted, through the sessions API (app/sessions.py).
+A conversation's tools are set, and their results posted, through the sessions API (app/sessions/routes.py).
 
 Gradio is imported inside the functions: build_ui imports this module after the offline environment is set.
 """
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvforge.app.errors import APIError
-from kvforge.app.reply_stats import reply_stats_line
+from kvforge.app.http.errors import APIError
+from kvforge.app.sessions.reply_stats import reply_stats_line
 from kvforge.ui.service import UIService
 
 if TYPE_CHECKING:
     import gradio as gr
 
-    from kvforge.app.conversations import Conversation
+    from kvforge.app.sessions.conversations import Conversation
 
 
 REASONING_TITLE = "Reasoning"

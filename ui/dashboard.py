@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from kvforge.app.cache import human_bytes
+from kvforge.app.cli.cache import human_bytes
 from kvforge.core.metrics import gpu_memory
 from kvforge.ui.service import UIService
 

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvforge.app.chat_service import DEFAULT_TITLE, ChatService, Turn
-from kvforge.app.conversation_search import ConversationSearch
-from kvforge.app.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
-from kvforge.app.date_groups import group_by_date
-from kvforge.app.errors import validation_message
-from kvforge.app.history import ConversationExport, export_conversation, export_filename, import_conversation
-from kvforge.app.history_markdown import conversation_markdown
-from kvforge.app.models import ModelSpec
-from kvforge.app.protocol import check_sampling
-from kvforge.app.system_prompts import SystemPrompts
+from kvforge.app.dialects.openai.protocol import check_sampling
+from kvforge.app.http.errors import validation_message
+from kvforge.app.models.host import ModelSpec
+from kvforge.app.sessions.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
+from kvforge.app.sessions.date_groups import group_by_date
+from kvforge.app.sessions.history import ConversationExport, export_conversation, export_filename, import_conversation
+from kvforge.app.sessions.markdown import conversation_markdown
+from kvforge.app.sessions.search import ConversationSearch
+from kvforge.app.sessions.service import DEFAULT_TITLE, ChatService, Turn
+from kvforge.app.sessions.system_prompts import SystemPrompts
 from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, embedded_gguf_path, resolve_model
 from kvforge.core.sampling import SamplingParams
@@ -195,7 +195,7 @@ class UIService:
             return embedded_gguf_path()
         models_dir = self._host.models_dir
         if models_dir is not None and model.endswith(".gguf") and model in self._host.available():  # listed only:
-            return models_dir / model  # no path outside the models directory, no FIFO (app/model_catalog.py)
+            return models_dir / model  # no path outside the models directory, no FIFO (app/models/catalog.py)
         return None
 
     def local_model_dir(self, model: str) -> Path | None:
@@ -246,7 +246,8 @@ class UIService:
                 for label, group in group_by_date(found, lambda c: c.updated_at, datetime.now())]
 
     def export_conversation(self, session_id: str, fmt: str) -> tuple[str, str]:
-        """(file name, text) of the conversation as "json" (every branch: app/history.py's format, importable) or
+        """(file name, text) of the conversation as "json" (every branch: app/sessions/history.py's format,
+        importable) or
         "markdown" (the branch shown); NotFound for an unknown conversation, ValueError for another format."""
         conv = self._conversations.get(session_id)
         if fmt == "json":

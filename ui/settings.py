@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvforge.app.cache import human_bytes
-from kvforge.app.models import ModelSpec
+from kvforge.app.cli.cache import human_bytes
+from kvforge.app.models.host import ModelSpec
 from kvforge.core.config import DTYPE_NAMES, loads_gguf_natively
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
@@ -46,7 +46,7 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
     try:
         gguf, running = service.gguf_file(model), service.running_config()
         if gguf is not None and loads_gguf_natively(quant or "none", running is not None and running.gguf_dense):
-            from kvforge.app.model_catalog import describe
+            from kvforge.app.models.catalog import describe
 
             entry = describe(model, gguf, int(context_tokens), dtype)
             if entry.error:

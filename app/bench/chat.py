@@ -199,7 +199,7 @@ def _report(args: argparse.Namespace, path: Path, m: dict, llama: dict, wall: fl
 
 
 def _print_table(r: dict) -> None:
-    from kvforge.app.cache import human_bytes
+    from kvforge.app.cli.cache import human_bytes
 
     print(f"model {r['model']}; dtype {r['dtype']}; {r['threads']} threads; block size {r['block_size']}; "
           f"{r['turns']} turns: user messages of ~{r['user_tokens']} tokens, greedy replies of <= "

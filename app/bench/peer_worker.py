@@ -115,7 +115,7 @@ def run_kvforge(job: Job) -> None:
     import transformers
 
     import kvforge
-    import kvforge.app.engine_factory  # noqa: F401 -- the app's engine factory (bench_engine's), with its imports
+    import kvforge.app.models.factory  # noqa: F401 -- the app's engine factory (bench_engine's), with its imports
 
     transformers.AutoConfig, transformers.AutoTokenizer, transformers.LlamaConfig  # noqa: B018
     from kvforge.app.bench.runs import bench_engine, warm_up

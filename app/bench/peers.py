@@ -185,7 +185,7 @@ def _selected(args: argparse.Namespace) -> list[Engine]:
 
 def run_peers(args: argparse.Namespace) -> int:
     from kvforge.app.bench.roofline import cpu_identity
-    from kvforge.app.model_catalog import gguf_facts
+    from kvforge.app.models.catalog import gguf_facts
     from kvforge.core.cpu import cpu_model_and_flags, isa
     from kvforge.core.loader import EMBEDDED_MODEL, resolve_model
     from kvforge.core.tokenizer import Tokenizer

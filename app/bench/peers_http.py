@@ -39,7 +39,7 @@ from kvforge.app.bench.peer_engines import (
     stop_group,
 )
 from kvforge.app.bench.report import error_line
-from kvforge.app.threaded_server import free_port
+from kvforge.app.http.threaded_server import free_port
 
 SERVED_NAME = "peers-bench"  # the model id every server is started with and every request names
 STOP_GRACE_S = 30  # seconds a server gets to stop after SIGTERM before its process group is killed

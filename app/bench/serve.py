@@ -28,7 +28,7 @@ from kvforge.app.bench.http_client import stream_chat, wait_until_serving
 from kvforge.app.bench.report import emit, fmt, ms, p50_p99, percentile
 from kvforge.app.bench.runs import bench_engine
 from kvforge.app.bench.workloads import chat_messages
-from kvforge.app.threaded_server import free_port, serve_in_thread
+from kvforge.app.http.threaded_server import free_port, serve_in_thread
 
 MODEL_NAME = "kvforge-bench"
 WARM_UP = [{"role": "user", "content": "Hello"}]  # the same short request warms the server and the offline engine

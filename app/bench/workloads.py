@@ -156,7 +156,7 @@ def spec_prompts() -> dict[str, list[dict]]:
 
 def eval_text() -> str:
     """The held-out text perplexity is measured on."""
-    return files("kvforge.app").joinpath("eval_text.txt").read_text()
+    return files("kvforge.app.bench").joinpath("eval_text.txt").read_text()
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:

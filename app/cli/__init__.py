@@ -9,7 +9,7 @@ import os
 import sys
 
 from kvforge.app.cli.parser import build_parser
-from kvforge.app.engine_factory import torchrun_world_size
+from kvforge.app.models.factory import torchrun_world_size
 
 __all__ = ["build_parser", "main"]
 

@@ -73,17 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against HF transformers, measured in the same run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from kvforge.app.bench import add_parsers as add_bench_parsers
-    from kvforge.app.cache import add_parser as add_cache
+    from kvforge.app.cli.cache import add_parser as add_cache
 
     add_bench_parsers(bench_sub)
     add_cache(sub)
     from kvforge.app.quantize import add_parser as add_quantize
 
     add_quantize(sub)
-    from kvforge.app.model_catalog import add_parser as add_models
+    from kvforge.app.models.catalog import add_parser as add_models
 
     add_models(sub)
-    from kvforge.app.pull import add_parser as add_pull
+    from kvforge.app.models.pull import add_parser as add_pull
 
     add_pull(sub)
 

@@ -11,7 +11,7 @@ from kvforge.app.settings import resolve
 
 def engine_from_flags(args: argparse.Namespace):
     """The engine the flags describe: generate and chat read no environment and no settings file."""
-    from kvforge.app.engine_factory import build_engine, spec_from_settings
+    from kvforge.app.models.factory import build_engine, spec_from_settings
 
     settings = resolve(args, environ={})
     return build_engine(spec_from_settings(settings), settings)

@@ -5,7 +5,7 @@ Stopping is bounded whatever threads are doing: requests get GRACEFUL_SHUTDOWN_S
 cancelled), the engines (writing their queued KV blocks) and the store get what is left of SHUTDOWN_DEADLINE_S, and
 the process then ends without waiting for threads a request left behind (a download, a stuck render: the interpreter
 would join them at exit). Should a thread hold the interpreter so that none of this can run, the exit watchdog
-(app/exit_watchdog.py) kills the process at SHUTDOWN_DEADLINE_S.
+(app/cli/exit_watchdog.py) kills the process at SHUTDOWN_DEADLINE_S.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvforge.app.access import AccessPolicy, split_list
-    from kvforge.app.engine_factory import build_async_engine, spec_from_settings
-    from kvforge.app.exit_watchdog import ExitWatchdog
-    from kvforge.app.limits import connection_limits
-    from kvforge.app.models import ModelHost, ModelSpec
+    from kvforge.app.cli.exit_watchdog import ExitWatchdog
+    from kvforge.app.http.access import AccessPolicy, split_list
+    from kvforge.app.http.limits import connection_limits
+    from kvforge.app.models.factory import build_async_engine, spec_from_settings
+    from kvforge.app.models.host import ModelHost, ModelSpec
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
     from kvforge.core.async_engine import build_off_main_thread
@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             exit_now(self.stop_signal, 1 if fatal else 0)
 
     # proxy_headers=False: a client's address is its connection's. uvicorn would take it from the X-Forwarded-For
-    # of any local process, which could then name a new address for each wrong key it tries (app/key_throttle.py
+    # of any local process, which could then name a new address for each wrong key it tries (app/http/key_throttle.py
     # counts them per address).
     server = GracefulServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, proxy_headers=False,

@@ -16,7 +16,7 @@ def calibration_passages(path: str | Path | None = None) -> list[str | list[dict
     if path is None:
         from importlib.resources import files
 
-        text = files("kvforge.app").joinpath("calibration.txt").read_text(encoding="utf-8")
+        text = files("kvforge.app.quantize").joinpath("calibration.txt").read_text(encoding="utf-8")
     else:
         try:
             text = Path(path).expanduser().read_text(encoding="utf-8")

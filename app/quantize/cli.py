@@ -17,7 +17,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvforge.app.cache import human_bytes
+    from kvforge.app.cli.cache import human_bytes
 
     names = {f.name for f in fields(QuantizeOptions)}
     options = QuantizeOptions(**{k: v for k, v in vars(args).items() if k in names})

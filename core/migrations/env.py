@@ -4,8 +4,9 @@ from alembic import context
 
 from kvforge.core.store import Base, mapped_schema_object
 
-# Base.metadata holds the models imported so far (core/kv/sql_index.py, app/conversations.py,
-# app/system_prompts.py): import them all before autogenerating a revision, or it proposes dropping the tables of
+# Base.metadata holds the models imported so far (core/kv/sql_index.py, app/sessions/conversations.py,
+# app/sessions/system_prompts.py): import them all before autogenerating a revision, or it proposes dropping the
+# tables of
 # the missing ones.
 
 connection = context.config.attributes["connection"]

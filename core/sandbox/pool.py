@@ -4,7 +4,7 @@ a worker killed and replaced when its job runs past its time budget, is cancelle
 `render_template` (chat templates) and `trial_compile` (grammars the server has not seen) are the two jobs. A job
 waits for a free worker; the wait has no deadline of its own (each job ahead of it ends within its budget) but is
 cancelled with the job. Cancelling: `CANCEL` holds a threading.Event the job's caller sets (app code sets it when
-the request's task is cancelled, see app/generation.py off_loop); the job stops at the next poll (POLL_S).
+the request's task is cancelled, see app/generate/admit.py off_loop); the job stops at the next poll (POLL_S).
 """
 
 from __future__ import annotations

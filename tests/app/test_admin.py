@@ -11,9 +11,10 @@ import httpx
 import pytest
 import torch
 
-from kvforge.app.models import ModelHost, ModelSpec
-from kvforge.app.server import create_app, default_engine_factory
-from kvforge.app.threaded_server import serve_in_thread
+from kvforge.app.http.threaded_server import serve_in_thread
+from kvforge.app.models.factory import default_engine_factory
+from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.server import create_app
 from kvforge.core import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"

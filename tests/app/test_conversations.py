@@ -1,4 +1,4 @@
-"""Conversations (app/conversations.py), on SQLite and on a real PostgreSQL server: conversations and their
+"""Conversations (app/sessions/conversations.py), on SQLite and on a real PostgreSQL server: conversations and their
 messages, the message tree (branches: edits and regenerated replies beside the old ones), and crash consistency
 when the writing process is killed."""
 
@@ -14,7 +14,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from kvforge.app.conversations import Conversations, MessageNotFound, NotFound
+from kvforge.app.sessions.conversations import Conversations, MessageNotFound, NotFound
 from kvforge.core.store import Store
 
 
@@ -201,7 +201,7 @@ def test_concurrent_appends_get_contiguous_positions(conversations):
 
 WRITER = """
 import sys
-from kvforge.app.conversations import Conversation, Conversations, Message
+from kvforge.app.sessions.conversations import Conversation, Conversations, Message
 from kvforge.core.store import Store
 
 store = Store(sys.argv[1])

@@ -1,10 +1,10 @@
-"""The sidebar's date groups (app/date_groups.py) at fixed times: calendar days in the time zone of `now`."""
+"""The sidebar's date groups (app/sessions/date_groups.py) at fixed times: calendar days in the time zone of `now`."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from kvforge.app.date_groups import date_label, group_by_date
+from kvforge.app.sessions.date_groups import date_label, group_by_date
 
 TZ = timezone(timedelta(hours=2))
 NOW = datetime(2026, 12, 4, 9, 30, tzinfo=TZ)  # a Friday morning

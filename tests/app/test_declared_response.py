@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
-from kvforge.app.chat_output import ChoiceReader, whole_message
-from kvforge.app.chat_request import plan_conversation
-from kvforge.app.protocol import ChatMessage, ToolFields
-from kvforge.app.tool_calls import parse_tool_calls
+from kvforge.app.dialects.openai.protocol import ChatMessage, ToolFields
+from kvforge.app.generate.chat_output import ChoiceReader, whole_message
+from kvforge.app.generate.chat_request import plan_conversation
+from kvforge.app.generate.parsers.tool_calls import parse_tool_calls
 from kvforge.core.tokenizer import Tokenizer
 
 GEMMA4_FORMAT = {  # transformers' own declaration for Gemma 4 (cli/serving/utils.py), anchored at ChatML's turn

@@ -16,13 +16,14 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 
-from kvforge.app.conversation_search import ConversationSearch, snippet
-from kvforge.app.conversations import Conversations
-from kvforge.app.date_groups import MONTHS
-from kvforge.app.history import ConversationExport, export_conversation, import_conversation
-from kvforge.app.history_markdown import conversation_markdown
-from kvforge.app.models import ModelHost, ModelSpec
-from kvforge.app.server import create_app, default_engine_factory
+from kvforge.app.models.factory import default_engine_factory
+from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.server import create_app
+from kvforge.app.sessions.conversations import Conversations
+from kvforge.app.sessions.date_groups import MONTHS
+from kvforge.app.sessions.history import ConversationExport, export_conversation, import_conversation
+from kvforge.app.sessions.markdown import conversation_markdown
+from kvforge.app.sessions.search import ConversationSearch, snippet
 from kvforge.core.store import MIGRATIONS, Store, upgrade
 from kvforge.ui.service import UIService
 from tests.helpers.conversation_tree import SETTINGS, build_tree

@@ -11,12 +11,13 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from kvforge.app.conversations import Conversations
-from kvforge.app.history import MAX_MESSAGES, MAX_TEXT_CHARS
-from kvforge.app.models import ModelHost, ModelSpec
-from kvforge.app.protocol import MAX_SYSTEM_PROMPT_CHARS
-from kvforge.app.server import create_app, default_engine_factory
-from kvforge.app.threaded_server import serve_in_thread
+from kvforge.app.dialects.openai.protocol import MAX_SYSTEM_PROMPT_CHARS
+from kvforge.app.http.threaded_server import serve_in_thread
+from kvforge.app.models.factory import default_engine_factory
+from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.server import create_app
+from kvforge.app.sessions.conversations import Conversations
+from kvforge.app.sessions.history import MAX_MESSAGES, MAX_TEXT_CHARS
 from kvforge.core.store import Store
 from tests.helpers.conversation_tree import build_tree
 

@@ -8,7 +8,7 @@ import os
 import shutil
 
 from kvforge.app.cli import main
-from kvforge.app.model_catalog import catalog, model_names
+from kvforge.app.models.catalog import catalog, model_names
 from kvforge.core import LLM
 from kvforge.core.config import kv_bytes_per_token
 from kvforge.core.loader import EMBEDDED_MODEL
@@ -76,7 +76,7 @@ def test_a_gguf_header_is_parsed_once_per_file_version(tmp_path, gemma_gguf_path
     file under the name changes (here: the embedded GGUF copied over by Gemma's)."""
     import shutil
 
-    from kvforge.app.model_catalog import describe, gguf_facts
+    from kvforge.app.models.catalog import describe, gguf_facts
     from kvforge.core.loader import embedded_gguf_path
 
     path = tmp_path / "model.gguf"
@@ -94,7 +94,7 @@ def test_a_gguf_header_is_parsed_once_per_file_version(tmp_path, gemma_gguf_path
 def test_a_listing_with_a_deadline_answers_with_what_it_has(tmp_path):
     """The routes' listing: an entry not read by the deadline comes back marked (its read goes on, cached), the
     next listing has it."""
-    from kvforge.app.model_catalog import catalog
+    from kvforge.app.models.catalog import catalog
     from tests.helpers.hostile_files import tiny_gguf, truncated_vocab_gguf
 
     tiny_gguf(tmp_path / "good.gguf")

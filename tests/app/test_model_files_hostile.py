@@ -19,7 +19,7 @@ import ollama
 import psutil
 import pytest
 
-from kvforge.app.model_catalog import LISTING_DEADLINE_S
+from kvforge.app.models.catalog import LISTING_DEADLINE_S
 from kvforge.core.loader import EMBEDDED_MODEL
 from tests.helpers.health_watch import HealthWatch
 from tests.helpers.hostile_files import huge_array_gguf, tiny_gguf, truncated_vocab_gguf

@@ -14,8 +14,8 @@ import weakref
 
 import pytest
 
-from kvforge.app.engine_factory import build_async_engine
-from kvforge.app.models import LONGEST_KEEP_ALIVE_S, ModelHost, ModelSpec, ModelUnavailable, parse_keep_alive
+from kvforge.app.models.factory import build_async_engine
+from kvforge.app.models.host import LONGEST_KEEP_ALIVE_S, ModelHost, ModelSpec, ModelUnavailable, parse_keep_alive
 from tests.helpers.tiny_models import save_tiny_model
 
 KV_BYTES = 4 << 20

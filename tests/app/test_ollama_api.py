@@ -181,10 +181,10 @@ def test_bad_requests_get_ollama_errors_naming_the_field(server, request_fields,
 def test_a_reply_with_calls_in_the_clients_own_types(embedded_path):
     """The 135M model does not call tools unforced (Ollama has no tool_choice), so a reply with calls is read
     here, as the route reads one, and checked against the client's own types, whole and as stream deltas."""
-    from kvforge.app.chat_output import ChoiceReader, whole_message
-    from kvforge.app.chat_request import plan_conversation
-    from kvforge.app.ollama_api import ollama_message
-    from kvforge.app.protocol import ChatMessage, ToolFields
+    from kvforge.app.dialects.ollama.routes import ollama_message
+    from kvforge.app.dialects.openai.protocol import ChatMessage, ToolFields
+    from kvforge.app.generate.chat_output import ChoiceReader, whole_message
+    from kvforge.app.generate.chat_request import plan_conversation
     from kvforge.core.tokenizer import Tokenizer
 
     plan = plan_conversation(Tokenizer(embedded_path), [ChatMessage(**ASK_WEATHER[0])],

@@ -1,4 +1,5 @@
-"""Reasoning separation (app/reasoning.py): which models think, where their output starts, and the split of
+"""Reasoning separation (app/generate/parsers/reasoning.py): which models think, where their output starts, and the
+split of
 `<think>...</think>` from the answer, whole and streamed (any split of the stream gives the whole-text split)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.app.reasoning import (
+from kvforge.app.generate.parsers.reasoning import (
     ReasoningStream,
     ReasoningSyntax,
     detect_reasoning,

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from kvforge.app.engine_factory import engine_config, spec_from_settings
+from kvforge.app.models.factory import engine_config, spec_from_settings
 from kvforge.app.settings import resolve
 from kvforge.core.repetition import MIN_SPAN
 from tests.app.test_agent_api import MODEL

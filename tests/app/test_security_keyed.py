@@ -23,10 +23,10 @@ import httpx
 import pytest
 from starlette.routing import Mount, Route, WebSocketRoute
 
-from kvforge.app.access import COOKIE, AccessPolicy
-from kvforge.app.key_throttle import KeyThrottle
+from kvforge.app.http.access import COOKIE, AccessPolicy
+from kvforge.app.http.key_throttle import KeyThrottle
+from kvforge.app.http.threaded_server import free_port, serve_in_thread
 from kvforge.app.server import create_app
-from kvforge.app.threaded_server import free_port, serve_in_thread
 from kvforge.core import AsyncEngine
 from kvforge.core.store import Store
 from tests.helpers.api_checks import assert_api_error

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvforge.app.cli import build_parser
+from kvforge.app.http.threaded_server import free_port
 from kvforge.app.settings import resolve
-from kvforge.app.threaded_server import free_port
 
 
 def _args(*argv: str) -> argparse.Namespace:

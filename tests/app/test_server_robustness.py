@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.server import create_app
-from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
 from tests.helpers.api_checks import assert_openai_error, lax_number
 from tests.helpers.engine_helpers import wait_idle

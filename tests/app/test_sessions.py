@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
+from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.server import create_app
-from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
 from kvforge.core.async_engine import build_off_main_thread
 from kvforge.core.config import EngineConfig

@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.server import create_app
-from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import AsyncEngine
 from tests.helpers.api_checks import assert_openai_error
 

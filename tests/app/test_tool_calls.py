@@ -1,4 +1,5 @@
-"""Tool calling as text (app/tool_calls.py): the family of a chat template, the parsers of each family's real
+"""Tool calling as text (app/generate/parsers/tool_calls.py): the family of a chat template, the parsers of each
+family's real
 output (whole and streamed: any split of the stream gives the whole-text parse), the history and system prompt for
 templates without tool syntax, and the call grammar, compiled by llguidance against the embedded model's tokenizer."""
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.app.tool_calls import (
+from kvforge.app.generate.parsers.tool_calls import (
     DEFAULT,
     HERMES,
     LLAMA3,

@@ -52,7 +52,7 @@ def test_greedy_batch_matches_hf(gemma_dense, gemma_fp32):
 
 
 def _eval_ids(llm: LLM) -> list[int]:
-    return llm.tokenizer.encode(files("kvforge.app").joinpath("eval_text.txt").read_text())[:768]
+    return llm.tokenizer.encode(files("kvforge.app.bench").joinpath("eval_text.txt").read_text())[:768]
 
 
 def test_served_from_its_own_blocks(gemma_gguf_path, gemma_fp32):

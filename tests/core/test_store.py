@@ -13,8 +13,10 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from kvforge.app.conversations import Conversations  # maps its tables on Base: the metadata is the whole schema
-from kvforge.app.system_prompts import SystemPrompts
+from kvforge.app.sessions.conversations import (
+    Conversations,  # maps its tables on Base: the metadata is the whole schema
+)
+from kvforge.app.sessions.system_prompts import SystemPrompts
 from kvforge.core.kv.index import KVEntry
 from kvforge.core.kv.sql_index import SQLKVIndex
 from kvforge.core.store import MIGRATIONS, Base, Store, mapped_schema_object

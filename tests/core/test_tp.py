@@ -319,7 +319,7 @@ def test_a_rank_that_dies_fails_the_engine_instead_of_hanging(embedded_path, cha
 def test_two_processes_started_by_torchrun_over_tcp_rendezvous(embedded_path, reference, chat_prompts):
     """Multi-machine tensor parallelism, two local processes standing in for two hosts: each torchrun is one
     node (static rendezvous at the master address); rank 0 runs the command, rank 1 serves its commands."""
-    from kvforge.app.threaded_server import free_port
+    from kvforge.app.http.threaded_server import free_port
     from kvforge.core.tokenizer import Tokenizer
 
     port = free_port()

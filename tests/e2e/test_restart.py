@@ -3,7 +3,7 @@ on PostgreSQL: the history is intact, the next turn is served from the persisted
 (>= 90% of the history cached), and its greedy reply equals the same conversation with every cache off.
 
 A crash mid-reply leaves a user message that nothing answered: the next message is merged with it into one user
-turn (app/chat_service.py), so a template that requires alternating turns (Gemma's, on a tiny random model) renders
+turn (app/sessions/service.py), so a template that requires alternating turns (Gemma's, on a tiny random model) renders
 the conversation after the restart. And stopping ends the process within its deadline whatever its threads do: a
 download stuck on a Hub that never answers (Ctrl-C), a thread that holds the interpreter (SIGTERM; the exit
 watchdog kills it)."""

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from kvforge.app.threaded_server import free_port
+from kvforge.app.http.threaded_server import free_port
 
 
 class ServeProcess:

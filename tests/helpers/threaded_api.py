@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.server import create_app
-from kvforge.app.threaded_server import serve_in_thread
 from kvforge.core import LLM, AsyncEngine
 
 

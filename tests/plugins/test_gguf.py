@@ -245,7 +245,7 @@ PROMPTS = ["What is machine learning?", "Who painted the Mona Lisa?", "What is t
 def _run(llm: LLM, top: int = 5):
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=top))
-    text = files("kvforge.app").joinpath("eval_text.txt").read_text()
+    text = files("kvforge.app.bench").joinpath("eval_text.txt").read_text()
     return ([o.token_ids for o in outs], [[{t for t, _ in lp.top} for lp in o.logprobs] for o in outs],
             perplexity(llm.engine, llm.tokenizer.encode(text)))
 

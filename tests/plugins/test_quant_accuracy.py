@@ -64,7 +64,7 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[list[set[int]]], float]:
     outs = llm.generate(_chat_prompts(llm), params)
     ids = [o.token_ids for o in outs]
     tops = [[{t for t, _ in lp.top} for lp in o.logprobs] for o in outs]
-    text = files("kvforge.app").joinpath("eval_text.txt").read_text()
+    text = files("kvforge.app.bench").joinpath("eval_text.txt").read_text()
     return ids, tops, perplexity(llm.engine, llm.tokenizer.encode(text))
 
 

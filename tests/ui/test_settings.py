@@ -13,8 +13,8 @@ import threading
 import httpx
 import pytest
 
-from kvforge.app.cache import human_bytes
-from kvforge.app.model_catalog import describe
+from kvforge.app.cli.cache import human_bytes
+from kvforge.app.models.catalog import describe
 from kvforge.core.loader import EMBEDDED_MODEL, embedded_gguf_path
 from tests.helpers.chromium import launch_browser
 from tests.helpers.plugin_packages import build_and_install, toy_int8_site

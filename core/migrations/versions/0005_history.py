@@ -1,7 +1,7 @@
 """Conversation search and system-prompt presets (issue 26).
 
-- system_prompts: presets saved by name (app/system_prompts.py).
-- A full-text index over message contents and conversation titles (app/conversation_search.py):
+- system_prompts: presets saved by name (app/sessions/system_prompts.py).
+- A full-text index over message contents and conversation titles (app/sessions/search.py):
   - SQLite: FTS5 tables kept by triggers. messages_fts is an external-content table over messages.content
     (rowid = messages.id, an INTEGER PRIMARY KEY, so it is stable); conversations_fts keeps its own copy of each
     title with the conversation's id (conversations' implicit rowids may change on VACUUM). A SQLite without
@@ -50,7 +50,7 @@ SQLITE_INDEX_DROP = [f"DROP TRIGGER IF EXISTS {table}_fts_{event}" for table in 
                      for event in ("insert", "delete", "update")] + [
     "DROP TABLE IF EXISTS messages_fts", "DROP TABLE IF EXISTS conversations_fts"]
 
-# the same expressions as the queries' (app/conversation_search.py), or the planner does not use them
+# the same expressions as the queries' (app/sessions/search.py), or the planner does not use them
 POSTGRES_INDEX = [
     "CREATE INDEX ix_messages_content_fts ON messages USING gin (to_tsvector('simple'::regconfig, content))",
     "CREATE INDEX ix_conversations_title_fts ON conversations USING gin (to_tsvector('simple'::regconfig, title))",

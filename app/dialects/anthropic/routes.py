@@ -1,0 +1,168 @@
+"""Anthropic's Messages API on the same server, for the coding agents and tools that speak it. A request is translated
+into the OpenAI-shaped one (app/dialects/anthropic/protocol.py) and runs the same way: the one admission gate, the chat
+template, tools, constraints (`output_config.format`) and reasoning (`thinking`).
+
+    POST /v1/messages               -> a message, or its server-sent events when `stream` is true
+    POST /v1/messages/count_tokens  -> {"input_tokens"}: the prompt as /v1/messages would render it
+
+A reply's content is a thinking block (a reasoning model's thinking; its signature is empty: nothing here checks
+one), a text block and a tool_use block per call, in that order. stop_reason: "tool_use" (it called tools),
+"max_tokens", "stop_sequence" (with the stop sequence found) or "end_turn". usage in Anthropic's terms:
+input_tokens are the prompt's tokens not read from the prefix cache, cache_read_input_tokens those read from it
+(cache_creation_input_tokens is 0: caching is automatic and costs nothing extra).
+
+A stream is Anthropic's events: message_start (sent with the first token, so its arrival is the TTFT), then per
+block content_block_start / content_block_delta (text_delta, thinking_delta; a call's input whole in one
+input_json_delta) / content_block_stop, then message_delta (stop_reason, output_tokens) and message_stop; an error
+after the stream began is an `error` event. Errors before it are Anthropic's {"type": "error", "error": {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter
+
+from kvforge.app.context import ServerContext
+from kvforge.app.dialects.anthropic.protocol import ANTHROPIC_NAMES, ConversationFields, MessagesRequest
+from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
+from kvforge.app.generate.chat_output import whole_message
+from kvforge.app.generate.chat_request import ChatPlan, plan_chat
+from kvforge.app.generate.completion import StreamResponse, check_prompt_chars
+from kvforge.app.generate.off_loop import off_loop
+from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.http.errors import anthropic_error, renaming_route
+from kvforge.core.output import RequestOutput
+
+
+def stop_fields(out: RequestOutput, called_tools: bool) -> dict[str, Any]:
+    if called_tools:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if out.finish_reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if out.stop_reason is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": out.stop_reason}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def input_usage(prompt_tokens: int, cached: int) -> dict[str, int]:
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"])}
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI message (content, reasoning_content, tool_calls) as Anthropic's content blocks."""
+    blocks = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    return blocks + [tool_use_block(call) for call in message.get("tool_calls") or []]
+
+
+def event(kind: str, **data: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+class BlockStream:
+    """OpenAI-shaped deltas -> Anthropic's content block events: a block opens where the kind of delta changes
+    (thinking, text, a call) and closes before the next one opens."""
+
+    def __init__(self) -> None:
+        self.index, self.open_kind = -1, None
+
+    def add(self, delta: dict[str, Any]) -> list[str]:
+        events = []
+        if delta.get("reasoning_content"):
+            events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
+        if delta.get("content"):
+            events += self._open("text", {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls") or []:
+            events += self._open("tool_use", tool_use_block(call) | {"input": {}}, always=True)
+            events.append(self._delta({"type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [event("content_block_stop", index=self.index)]
+
+    def _open(self, kind: str, block: dict[str, Any], always: bool = False) -> list[str]:
+        if self.open_kind == kind and not always:
+            return []
+        events = self.close()
+        self.index, self.open_kind = self.index + 1, kind
+        return events + [event("content_block_start", index=self.index, content_block=block)]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return event("content_block_delta", index=self.index, delta=delta)
+
+
+def anthropic_router(context: ServerContext) -> APIRouter:
+    admission, metrics = context.admission, context.metrics
+    default_max_tokens, request_timeout_s = context.default_max_tokens, context.request_timeout_s
+    router = APIRouter(route_class=renaming_route(ANTHROPIC_NAMES))  # errors name Anthropic's fields
+
+    @router.post("/v1/messages")
+    async def messages(body: MessagesRequest):
+        admission.check_model(body.model)
+        request = body.chat_request()
+        admitted = await admit(admission, request, chat_chars(request), partial(render_chat, request), None,
+                               "messages", default_max_tokens, model=body.model)
+        message_id = "msg_" + uuid.uuid4().hex[:24]
+        if body.stream:
+            return StreamResponse(events(admitted, message_id), admitted.close)
+        final = (await collect(admitted, request_timeout_s, metrics))[0][0]
+        message, called = whole_message(admitted.plan, final.text)
+        return {"id": message_id, "type": "message", "role": "assistant", "model": admitted.model,
+                "content": content_blocks(message), **stop_fields(final, called),
+                "usage": input_usage(len(admitted.prompt), final.num_cached_tokens) | {
+                    "output_tokens": len(final.token_ids)}}
+
+    async def events(admitted: Admitted, message_id: str) -> AsyncIterator[str]:
+        blocks = BlockStream()
+        async for item in drive(admitted.stream, admitted.plan, request_timeout_s, metrics):
+            if isinstance(item, Failed):  # the status is sent: say it in the stream
+                yield event("error", error=anthropic_error(item.status, item.message)["error"])
+                return
+            out = item.out
+            if item.first:  # with the first token: the prompt's cache use is known, and TTFT is true
+                yield event("message_start", message={
+                    "id": message_id, "type": "message", "role": "assistant", "content": [],
+                    "model": admitted.model, "stop_reason": None, "stop_sequence": None,
+                    "usage": input_usage(len(admitted.prompt), out.num_cached_tokens) | {"output_tokens": 0}})
+            for delta in item.deltas:
+                for line in blocks.add(delta):
+                    yield line
+            if out.finished:
+                for line in blocks.close():
+                    yield line
+                yield event("message_delta", delta=stop_fields(out, item.called_tools),
+                            usage={"output_tokens": len(out.token_ids)})
+                yield event("message_stop")
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: ConversationFields):
+        admission.check_model(body.model)
+        request = body.chat_request()
+        ticket = await admission.enter(body.model)
+        try:
+            check_prompt_chars(ticket.engine, chat_chars(request), "messages")
+            plan: ChatPlan = await off_loop(plan_chat, request, ticket.engine.tokenizer)
+        finally:
+            ticket.release()
+        return {"input_tokens": len(plan.prompt)}
+
+    return router

@@ -1,0 +1,1 @@
+"""Ollama's API under /api: routes, its request bodies and their translation (protocol.py)."""

@@ -1,0 +1,71 @@
+"""The one loop that drives a request's outputs, for every dialect and the sessions API: the server's request
+timeout, each sample's text read into OpenAI-shaped deltas (content, reasoning_content, tool_calls: ChoiceReader,
+or a raw prompt's text as content), finished samples counted in the metrics, and a failure after the response's
+headers went out (the engine failed the request, or it ran past the timeout) handed over as an item the dialect
+writes into its stream instead of an exception. A dialect's stream writer, and a whole response's collect(), only
+shape what this yields."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.app.generate.chat_output import ChoiceReader
+from kvforge.app.generate.chat_request import ChatPlan
+from kvforge.app.generate.completion import RequestTimedOut, within
+from kvforge.app.http.metrics import ServerMetrics
+from kvforge.core.async_engine import RequestStream
+from kvforge.core.engine import RequestsFailed
+from kvforge.core.output import RequestOutput
+
+
+@dataclass(frozen=True)
+class Read:
+    """One engine output of one sample, read."""
+
+    out: RequestOutput
+    deltas: list[dict[str, Any]]  # OpenAI's delta fields, in order (none when `read` was off)
+    first: bool  # the sample's first output (its first token: a true TTFT)
+    called_tools: bool  # the sample has called tools so far (a finished one's finish reason)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed after the response started: what the stream says, in each API's terms."""
+
+    error: RequestsFailed | RequestTimedOut
+    status: int  # 503: the engine failed it; 504: past the server's request timeout (aborted, KV freed)
+    kind: str  # OpenAI's error type
+    code: str
+
+    @property
+    def message(self) -> str:
+        return str(self.error)
+
+
+def failed(error: RequestsFailed | RequestTimedOut) -> Failed:
+    if isinstance(error, RequestTimedOut):
+        return Failed(error, 504, error.kind, error.code)
+    return Failed(error, 503, "server_error", "request_failed")
+
+
+async def drive(stream: RequestStream, plan: ChatPlan | None, timeout_s: float | None, metrics: ServerMetrics,
+                read: bool = True) -> AsyncIterator[Read | Failed]:
+    """The request's outputs, each read (`plan`: a chat's, how its text is read; None: the text as it comes), until
+    every sample has finished; then nothing more, or one Failed last. `read` False: no deltas (a whole response
+    reads the final text at once)."""
+    readers: dict[int, ChoiceReader | None] = {}
+    try:
+        async for out in within(stream, timeout_s):
+            first = out.index not in readers
+            reader = readers.setdefault(out.index, ChoiceReader(plan) if plan is not None and read else None)
+            if reader is not None:
+                deltas = reader.read(out)
+            else:
+                deltas = [{"content": out.delta_text}] if read and out.delta_text else []
+            if out.finished:
+                metrics.observe_finished(out)
+            yield Read(out, deltas, first, reader is not None and reader.num_tool_calls > 0)
+    except (RequestsFailed, RequestTimedOut) as exc:
+        yield failed(exc)

@@ -1,0 +1,78 @@
+"""The models a server runs, as routes: OpenAI's model list (GET /v1/models: the loaded models' cards, then the others
+a request may name) and the admin API (GET /admin/models, POST /admin/models/load | unload: a swap without a process
+restart, app/models/host.py)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+
+from kvforge.app.context import ServerContext
+from kvforge.app.dialects.openai.protocol import LoadModelRequest
+from kvforge.app.http.errors import APIError
+from kvforge.app.models.host import InvalidSpec, ModelSpec
+from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.metrics import gpu_memory
+
+
+def models_router(context: ServerContext) -> APIRouter:
+    router = APIRouter()
+    host = context.host
+
+    def model_card(name: str | None = None, engine: AsyncEngine | None = None) -> dict:
+        """A loaded model's card (the server's own when none is given): how it runs and the memory it takes."""
+        name, core = (name, engine.engine) if engine is not None else (host.name, host.current().engine)
+        runtime = core.runtime()
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge", "loaded": True,
+                "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
+                "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
+                "tp": core.config.tp_size, "max_model_len": core.max_model_len,
+                # what a request leaving these fields out gets (core/generation_defaults.py), and from where
+                "sampling_defaults": core.generation_defaults.values,
+                "sampling_defaults_source": core.generation_defaults.source,
+                "device": runtime.device, "kernels": runtime.kernels, "cuda_graphs": runtime.cuda_graphs,
+                "memory": {"weights_bytes": runtime.weight_bytes, "kv_cache_bytes": runtime.kv_cache_bytes,
+                           "gpus": gpu_memory()}}
+
+    @router.get("/v1/models")
+    async def list_models():
+        """The loaded models (the server's own first), then the others a request may name (loaded on demand)."""
+        loaded = host.loaded()
+        cards = [model_card(name, engine) for name, engine, _, _ in loaded]
+        names = {name for name, _, _, _ in loaded} | {host.spec.name, host.default_entry}
+        cards += [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge", "loaded": False}
+                  for name in host.available() if name not in names]
+        return {"object": "list", "data": cards}
+
+    @router.get("/admin/models")
+    async def admin_models():
+        return {"loaded": model_card() if host.engine is not None else None, "available": host.available(),
+                "in_flight": host.in_flight, "last_error": host.last_error}
+
+    @router.post("/admin/models/load")
+    async def admin_load(body: LoadModelRequest):
+        spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name,
+                         body.kv_cache_gb, body.decoding, body.decoding_options,
+                         host.default_tp if body.tp is None else body.tp)
+        try:
+            await host.load(spec)
+        except InvalidSpec as exc:  # refused before the swap began: a path, tp or the decoding plugin / options
+            raise APIError(400, str(exc), exc.param) from None
+        except ValueError as exc:  # bad path, unknown plugin, bad dtype, a split the model cannot take
+            about_decoding = body.decoding != "none" and f"plugin {body.decoding!r}" in str(exc)
+            param = ("decoding_options" if about_decoding else "tp" if "tensor-parallel" in str(exc)
+                     else "kv_cache_gb" if "kv_cache" in str(exc) else "model")
+            after = "" if host.engine is not None else " (no model is loaded: the tensor-parallel one went first)"
+            raise APIError(400, f"{exc}{after}", param) from None
+        except Exception as exc:  # the old model keeps serving, unless a tensor-parallel one was closed first
+            after = "the previous model keeps serving" if host.engine is not None else "no model is loaded"
+            raise APIError(400, f"loading failed, {after}: {type(exc).__name__}: {exc}", "model") from None
+        return {"loaded": model_card()}
+
+    @router.post("/admin/models/unload")
+    async def admin_unload():
+        await host.unload()
+        return {"loaded": None}
+
+    return router
