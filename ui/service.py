@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvforge.app.dialects.openai.protocol import check_sampling
 from kvforge.app.http.errors import validation_message
 from kvforge.app.models.host import ModelSpec
 from kvforge.app.sessions.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
 from kvforge.app.sessions.date_groups import group_by_date
 from kvforge.app.sessions.history import ConversationExport, export_conversation, export_filename, import_conversation
 from kvforge.app.sessions.markdown import conversation_markdown
+from kvforge.app.sessions.protocol import check_sampling
 from kvforge.app.sessions.search import ConversationSearch
 from kvforge.app.sessions.service import DEFAULT_TITLE, ChatService, Turn
 from kvforge.app.sessions.system_prompts import SystemPrompts

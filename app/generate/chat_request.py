@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, ChatMessage, ToolFields
+from kvforge.app.dialects.openai.messages import ChatMessage
+from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
+from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.parsers.declared_response import declared_template
 from kvforge.app.generate.parsers.reasoning import ReasoningSyntax, detect_reasoning, starts_in_reasoning
 from kvforge.app.generate.parsers.tool_calls import (

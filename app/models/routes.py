@@ -5,15 +5,34 @@ restart, app/models/host.py)."""
 from __future__ import annotations
 
 import time
+from typing import Any, Literal
 
 from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge.app.context import ServerContext
-from kvforge.app.dialects.openai.protocol import LoadModelRequest
 from kvforge.app.http.errors import APIError
 from kvforge.app.models.host import InvalidSpec, ModelSpec
 from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.config import DTYPE_NAMES, engine_default
 from kvforge.core.metrics import gpu_memory
+
+
+class LoadModelRequest(BaseModel):
+    """POST /admin/models/load: a model in the models directory (or the embedded default) and options."""
+    # defaults and dtype choices: EngineConfig's (core/config.py)
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str | None = None
+    dtype: Literal[DTYPE_NAMES] = engine_default("dtype")
+    quant: str = engine_default("quant")
+    quant_options: dict[str, Any] = Field(default_factory=dict)
+    served_model_name: str | None = None
+    kv_cache_gb: float | None = Field(default=None, ge=1 / 1024, le=4096)  # the API's sanity range: 1 MiB to 4 TiB
+    decoding: str = engine_default("decoding")  # a speculative decoding plugin
+    decoding_options: dict[str, Any] = Field(default_factory=dict)
+    tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
+
 
 
 def models_router(context: ServerContext) -> APIRouter:

@@ -25,8 +25,9 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvforge.app.dialects.openai.protocol import ChatCompletionMessageToolCall, SessionSettings
+from kvforge.app.dialects.openai.messages import ChatCompletionMessageToolCall
 from kvforge.app.sessions.conversations import Conversation, Message
+from kvforge.app.sessions.protocol import SessionSettings
 from kvforge.app.sessions.stored_text import Storable
 from kvforge.core.store import Store
 

@@ -53,16 +53,16 @@ from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvforge.app.dialects.openai.protocol import (
+from kvforge.app.generate.completion import RequestTimedOut, StreamResponse
+from kvforge.app.http.errors import APIError
+from kvforge.app.sessions.conversations import CURRENT, MessageNotFound, NotFound
+from kvforge.app.sessions.history_routes import search_response
+from kvforge.app.sessions.protocol import (
     SessionCreateRequest,
     SessionMessageRequest,
     SessionRegenerateRequest,
     SessionUpdateRequest,
 )
-from kvforge.app.generate.completion import RequestTimedOut, StreamResponse
-from kvforge.app.http.errors import APIError
-from kvforge.app.sessions.conversations import CURRENT, MessageNotFound, NotFound
-from kvforge.app.sessions.history_routes import search_response
 from kvforge.app.sessions.search import ConversationSearch
 from kvforge.app.sessions.service import AwaitingResults, ChatService, Turn, not_found
 

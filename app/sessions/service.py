@@ -41,7 +41,9 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.context import ServerContext
-from kvforge.app.dialects.openai.protocol import ChatMessage, SamplingFields, ToolFields
+from kvforge.app.dialects.openai.messages import ChatMessage
+from kvforge.app.dialects.openai.protocol import SamplingFields
+from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.admission import Ticket
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import whole_message

@@ -14,7 +14,7 @@ from sqlalchemy import Float, String, Text, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Mapped, mapped_column
 
-from kvforge.app.dialects.openai.protocol import MAX_SYSTEM_PROMPT_CHARS
+from kvforge.app.dialects.openai.fields import MAX_SYSTEM_PROMPT_CHARS
 from kvforge.app.sessions.conversations import NotFound
 from kvforge.app.sessions.stored_text import Storable
 from kvforge.core.store import Base, Store

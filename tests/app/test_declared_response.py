@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from kvforge.app.dialects.openai.protocol import ChatMessage, ToolFields
+from kvforge.app.dialects.openai.messages import ChatMessage
+from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.chat_output import ChoiceReader, whole_message
 from kvforge.app.generate.chat_request import plan_conversation
 from kvforge.app.generate.parsers.tool_calls import parse_tool_calls

@@ -11,7 +11,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from kvforge.app.dialects.openai.protocol import MAX_SYSTEM_PROMPT_CHARS
+from kvforge.app.dialects.openai.fields import MAX_SYSTEM_PROMPT_CHARS
 from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.models.factory import default_engine_factory
 from kvforge.app.models.host import ModelHost, ModelSpec

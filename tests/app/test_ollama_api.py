@@ -182,7 +182,8 @@ def test_a_reply_with_calls_in_the_clients_own_types(embedded_path):
     """The 135M model does not call tools unforced (Ollama has no tool_choice), so a reply with calls is read
     here, as the route reads one, and checked against the client's own types, whole and as stream deltas."""
     from kvforge.app.dialects.ollama.routes import ollama_message
-    from kvforge.app.dialects.openai.protocol import ChatMessage, ToolFields
+    from kvforge.app.dialects.openai.messages import ChatMessage
+    from kvforge.app.dialects.openai.tools import ToolFields
     from kvforge.app.generate.chat_output import ChoiceReader, whole_message
     from kvforge.app.generate.chat_request import plan_conversation
     from kvforge.core.tokenizer import Tokenizer

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvforge.app.dialects.openai.protocol import MAX_MESSAGES, MAX_SYSTEM_PROMPT_CHARS
+from kvforge.app.dialects.openai.fields import MAX_MESSAGES, MAX_SYSTEM_PROMPT_CHARS
 from kvforge.app.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.core.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from kvforge.core.tokenizer import Tokenizer

@@ -14,8 +14,8 @@ what the history tests (export, import, search) work on.
 
 from __future__ import annotations
 
-from kvforge.app.dialects.openai.protocol import SessionSettings
 from kvforge.app.sessions.conversations import Conversation, Conversations
+from kvforge.app.sessions.protocol import SessionSettings
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather in a city",
                                                  "parameters": {"type": "object",

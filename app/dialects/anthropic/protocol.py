@@ -30,7 +30,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvforge.app.dialects.openai.protocol import FORBID, TEXT_ONLY, ChatCompletionRequest, refuse_kinds
+from kvforge.app.dialects.openai.fields import FORBID, TEXT_ONLY, refuse_kinds
+from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.http.errors import validated
 
 

@@ -34,7 +34,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from kvforge.app.dialects.openai.protocol import FORBID, MAX_EMBEDDING_INPUTS, ChatCompletionRequest, CompletionRequest
+from kvforge.app.dialects.openai.fields import FORBID, MAX_EMBEDDING_INPUTS
+from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvforge.app.http.errors import APIError, validated
 from kvforge.app.models.host import parse_keep_alive
 

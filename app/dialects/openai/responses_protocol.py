@@ -26,14 +26,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvforge.app.dialects.openai.protocol import (
-    FORBID,
-    TEXT_ONLY,
-    ChatCompletionRequest,
-    refuse_given,
-    refuse_kinds,
-    refused,
-)
+from kvforge.app.dialects.openai.fields import FORBID, TEXT_ONLY, refuse_given, refuse_kinds, refused
+from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.http.errors import validated
 
 MEDIA = {kind: TEXT_ONLY for kind in ("input_image", "input_file", "input_audio")}

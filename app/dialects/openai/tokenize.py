@@ -10,16 +10,74 @@ tokenizer runs) and tokenizes off the event loop; a prompt is size-checked first
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.context import ServerContext
-from kvforge.app.dialects.openai.protocol import DetokenizeRequest, TokenizeRequest
+from kvforge.app.dialects.openai.fields import FORBID, MAX_MESSAGES, MAX_TOOLS
+from kvforge.app.dialects.openai.messages import ChatMessage
+from kvforge.app.dialects.openai.protocol import TokenId
+from kvforge.app.dialects.openai.tools import ChatCompletionFunctionTool, function_tools_only, template_variables
 from kvforge.app.generate.chat_request import chat_prompt_text
 from kvforge.app.generate.completion import check_prompt_chars
 from kvforge.app.generate.off_loop import off_loop
 from kvforge.app.http.errors import APIError
 from kvforge.core.tokenizer import Tokenizer
+
+
+class TokenizeRequest(BaseModel):
+    """POST /v1/tokenize: a `prompt` as text, or chat `messages` rendered by the chat template (exactly one).
+    add_special_tokens defaults to true for a prompt and to false for messages (the template writes its own)."""
+
+    model_config = FORBID
+    model: str | None = None
+    prompt: str | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    # messages only
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionFunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+
+    @field_validator("messages")
+    @classmethod
+    def _not_both(cls, messages: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
+        if messages is not None and info.data.get("prompt") is not None:
+            raise ValueError("give either prompt or messages, not both")
+        return messages
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, tools: Any) -> Any:
+        return function_tools_only(tools)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return template_variables(kwargs)
+
+    @field_validator("add_generation_prompt", "chat_template_kwargs", "tools")
+    @classmethod
+    def _messages_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("messages", []) is None:  # absent there: messages itself failed
+            raise ValueError("applies to messages only, not to a prompt")
+        return value
+
+    def with_special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /v1/detokenize: token ids back to text."""
+
+    model_config = FORBID
+    model: str | None = None
+    tokens: list[TokenId]
+
 
 
 def tokenize_router(context: ServerContext) -> APIRouter:

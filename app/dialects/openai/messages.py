@@ -1,0 +1,137 @@
+"""A chat request's messages (OpenAI's shapes): roles, text content parts (an image or audio part refused by name: a
+text-only model), an assistant's earlier tool calls, refusal and reasoning, a tool's result."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from kvforge.app.dialects.openai.fields import (
+    FORBID,
+    MAX_TOOLS,
+    MEDIA_PARTS,
+    refuse_given,
+    refuse_kinds,
+    refused,
+)
+
+
+class PromptCacheBreakpoint(BaseModel):
+    """OpenAI's explicit cache breakpoint on a content part: accepted, no effect (the prefix cache here
+    caches every prompt's blocks without being told where)."""
+
+    model_config = FORBID
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
+class ChatCompletionContentPartText(BaseModel):
+    model_config = FORBID
+    type: Literal["text"]
+    text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
+
+
+class ChatCompletionContentPartRefusal(BaseModel):
+    """An assistant's earlier refusal, in its content parts."""
+
+    model_config = FORBID
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[ChatCompletionContentPartText | ChatCompletionContentPartRefusal, Field(discriminator="type")]
+
+
+class ToolCallFunction(BaseModel):
+    model_config = FORBID
+    name: str
+    arguments: str  # JSON text, as the model generated it
+
+
+class ChatCompletionMessageToolCall(BaseModel):
+    """A tool call in an assistant message of the history."""
+
+    model_config = FORBID
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One message of the conversation: OpenAI's message shapes, text only. Role-specific fields are refused
+    on the other roles (a tool_call_id on a user message would otherwise be ignored)."""
+
+    model_config = FORBID
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # assistant
+    tool_call_id: str | None = None  # tool: which call this is the result of
+    reasoning_content: str | None = None  # assistant: its thinking, for templates that render it
+    refusal: str | None = None  # assistant: an earlier refusal
+    audio: None = refused("this server serves a text-only model")
+    function_call: None = refused("deprecated, use tool_calls")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_function_role(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") == "function":
+            raise ValueError("the function role is deprecated: use role 'tool' with a tool_call_id")
+        return data
+
+    @field_validator("audio", "function_call", mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        refuse_given(value, info, cls)
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        return refuse_kinds(content, MEDIA_PARTS)
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        assistant_only = [f for f in ("tool_calls", "reasoning_content", "refusal") if getattr(self, f) is not None]
+        if self.role != "assistant" and assistant_only:
+            raise ValueError(f"{', '.join(assistant_only)}: only on assistant messages, not on a {self.role} message")
+        if self.role != "assistant" and any(p.type == "refusal" for p in self.parts()):
+            raise ValueError("refusal content parts are only for assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id: only on tool messages, not on a {self.role} message")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.content is None and not (self.tool_calls or self.refusal is not None):
+            raise ValueError("an assistant message needs content, tool_calls or a refusal")
+        return self
+
+    def parts(self) -> list[ChatCompletionContentPartText | ChatCompletionContentPartRefusal]:
+        return self.content if isinstance(self.content, list) else []
+
+    def text(self) -> str:
+        """The message's text: its string, or its parts' text joined (an assistant's refusal parts too);
+        an assistant's `refusal` when it has no other content."""
+        if isinstance(self.content, list):
+            text = "".join(p.text if p.type == "text" else p.refusal for p in self.content)
+        else:
+            text = self.content or ""
+        return text or (self.refusal or "")
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (OpenAI's shape): developer becomes system, content is text,
+        and name, tool_calls (plain dicts, arguments as the JSON text sent), tool_call_id and reasoning_content
+        appear when set."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
