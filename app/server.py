@@ -39,12 +39,14 @@ from kvforge.app.models.routes import models_router
 from kvforge.app.sessions.history_routes import history_router
 from kvforge.app.sessions.routes import sessions_router
 from kvforge.app.sessions.service import ChatService
+from kvforge.app.settings import serve_default
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.store import Store
 
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
-               max_pending: int = 256, default_max_tokens: int = 512, models_dir=None,
+               max_pending: int = serve_default("max_pending"),
+               default_max_tokens: int = serve_default("default_max_tokens"), models_dir=None,
                store: Store | None = None, ui: bool = False, access: AccessPolicy | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout_s: float | None = None) -> FastAPI:
     """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`. With a

@@ -115,6 +115,11 @@ def setting(default: Any, help: str, kind: type = str, **declared: Any) -> Any:
     return field(default=default, metadata={"setting": Setting(help, kind, **declared)})
 
 
+def serve_default(name: str) -> Any:
+    """The default of `kvforge serve`'s setting `name` (what the app's own defaults read: one declaration)."""
+    return next(f.default for f in fields(ServeSettings) if f.name == name)
+
+
 def engine_setting(default: Any, help: str, kind: type = str, **declared: Any) -> Any:
     """A setting of serve, generate and chat; `default`: read from EngineConfig (engine_default)."""
     return setting(default, help, kind, shared=True, **declared)

@@ -223,8 +223,9 @@ class SettingsHandlers:
         if decoding == "none":
             parsed["decoding"] = {}  # the box may still hold another plugin's options: they do not apply
         served = self.service.last_spec().served_name if model == self.service.model_choice() else None
-        spec = ModelSpec(model, dtype, quant, parsed["quant"], served, None if kv_gb is None else float(kv_gb),
-                         decoding, parsed["decoding"], int(tp))
+        spec = ModelSpec(model=model, dtype=dtype, quant=quant, quant_options=parsed["quant"], served_name=served,
+                         kv_cache_gb=None if kv_gb is None else float(kv_gb), decoding=decoding,
+                         decoding_options=parsed["decoding"], tp=int(tp))
         what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
                 + (f", tp {int(tp)}" if int(tp) != 1 else ""))
         started = time.monotonic()

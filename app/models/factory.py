@@ -26,8 +26,8 @@ def torchrun_world_size() -> int:
 def spec_from_settings(settings: ServeSettings, served_name: str | None = None) -> ModelSpec:
     """The model the settings name (--model, --dtype, --quant..., --tp); bad options JSON is a ValueError
     naming the flag."""
-    return ModelSpec(settings.model, settings.dtype, settings.quant,
-                     json_options(settings.quant_options, "--quant-options"), served_name=served_name,
+    return ModelSpec(model=settings.model, dtype=settings.dtype, quant=settings.quant,
+                     quant_options=json_options(settings.quant_options, "--quant-options"), served_name=served_name,
                      decoding=settings.decoding,
                      decoding_options=json_options(settings.decoding_options, "--decoding-options"), tp=settings.tp)
 

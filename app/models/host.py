@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvforge.app.settings import serve_default
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import engine_default
 from kvforge.core.host_memory import release_freed_memory
@@ -44,8 +45,7 @@ from kvforge.core.plugins import DECODING_GROUP, discover
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's five minutes
-DEFAULT_MAX_LOADED_MODELS = 3  # Ollama's default on a CPU
+DEFAULT_MAX_LOADED_MODELS = serve_default("max_loaded_models")  # --max-loaded-models' (Ollama's default on a CPU)
 FOREVER = math.inf
 
 
@@ -109,6 +109,9 @@ def _duration_seconds(text: str) -> float:
         raise ValueError(f"must be {KEEP_ALIVE_FORMS} (units ns, us, ms, s, m, h); got {text!r}")
     seconds = sum(float(number) * GO_DURATION_UNITS[unit] for number, unit in _GO_TERM.findall(parts.group(2)))
     return -seconds if parts.group(1) == "-" else seconds
+
+
+DEFAULT_KEEP_ALIVE_S = parse_keep_alive(serve_default("keep_alive"))  # --keep-alive's (Ollama's five minutes)
 
 
 @dataclass
@@ -183,7 +186,7 @@ def max_tp_ranks() -> int:
     return max(8, os.cpu_count() or 1, torch.cuda.device_count())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # by name: nine settings in a row read badly and reorder silently
 class ModelSpec:
     """Which model is served and how it is loaded; what it leaves open is EngineConfig's default (or, under
     `kvforge serve`, the server's setting). Built into an engine by app/models/factory.py."""

@@ -33,6 +33,12 @@ class LoadModelRequest(BaseModel):
     decoding_options: dict[str, Any] = Field(default_factory=dict)
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
 
+    def spec(self, default_tp: int) -> ModelSpec:
+        """The model to load, as the host takes it (`default_tp`: the server's --tp)."""
+        return ModelSpec(model=self.model, dtype=self.dtype, quant=self.quant, quant_options=self.quant_options,
+                         served_name=self.served_model_name, kv_cache_gb=self.kv_cache_gb, decoding=self.decoding,
+                         decoding_options=self.decoding_options, tp=default_tp if self.tp is None else self.tp)
+
 
 
 def models_router(context: ServerContext) -> APIRouter:
@@ -71,11 +77,8 @@ def models_router(context: ServerContext) -> APIRouter:
 
     @router.post("/admin/models/load")
     async def admin_load(body: LoadModelRequest):
-        spec = ModelSpec(body.model, body.dtype, body.quant, body.quant_options, body.served_model_name,
-                         body.kv_cache_gb, body.decoding, body.decoding_options,
-                         host.default_tp if body.tp is None else body.tp)
         try:
-            await host.load(spec)
+            await host.load(body.spec(host.default_tp))
         except InvalidSpec as exc:  # refused before the swap began: a path, tp or the decoding plugin / options
             raise APIError(400, str(exc), exc.param) from None
         except ValueError as exc:  # bad path, unknown plugin, bad dtype, a split the model cannot take

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvforge.app.dialects.openai.protocol import MAX_SYSTEM_PROMPT_CHARS, SamplingFields, ToolFields
+from kvforge.app.dialects.openai.fields import MAX_SYSTEM_PROMPT_CHARS
+from kvforge.app.dialects.openai.protocol import SamplingFields
+from kvforge.app.dialects.openai.tools import ToolFields
 
 
 class SessionSettings(ToolFields):

@@ -39,8 +39,8 @@ def factory(spec: ModelSpec):
 
 def test_the_memory_budget_unloads_the_least_recently_used_idle_model(models_dir):
     async def scenario() -> None:
-        own = factory(ModelSpec(str(models_dir / "one")))
-        host = ModelHost(factory, ModelSpec(str(models_dir / "one")), own, models_dir, max_loaded_models=10,
+        own = factory(ModelSpec(model=str(models_dir / "one")))
+        host = ModelHost(factory, ModelSpec(model=str(models_dir / "one")), own, models_dir, max_loaded_models=10,
                          kv_bytes=KV_BYTES)
         try:
             one_model = host.memory_of(own)
@@ -74,8 +74,8 @@ def test_six_loads_at_once_stay_within_the_budget_and_unloaded_engines_are_freed
     names = [f"copy-{i}" for i in range(6)]
 
     async def scenario() -> None:
-        own = factory(ModelSpec(str(models_dir / "one")))
-        host = ModelHost(factory, ModelSpec(str(models_dir / "one")), own, models_dir, max_loaded_models=10,
+        own = factory(ModelSpec(model=str(models_dir / "one")))
+        host = ModelHost(factory, ModelSpec(model=str(models_dir / "one")), own, models_dir, max_loaded_models=10,
                          kv_bytes=KV_BYTES, keep_alive_s=600)
         try:
             host.models_memory_bytes = int(3.5 * host.memory_of(own))
