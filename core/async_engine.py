@@ -215,7 +215,7 @@ class AsyncEngine:
                 if request_id not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id=request_id, group=group)
+                    self.engine.add_validated(prompt_ids, params, request_id=request_id, group=group)
                 except Exception as exc:
                     self._unfinished.pop(request_id, None)
                     self._send(self._streams.pop(request_id), exc)

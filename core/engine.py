@@ -183,7 +183,12 @@ class LLMEngine:
         the embedding). `group`: the client request it is part of (an embeddings request's inputs): the scheduler
         shares the engine fairly between groups (core/scheduler.py); None: a group of its own."""
         params = params or SamplingParams()
-        prompt_ids = self.validate_prompt(prompt, params)
+        return self.add_validated(self.validate_prompt(prompt, params), params, request_id, group)
+
+    def add_validated(self, prompt_ids: list[int], params: SamplingParams | PoolingParams,
+                      request_id: str | None = None, group: str | None = None) -> str:
+        """add_request for a prompt validate_prompt has checked (AsyncEngine checks before queueing it for the engine
+        thread): the one admissibility check a request passes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -144,8 +144,8 @@ class Scheduler:
                 f"blocks; the KV pool has only {pool} ({pool * self.kv.block_size} tokens)")
 
     def add(self, seq: Sequence, forks: Collection[Sequence] = ()) -> None:
-        """Queue a request's first sample; `forks` (its other samples) fork off it once its prompt is computed."""
-        self.check_admissible(len(seq.prompt_token_ids), seq.params.max_tokens)
+        """Queue a request's first sample; `forks` (its other samples) fork off it once its prompt is computed. The
+        engine has checked it (check_admissible, through LLMEngine.validate_prompt) before."""
         self._insert(self.waiting, seq)
         if forks:
             self._forks[seq.key] = list(forks)
