@@ -18,6 +18,8 @@ included."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI
 
 from kvforge.app.context import ServerContext
@@ -43,15 +45,17 @@ from kvforge.app.settings import serve_default
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.store import Store
 
+UIMount = Callable[[FastAPI, ChatService], FastAPI]  # the browser UI at /, over the sessions' ChatService
+
 
 def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api_key: str | None = None,
                max_pending: int = serve_default("max_pending"),
                default_max_tokens: int = serve_default("default_max_tokens"), models_dir=None,
-               store: Store | None = None, ui: bool = False, access: AccessPolicy | None = None,
+               store: Store | None = None, ui: UIMount | None = None, access: AccessPolicy | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout_s: float | None = None) -> FastAPI:
     """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`. With a
-    `store`, the sessions API (/v1/sessions) keeps conversations in it, and `ui` mounts the browser
-    UI at / (it needs the store). `access` says who may call (default: loopback names, no CORS, and
+    `store`, the sessions API (/v1/sessions) keeps conversations in it, and `ui` (kvforge.ui.app.mount_ui)
+    mounts the browser UI at / (it needs the store). `access` says who may call (default: loopback names, no CORS, and
     `api_key` when given); bodies over `max_request_bytes` get 413; a request still generating after
     `request_timeout_s` is aborted."""
     if isinstance(host, AsyncEngine):
@@ -75,12 +79,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     app.include_router(responses_router(context))
     app.include_router(embeddings_router(context))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
-    if store is not None and ui:  # last: the UI mounted at / would shadow later routes
-        from kvforge.ui.app import mount_ui
-        from kvforge.ui.dashboard import DashboardSampler
-
-        app.state.sampler = DashboardSampler(host, context.metrics).start()
-        app = mount_ui(app, app.state.chat, app.state.sampler)
+    if store is not None and ui is not None:  # last: the UI mounted at / would shadow later routes
+        app = ui(app, app.state.chat)
     # outermost first: Host / Origin / key, then the body cap, then the disconnect watch (add_middleware puts each
     # new one outside)
     app.add_middleware(OllamaJSONBodies)

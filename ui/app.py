@@ -72,8 +72,12 @@ def slow_queue_polling(demo: gr.Blocks) -> None:
             setattr(queue, name, max(getattr(queue, name), seconds))
 
 
-def mount_ui(app, chat: ChatService, sampler: DashboardSampler):
-    """Serve the UI at / of the FastAPI app (its /v1 routes are defined first, so they keep working)."""
+def mount_ui(app, chat: ChatService, sampler: DashboardSampler | None = None):
+    """Serve the UI at / of the FastAPI app (its /v1 routes are defined first, so they keep working); the
+    dashboard samples the host and metrics of `chat` (a sampler of its own, on app.state.sampler, unless given).
+    create_app takes it as its `ui` (app/server.py does not import the UI: the CLI composes the two)."""
+    if sampler is None:
+        sampler = app.state.sampler = DashboardSampler(chat.host, chat.metrics).start()
     demo = build_ui(chat, sampler)  # first: it sets the environment gradio is imported under
     import gradio as gr
 

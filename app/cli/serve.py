@@ -97,9 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      embedding_model=settings.embedding_model)
     access = AccessPolicy(settings.api_key, settings.host, split_list(settings.allowed_hosts),
                           split_list(settings.allowed_origins))
+    mount_ui = None  # the composition root: the app's routes, and the UI over them unless --no-ui
+    if not settings.no_ui:
+        from kvforge.ui.app import mount_ui
     app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
-                     store=store, ui=not settings.no_ui, access=access, max_request_bytes=settings.max_request_bytes,
-                     request_timeout_s=settings.request_timeout)
+                     store=store, ui=mount_ui, access=access,
+                     max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout)
 
     watchdog = ExitWatchdog(SHUTDOWN_DEADLINE_S)
 

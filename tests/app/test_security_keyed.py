@@ -29,6 +29,7 @@ from kvforge.app.http.threaded_server import free_port, serve_in_thread
 from kvforge.app.server import create_app
 from kvforge.core import AsyncEngine
 from kvforge.core.store import Store
+from kvforge.ui.app import mount_ui
 from tests.helpers.api_checks import assert_api_error
 from tests.helpers.chromium import launch_browser
 from tests.helpers.server_process import ServeProcess
@@ -70,7 +71,7 @@ def in_process_app(embedded_llm, tmp_path_factory):
     engine = AsyncEngine(embedded_llm.engine)
     store = Store(f"sqlite:///{tmp_path_factory.mktemp('routes') / 'kvforge.db'}")
     # one wrong key per route below: the default throttle (tested on the real server) would answer 429 after five
-    app = create_app(engine, "SmolLM2-135M-Instruct", store=store, ui=True,
+    app = create_app(engine, "SmolLM2-135M-Instruct", store=store, ui=mount_ui,
                      access=AccessPolicy(api_key=KEY, bound_host="0.0.0.0", throttle=KeyThrottle(free_failures=10**6)))
     with serve_in_thread(app) as url:
         yield app, url
