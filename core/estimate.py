@@ -9,6 +9,7 @@ import torch
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.distributed import heads_of_rank
 from kvforge.core.models.llama import LlamaForCausalLM, head_dim_of
+from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.quant_config import QuantConfig
 
 
@@ -45,14 +46,13 @@ def _dense_linear_bytes(hf_config, torch_dtype: torch.dtype, quant: QuantConfig 
     """Bytes per weight of the dense linears (a dense model's, a quantized one's head and modules kept dense) where
     the dense method keeps a bf16 / fp16 checkpoint's dtype in an fp32 model (plugins/quant/dense.py, `weights: auto`,
     a quantized model's dense layers included; the config's dtype names the checkpoint's); else None."""
-    from kvforge.plugins.quant.dense import NARROW_FLOATS
-
+    narrow_floats = discover(QUANT_GROUP).get("none").narrow_floats  # the dense method's, found like any plugin
     if torch_dtype != torch.float32 or (quant is not None and quant.method.name == "none" and
                                         quant.options.get("weights", "auto") != "auto"):
         return None
     stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     stored = DTYPES.get(stored) if isinstance(stored, str) else stored
-    return stored.itemsize if stored in NARROW_FLOATS else None
+    return stored.itemsize if stored in narrow_floats else None
 
 
 def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConfig | None = None,

@@ -125,14 +125,15 @@ def _jsonable(value):
 def _unsupported(tensor) -> None:
     from gguf import GGMLQuantizationType
 
-    from kvforge.plugins.quant.gguf_blocks import SUPPORTED
+    from kvforge.core.plugins import QUANT_GROUP, discover
 
+    supported = discover(QUANT_GROUP).get("gguf").supported_types
     try:
         kind = GGMLQuantizationType(tensor.ggml_type).name
     except ValueError:
         kind = f"number {tensor.ggml_type}"
     raise ValueError(f"GGUF tensor {tensor.name} has type {kind}, which is not supported natively (supported: "
-                     f"{', '.join(SUPPORTED)}); load the file with --gguf-dense to dequantize it")
+                     f"{', '.join(supported)}); load the file with --gguf-dense to dequantize it")
 
 
 def _dense_projections(hf_types: dict[str, int], packed: dict, blocks: set[int], floats: set[int]) -> set[str]:

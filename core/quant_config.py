@@ -17,16 +17,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.core.plugins import DENSE_MODULES_OPTION, QuantMethod
+from kvforge.core.plugins import DENSE_MODULES_OPTION, QuantMethod, get_quant_method
 
 ALWAYS_DENSE = ("lm_head",)  # quantized checkpoints keep the head unquantized unless they say `"lm_head": true`
 CHECKPOINT_DENSE_KEYS = ("modules_to_not_convert", "llm_int8_skip_modules")
 
 
 def dense_method() -> QuantMethod:
-    from kvforge.plugins.quant.dense import DenseMethod
-
-    return DenseMethod()
+    """The dense method, found like any other (the entry point `none` of kvforge.quant)."""
+    return get_quant_method("none")
 
 
 def module_matches(name: str, patterns: Iterable[str]) -> bool:

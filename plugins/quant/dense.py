@@ -90,6 +90,7 @@ def keeps_checkpoint_dtype(options: dict, params_dtype: torch.dtype) -> bool:
 
 class DenseMethod(QuantMethod):
     cuda_graph_safe = True  # plain matmuls: no host syncs
+    narrow_floats = NARROW_FLOATS  # read by the core's memory estimate (core/estimate.py)
     name = "none"
     description = "Dense weights in the model dtype (no quantization)."
     settings: dict = {

@@ -40,7 +40,7 @@ from gguf import GGMLQuantizationType
 
 from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
-from kvforge.plugins.quant.gguf_blocks import affine_weight
+from kvforge.plugins.quant.gguf_blocks import SUPPORTED, affine_weight
 
 KERNELS = ("auto", "blocks", "int4pack", "int8", "triton", "dense")
 DECODED_GROUP = 16  # the group the decoding paths store scales at (the finest type's: a fused layer's parts share it)
@@ -213,6 +213,7 @@ def blocks_linear(x: torch.Tensor, segments, int16_rows: int, activations: str =
 
 class GgufMethod(DenseMethod):
     name = "gguf"
+    supported_types = SUPPORTED  # the ggml types read natively, named by the core's GGUF reader (core/gguf_source.py)
     description = ("GGUF files' own quantized weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place "
                    "from the memory-mapped file by C kernels on CPU in any dtype; torch's int4 kernel or an int8-code "
                    "kernel in bf16, Triton on CUDA, or dequantized once.")

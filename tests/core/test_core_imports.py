@@ -32,3 +32,31 @@ llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2))
 llm.engine.close()
 """
     assert app_modules_loaded(code, str(embedded_path)) == []
+
+
+def imports_of(folder: str) -> dict[str, set[str]]:
+    """Per source file under `folder` (relative to the repository), the kvforge modules it imports (at any depth)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = {}
+    for path in sorted((root / folder).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        found[str(path.relative_to(root))] = {n for n in names if n.startswith("kvforge.")}
+    return found
+
+
+def test_the_core_imports_no_plugin_and_the_app_no_ui():
+    """Plugins are found through their entry points (core/plugins.py), never imported by the core; the app's
+    routes do not import the UI (the CLI, the composition root, hands it to create_app)."""
+    core = {f: [m for m in mods if m.startswith("kvforge.plugins")] for f, mods in imports_of("core").items()}
+    assert {f: m for f, m in core.items() if m} == {}
+    app = {f: [m for m in mods if m.startswith("kvforge.ui")] for f, mods in imports_of("app").items()
+           if not f.startswith("app/cli/")}
+    assert {f: m for f, m in app.items() if m} == {}
