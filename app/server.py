@@ -36,8 +36,9 @@ from kvforge.app.http.fallbacks import add_api_fallbacks
 from kvforge.app.http.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvforge.app.http.metrics import status_router
 from kvforge.app.models.factory import default_engine_factory
-from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.models.host import ModelHost
 from kvforge.app.models.routes import models_router
+from kvforge.app.models.spec import ModelSpec
 from kvforge.app.sessions.history_routes import history_router
 from kvforge.app.sessions.routes import sessions_router
 from kvforge.app.sessions.service import ChatService

@@ -74,7 +74,7 @@ def at_least(low: int) -> Callable[[str, Any], None]:
 
 def keep_alive_seconds(value: str | float) -> float:
     """--keep-alive in seconds (math.inf: until room is needed); ValueError naming the setting."""
-    from kvforge.app.models.host import parse_keep_alive
+    from kvforge.app.models.keep_alive import parse_keep_alive
 
     try:
         return parse_keep_alive(float(value) if re.fullmatch(r"-?\d+(\.\d+)?", str(value)) else value)

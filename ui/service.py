@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from kvforge.app.http.errors import validation_message
-from kvforge.app.models.host import ModelSpec
+from kvforge.app.models.spec import ModelSpec
 from kvforge.app.sessions.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
 from kvforge.app.sessions.date_groups import group_by_date
 from kvforge.app.sessions.history import ConversationExport, export_conversation, export_filename, import_conversation

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvforge.app.cli.cache import human_bytes
-from kvforge.app.models.host import ModelSpec
+from kvforge.app.models.spec import ModelSpec
 from kvforge.core.config import DTYPE_NAMES, loads_gguf_natively
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config

@@ -17,7 +17,7 @@ def bench_engine(**config):
     """An LLMEngine for a bench, through the app's one engine factory: `config` is EngineConfig's fields;
     no progress bar (it would mix into the tables)."""
     from kvforge.app.models.factory import build_engine
-    from kvforge.app.models.host import ModelSpec
+    from kvforge.app.models.spec import ModelSpec
 
     spec = ModelSpec(**{SPEC_FIELDS[name]: config.pop(name) for name in list(config) if name in SPEC_FIELDS})
     return build_engine(spec, progress=False, **config)

@@ -60,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.app.http.access import AccessPolicy, split_list
     from kvforge.app.http.limits import connection_limits
     from kvforge.app.models.factory import build_async_engine, spec_from_settings
-    from kvforge.app.models.host import ModelHost, ModelSpec
+    from kvforge.app.models.host import ModelHost
+    from kvforge.app.models.spec import ModelSpec
     from kvforge.app.server import create_app
     from kvforge.core import AsyncEngine
     from kvforge.core.async_engine import build_off_main_thread

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvforge.app.models.host import ModelSpec, check_decoding
+from kvforge.app.models.spec import ModelSpec, check_decoding
 from kvforge.app.settings import GIB, ServeSettings, check_tp, json_options, model_sampling_table
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import EngineConfig

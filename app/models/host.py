@@ -28,25 +28,22 @@ import asyncio
 import gc
 import logging
 import math
-import os
-import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvforge.app.models.keep_alive import DEFAULT_KEEP_ALIVE_S, FOREVER, forever_from_now
+from kvforge.app.models.spec import InvalidSpec, ModelSpec, check_decoding, max_tp_ranks
 from kvforge.app.settings import serve_default
 from kvforge.core.async_engine import AsyncEngine
-from kvforge.core.config import engine_default
 from kvforge.core.host_memory import release_freed_memory
 from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
-from kvforge.core.plugins import DECODING_GROUP, discover
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOADED_MODELS = serve_default("max_loaded_models")  # --max-loaded-models' (Ollama's default on a CPU)
-FOREVER = math.inf
 
 
 class NoModelLoaded(RuntimeError):
@@ -56,62 +53,6 @@ class NoModelLoaded(RuntimeError):
 class ModelUnavailable(ValueError):
     """A model that can never be loaded on demand here (its memory or the count of resident models is taken by what
     cannot be unloaded); the message says which limit."""
-
-
-# Ollama's keep_alive is a Go time.Duration (api/types.go, Duration.UnmarshalJSON): a JSON number is seconds, a
-# string is Go's time.ParseDuration syntax, negative is forever; anything else is refused. Go's durations are int64
-# nanoseconds, so the longest is ~292 years: Ollama keeps a model "forever" for exactly that long, and /api/ps shows
-# it expiring then. A longer value is refused (a Go string of that size fails to parse; a number's conversion
-# overflows). Hand-written: no maintained Python library parses Go's duration syntax exactly.
-LONGEST_KEEP_ALIVE_S = (2**63 - 1) / 1e9  # Go's math.MaxInt64 nanoseconds
-GO_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
-                     "h": 3600.0}
-_GO_NUMBER = r"(?:\d+\.?\d*|\.\d+)"
-_GO_UNIT = "|".join(sorted(map(re.escape, GO_DURATION_UNITS), key=len, reverse=True))
-_GO_DURATION = re.compile(rf"([-+]?)((?:{_GO_NUMBER}(?:{_GO_UNIT}))+)")
-_GO_TERM = re.compile(rf"({_GO_NUMBER})({_GO_UNIT})")
-_BARE_SECONDS = re.compile(rf"[-+]?{_GO_NUMBER}")
-KEEP_ALIVE_FORMS = "seconds (a number) or a duration such as '5m', '1h30m', '250ms'; negative keeps the model loaded"
-
-
-def parse_keep_alive(value: Any) -> float | None:
-    """Ollama's keep_alive in seconds, parsed as Ollama parses it (see above): a number of seconds, or a Go duration
-    string ("5m", "1h30m", "1.5h", "250ms", "-1m"; a bare number string such as "45" is taken as seconds, as
-    Ollama's OLLAMA_KEEP_ALIVE takes it); negative: forever (math.inf); 0: unload as soon as idle. None when not
-    given. ValueError for a boolean or any other JSON type, NaN, or more than ~292 years."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"must be {KEEP_ALIVE_FORMS}; got {type(value).__name__} {value!r}")
-    if isinstance(value, str):
-        seconds = _duration_seconds(value)
-    else:
-        try:
-            seconds = float(value)
-        except OverflowError:  # an integer beyond any float
-            seconds = math.inf if value > 0 else -math.inf
-    if math.isnan(seconds):
-        raise ValueError(f"must be {KEEP_ALIVE_FORMS}; got {value!r}")
-    if seconds < 0:
-        return FOREVER
-    if seconds > LONGEST_KEEP_ALIVE_S:
-        raise ValueError(f"must be at most {int(LONGEST_KEEP_ALIVE_S)} seconds (~292 years, Ollama's longest "
-                         f"duration); negative keeps the model loaded; got {value!r}")
-    return seconds
-
-
-def _duration_seconds(text: str) -> float:
-    """Go's time.ParseDuration in seconds (or a bare number of seconds); ValueError naming the forms."""
-    if _BARE_SECONDS.fullmatch(text):
-        return float(text)
-    parts = _GO_DURATION.fullmatch(text)
-    if parts is None:
-        raise ValueError(f"must be {KEEP_ALIVE_FORMS} (units ns, us, ms, s, m, h); got {text!r}")
-    seconds = sum(float(number) * GO_DURATION_UNITS[unit] for number, unit in _GO_TERM.findall(parts.group(2)))
-    return -seconds if parts.group(1) == "-" else seconds
-
-
-DEFAULT_KEEP_ALIVE_S = parse_keep_alive(serve_default("keep_alive"))  # --keep-alive's (Ollama's five minutes)
 
 
 @dataclass
@@ -136,11 +77,6 @@ class Resident:
         return time.time() + max(0.0, self.keep_alive_s - idle)
 
 
-def forever_from_now() -> float:
-    """The expiry Ollama's /api/ps shows for a model kept loaded: now + Go's longest duration (time.time())."""
-    return time.time() + LONGEST_KEEP_ALIVE_S
-
-
 @dataclass
 class Lease:
     """What a request runs on: the engine and the name it answers under, until released (ModelHost.release)."""
@@ -148,67 +84,6 @@ class Lease:
     engine: AsyncEngine
     name: str
     resident: Resident | None  # None: the server's own model
-
-
-class InvalidSpec(ValueError):
-    """A load refused before anything is built or drained; `param` names the request field at fault."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def check_decoding(decoding: str | None, options: dict[str, Any] | None) -> None:
-    """Refuse an unknown decoding plugin, options its schema rejects (the message names the option), or
-    options given with no plugin, before a model is loaded. The engine checks the rest (e.g. a draft
-    model's tokenizer) as it builds the plugin."""
-    if decoding in (None, "", "none"):
-        if options:
-            raise InvalidSpec(f"decoding options {', '.join(map(repr, sorted(options)))} given without a decoding "
-                              "plugin (decoding is 'none')", "decoding_options")
-        return
-    registry = discover(DECODING_GROUP)
-    try:
-        cls = registry.get(decoding)
-    except ValueError as exc:
-        raise InvalidSpec(str(exc), "decoding") from None
-    try:
-        cls.validate_options(dict(options or {}))
-    except ValueError as exc:
-        raise InvalidSpec(str(exc), "decoding_options") from None
-
-
-def max_tp_ranks() -> int:
-    """One process per rank, each loading its share of the model: a request may start at most 8 of them, or one
-    per CPU core or GPU where there are more."""
-    import torch
-
-    return max(8, os.cpu_count() or 1, torch.cuda.device_count())
-
-
-@dataclass(frozen=True, kw_only=True)  # by name: nine settings in a row read badly and reorder silently
-class ModelSpec:
-    """Which model is served and how it is loaded; what it leaves open is EngineConfig's default (or, under
-    `kvforge serve`, the server's setting). Built into an engine by app/models/factory.py."""
-
-    model: str | None = engine_default("model")  # None: the embedded default
-    dtype: str = engine_default("dtype")
-    quant: str = engine_default("quant")
-    quant_options: dict[str, Any] = field(default_factory=dict)
-    served_name: str | None = None
-    kv_cache_gb: float | None = None  # None: the server's --kv-cache-gb
-    decoding: str = engine_default("decoding")  # speculative decoding plugin; "none": off
-    decoding_options: dict[str, Any] = field(default_factory=dict)
-    tp: int = engine_default("tp_size")  # tensor-parallel ranks, one process each
-
-    @property
-    def entry(self) -> str:
-        """The model's models-directory entry (file or directory name; the embedded model's name)."""
-        return EMBEDDED_MODEL if self.model in EMBEDDED_ALIASES else Path(self.model).name
-
-    @property
-    def name(self) -> str:
-        return self.served_name or self.entry
 
 
 class ModelHost:

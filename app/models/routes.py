@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge.app.context import ServerContext
 from kvforge.app.http.errors import APIError
-from kvforge.app.models.host import InvalidSpec, ModelSpec
+from kvforge.app.models.spec import InvalidSpec, ModelSpec
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.config import DTYPE_NAMES, engine_default
 from kvforge.core.metrics import gpu_memory

@@ -13,7 +13,8 @@ import torch
 
 from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.models.factory import default_engine_factory
-from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.models.host import ModelHost
+from kvforge.app.models.spec import ModelSpec
 from kvforge.app.server import create_app
 from kvforge.core import AsyncEngine
 

@@ -17,7 +17,8 @@ from alembic.config import Config
 from sqlalchemy import event
 
 from kvforge.app.models.factory import default_engine_factory
-from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.models.host import ModelHost
+from kvforge.app.models.spec import ModelSpec
 from kvforge.app.server import create_app
 from kvforge.app.sessions.conversations import Conversations
 from kvforge.app.sessions.date_groups import MONTHS

@@ -14,7 +14,8 @@ import pytest
 from kvforge.app.dialects.openai.fields import MAX_SYSTEM_PROMPT_CHARS
 from kvforge.app.http.threaded_server import serve_in_thread
 from kvforge.app.models.factory import default_engine_factory
-from kvforge.app.models.host import ModelHost, ModelSpec
+from kvforge.app.models.host import ModelHost
+from kvforge.app.models.spec import ModelSpec
 from kvforge.app.server import create_app
 from kvforge.app.sessions.conversations import Conversations
 from kvforge.app.sessions.history import MAX_MESSAGES, MAX_TEXT_CHARS

@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field, field_validator
 from kvforge.app.dialects.openai.fields import FORBID, MAX_EMBEDDING_INPUTS
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvforge.app.http.errors import APIError, validated
-from kvforge.app.models.host import parse_keep_alive
+from kvforge.app.models.keep_alive import parse_keep_alive
 
 # Ollama's option -> the OpenAI-shaped field it sets
 OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",

@@ -56,7 +56,7 @@ from kvforge.app.generate.embeddings import embed
 from kvforge.app.generate.stream import Failed, drive
 from kvforge.app.http.errors import APIError, renaming_route
 from kvforge.app.models.catalog import LISTING_DEADLINE_S, ModelEntry, catalog
-from kvforge.app.models.host import forever_from_now
+from kvforge.app.models.keep_alive import forever_from_now
 from kvforge.app.models.pull import PullError, PullProgress, parse_name, pull
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.output import RequestOutput
