@@ -2,7 +2,7 @@
 top-5 rule (logprobs_close) on 10 chat prompts run as one batch, and perplexity on a held-out text
 bounded (8-bit within +3% of fp32, 4-bit within +25%). GPTQ / AWQ checkpoints are written here by our
 own packer (round-to-nearest, group 64; app/quantize/rtn_writer.py); bitsandbytes quantizes at load.
-Calibrated GPTQ / AWQ checkpoints (`kvforge quantize`) are held to the same rule in tests/app/test_quantize.py.
+Calibrated GPTQ / AWQ checkpoints (`kvforge quantize`) are held to the same rule in tests/app/quantize/test_quantize.py.
 
 The embedded model's weights are themselves 4-bit (the GGUF is Q4_1: 32-weight blocks with a float
 minimum), so a 4-bit method re-rounds them onto another grid and the two errors add up. Measured here:

@@ -1,6 +1,7 @@
 """A reasoning model's reply in the browser chat (Chromium on a real `kvforge serve` with the UI): its thinking is
 shown in a collapsible "Reasoning" bubble, stored apart from the answer (the sessions API's `reasoning_content`),
-and shown the same way after a reload. The model is tests/app/test_reasoning_serve.py's "thinking" variant of the
+and shown the same way after a reload. The model is tests/app/generate/test_reasoning_serve.py's "thinking" variant of
+the
 embedded one: its template opens the think block, and without a logit bias it never closes it, so the whole
 reply is reasoning and the answer is empty."""
 

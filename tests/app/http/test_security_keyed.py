@@ -387,4 +387,5 @@ def test_a_key_on_the_command_line_or_in_a_readable_file_draws_a_warning(tmp_pat
     loose.chmod(0o644)
     output = serve_until(["--api-key-file", str(loose), *data], env, "warning")
     assert "is readable by other users" in output, output
-    # no key at all on 0.0.0.0: refused (tests/app/test_cli.py, test_serve_refuses_a_public_address_without_an_api_key)
+    # no key at all on 0.0.0.0: refused (tests/app/cli/test_cli.py,
+    # test_serve_refuses_a_public_address_without_an_api_key)
