@@ -26,15 +26,9 @@ from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.parsers.declared_response import declared_template
 from kvforge.app.generate.parsers.reasoning import ReasoningSyntax, detect_reasoning, starts_in_reasoning
-from kvforge.app.generate.parsers.tool_calls import (
-    ToolSyntax,
-    call_grammar,
-    detect_tool_syntax,
-    messages_for_template,
-    render_history_for_default,
-    tool_names,
-    tools_system_prompt,
-)
+from kvforge.app.generate.parsers.tool_calls import ToolSyntax, detect_tool_syntax, tool_names
+from kvforge.app.generate.tool_grammar import call_grammar
+from kvforge.app.generate.tool_prompts import messages_for_template, render_history_for_default, tools_system_prompt
 from kvforge.app.http.errors import APIError
 from kvforge.core.constraint import Constraint
 from kvforge.core.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvforge.app.generate.parsers.stream_text import partial_marker_length
@@ -78,7 +78,7 @@ def tool_names(tools: list[dict]) -> list[str]:
     return [tool["function"]["name"] for tool in tools]
 
 
-def _parameters(tool: dict) -> dict:
+def tool_parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
@@ -112,23 +112,7 @@ class ParsedOutput:
 # ---- prompts and history for templates without tool syntax ----
 
 
-def tools_system_prompt(tools: list[dict]) -> str:
-    """The system text that describes `tools` to a model whose template cannot (the "default" family): each
-    function's name, description and parameter schema, and the hermes format to call them in."""
-    signatures = "\n".join(
-        json.dumps({"name": tool["function"]["name"], "description": tool["function"].get("description", ""),
-                    "parameters": _parameters(tool)}, ensure_ascii=False)
-        for tool in tools)
-    return ("# Tools\n\nYou may call one or more functions to help with the user's request. "
-            "The functions are described within <tools></tools> tags:\n"
-            f"<tools>\n{signatures}\n</tools>\n\n"
-            "To call a function, answer with a JSON object holding its name and arguments within "
-            "<tool_call></tool_call> tags, one block for each call:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n'
-            "The results come back within <tool_response></tool_response> tags.")
-
-
-def _loads_object(text: str) -> dict | None:
+def json_object(text: str) -> dict | None:
     try:
         value = json.loads(text)
     except (TypeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
@@ -136,151 +120,7 @@ def _loads_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _text_of(content) -> str:
-    """A message's content as text: OpenAI also sends a list of parts, of which text parts carry the text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-
-
-def render_history_for_default(messages: list[dict]) -> list[dict]:
-    """Messages a template without tool syntax can render: an assistant's `tool_calls` become `<tool_call>` blocks
-    in its content, and each run of `tool` messages becomes one user message of `<tool_response>` blocks (one
-    user turn, so templates that insist on alternating roles accept it)."""
-    rendered: list[dict] = []
-    previous_role = None
-    for message in messages:
-        role = message.get("role")
-        if role == "assistant" and message.get("tool_calls"):
-            blocks = [_hermes_block(call["function"]) for call in message["tool_calls"]]
-            text = "\n".join(part for part in [_text_of(message.get("content")).strip(), *blocks] if part)
-            rendered.append({"role": "assistant", "content": text})
-        elif role == "tool":
-            block = f"<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>"
-            if previous_role == "tool":
-                rendered[-1] = {"role": "user", "content": rendered[-1]["content"] + "\n" + block}
-            else:
-                rendered.append({"role": "user", "content": block})
-        else:
-            rendered.append(message)
-        previous_role = role
-    return rendered
-
-
-def _hermes_block(function: dict) -> str:
-    arguments = function.get("arguments")
-    parsed = _loads_object(arguments) if isinstance(arguments, str) else arguments
-    call = {"name": function["name"], "arguments": arguments if parsed is None else parsed}
-    return f"{HERMES_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{HERMES_CLOSE}"
-
-
-def messages_for_template(messages: list[dict]) -> list[dict]:
-    """Messages for a template that renders tool calls: they index `function.arguments` as a mapping, while
-    OpenAI sends a JSON string, so object strings are parsed (anything else is left as the string)."""
-    prepared = []
-    for message in messages:
-        if message.get("role") == "assistant" and message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                function = dict(call["function"])
-                if isinstance(function.get("arguments"), str):
-                    parsed = _loads_object(function["arguments"])
-                    function["arguments"] = function["arguments"] if parsed is None else parsed
-                calls.append({**call, "function": function})
-            message = {**message, "tool_calls": calls}
-        prepared.append(message)
-    return prepared
-
-
 # ---- the grammar that forces a call ----
-
-
-def call_grammar(syntax: ToolSyntax, tools: list[dict], tool_choice: str | dict, parallel: bool,
-                 special_token_ids: Mapping[str, int] | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) whose outputs are one tool call, or one or more when `parallel`, in the
-    family's wire format, each naming an allowed tool with arguments valid against its parameters schema.
-    `tool_choice` is "required" (any tool) or {"type": "function", "function": {"name": X}} (only X).
-    `special_token_ids` maps the tokenizer's special tokens to their ids, e.g.
-    `{t.content: i for i, t in tok.added_tokens_decoder.items() if t.special}`: a marker that is one special token
-    (Mistral's [TOOL_CALLS] and [ARGS]) must be written as that token, not spelled in text. Raises ValueError on a
-    tool_choice that names no tool in `tools` or is not one of those two shapes."""
-    allowed = _allowed_tools(tools, tool_choice)
-    specials = special_token_ids or {}
-
-    def marker(text: str) -> str:
-        return f"<[{specials[text]}]>" if text in specials else _lark_string(text)
-
-    if syntax.wire == "mistral-args":
-        alternatives = [f"call_{i}" for i in range(len(allowed))]
-        rules = [f"call_{i}: {marker(MISTRAL_MARKER)} {_lark_string(tool['function']['name'])} "
-                 f"{marker(MISTRAL_ARGS)} %json {_schema_json(_parameters(tool))}"
-                 for i, tool in enumerate(allowed)]
-        calls = f"({' | '.join(alternatives)})" + ("+" if parallel else "")
-        return "\n".join([f"start: {calls}", *rules]) + "\n"
-    call_rule = f"call: %json {_schema_json(_call_schema(allowed, syntax.arguments_key))}"
-    if syntax.wire == "hermes":
-        block = f'{marker(HERMES_OPEN)} "\\n" call "\\n" {marker(HERMES_CLOSE)}'
-        start = 'start: block ("\\n" block)*' if parallel else "start: block"
-        return "\n".join([start, f"block: {block}", call_rule]) + "\n"
-    if syntax.wire == "llama3":
-        start = 'start: call ("; " call)*' if parallel else "start: call"
-        return "\n".join([start, call_rule]) + "\n"
-    if syntax.wire == "mistral":
-        calls = 'call (", " call)*' if parallel else "call"
-        return "\n".join([f'start: {marker(MISTRAL_MARKER)} "[" {calls} "]"', call_rule]) + "\n"
-    raise ValueError(f"unknown tool-call wire format {syntax.wire!r}")
-
-
-def _allowed_tools(tools: list[dict], tool_choice: str | dict) -> list[dict]:
-    if tool_choice == "required":
-        allowed = list(tools)
-    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        wanted = tool_choice.get("function", {}).get("name")
-        allowed = [tool for tool in tools if tool["function"]["name"] == wanted]
-        if not allowed:
-            raise ValueError(f"tool_choice names function {wanted!r}, which is not in tools")
-    else:
-        raise ValueError(f"a call grammar is for tool_choice 'required' or a named function, not {tool_choice!r}")
-    if not allowed:
-        raise ValueError("tool_choice 'required' with no tools")
-    return allowed
-
-
-def _call_schema(tools: list[dict], arguments_key: str) -> dict:
-    """{"name": const, <arguments_key>: parameters} for each tool. Each parameters schema moves to the root's $defs
-    (as "tool<i>") with its local $refs rewritten to follow it: a "#/$defs/X" (pydantic writes them) or a
-    recursive "#" would otherwise resolve against the call schema instead of the parameters."""
-    definitions = {f"tool{i}": _relocated_refs(_parameters(tool), f"#/$defs/tool{i}") for i, tool in enumerate(tools)}
-    alternatives = [{"type": "object",
-                     "properties": {"name": {"const": tool["function"]["name"]},
-                                    arguments_key: {"$ref": f"#/$defs/tool{i}"}},
-                     "required": ["name", arguments_key], "additionalProperties": False}
-                    for i, tool in enumerate(tools)]
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    return {"$defs": definitions, **schema}
-
-
-def _relocated_refs(schema, root: str):
-    """`schema` with each local "$ref" ("#...") made relative to `root`, the pointer to where the schema now sits."""
-    if isinstance(schema, dict):
-        return {key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                else _relocated_refs(value, root) for key, value in schema.items()}
-    if isinstance(schema, list):
-        return [_relocated_refs(item, root) for item in schema]
-    return schema
-
-
-def _schema_json(schema: dict) -> str:
-    # json.dumps' own separators, the spacing these families were trained on (and their templates' tojson writes);
-    # fixed spacing also keeps a small model from padding the JSON with whitespace.
-    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
 
 
 # ---- parsing ----
@@ -293,7 +133,7 @@ def _tool_call_from(value, names: set[str]) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
-        arguments = _loads_object(arguments)
+        arguments = json_object(arguments)
     if not isinstance(arguments, dict):
         return None
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
@@ -303,7 +143,7 @@ def _parse_segment(syntax: ToolSyntax, body: str, names: set[str]) -> tuple[list
     """The calls in the text after one call marker (up to its close marker, the next call marker or the end),
     with the text after them that is content; None when it holds no valid calls, so it stays content."""
     if syntax.wire == "hermes":
-        call = _tool_call_from(_loads_object(body.strip()), names)
+        call = _tool_call_from(json_object(body.strip()), names)
         return None if call is None else ([call], "")
     decoder = json.JSONDecoder()
     stripped = body.lstrip()

@@ -19,15 +19,13 @@ from kvforge.app.generate.parsers.tool_calls import (
     MISTRAL_ARGS_FORM,
     ToolCall,
     ToolCallStream,
-    call_grammar,
     detect_tool_syntax,
-    messages_for_template,
     openai_tool_call,
     parse_tool_calls,
-    render_history_for_default,
     tool_names,
-    tools_system_prompt,
 )
+from kvforge.app.generate.tool_grammar import call_grammar
+from kvforge.app.generate.tool_prompts import messages_for_template, render_history_for_default, tools_system_prompt
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
