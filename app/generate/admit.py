@@ -13,15 +13,9 @@ from starlette.concurrency import run_in_threadpool
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, SamplingFields
 from kvforge.app.generate.admission import Admission, Ticket
 from kvforge.app.generate.chat_request import ChatPlan, plan_chat
-from kvforge.app.generate.completion import (
-    ContextWindow,
-    RequestTimedOut,
-    check_prompt_chars,
-    compile_constraint,
-    submit,
-)
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.generate.stream import Failed, RequestTimedOut, drive
+from kvforge.app.generate.submit import ContextWindow, check_prompt_chars, compile_constraint, submit
 from kvforge.app.http.errors import APIError
 from kvforge.app.http.metrics import ServerMetrics
 from kvforge.core.async_engine import AsyncEngine, RequestStream

@@ -7,13 +7,17 @@ shape what this yields."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from kvforge.app.generate.chat_output import ChoiceReader
 from kvforge.app.generate.chat_request import ChatPlan
-from kvforge.app.generate.completion import RequestTimedOut, within
+from kvforge.app.http.errors import APIError
 from kvforge.app.http.metrics import ServerMetrics
 from kvforge.core.async_engine import RequestStream
 from kvforge.core.engine import RequestsFailed
@@ -69,3 +73,51 @@ async def drive(stream: RequestStream, plan: ChatPlan | None, timeout_s: float |
             yield Read(out, deltas, first, reader is not None and reader.num_tool_calls > 0)
     except (RequestsFailed, RequestTimedOut) as exc:
         yield failed(exc)
+
+
+class StreamResponse(StreamingResponse):
+    """A streamed response (server-sent events, or Ollama's JSON lines) that runs `on_close` however it ends — also
+    when the client went away before the body generator started (its own `finally` never runs then): the
+    admission ticket is released and the request aborted exactly once either way."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
+        super().__init__(events, media_type=media_type, headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class RequestTimedOut(Exception):
+    kind, code = "timeout_error", "request_timeout"  # its type and code in OpenAI's error shape
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request ran past the server's --request-timeout of {seconds:g} s and was aborted")
+
+    def api_error(self) -> APIError:
+        """For a whole (not streamed) response: 504."""
+        return APIError(504, str(self), None, self.kind, self.code)
+
+
+async def within(stream: RequestStream, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
+    """The stream's outputs, aborting the request (its KV blocks freed) and raising RequestTimedOut once
+    `timeout_s` seconds have passed since this call; no limit when None or 0."""
+    if not timeout_s:
+        async for out in stream:
+            yield out
+        return
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            out = await asyncio.wait_for(stream.__anext__(), max(left, 0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            stream.abort()
+            raise RequestTimedOut(timeout_s) from None
+        yield out

@@ -53,7 +53,7 @@ from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvforge.app.generate.completion import RequestTimedOut, StreamResponse
+from kvforge.app.generate.stream import RequestTimedOut, StreamResponse
 from kvforge.app.http.errors import APIError
 from kvforge.app.sessions.conversations import CURRENT, MessageNotFound, NotFound
 from kvforge.app.sessions.history_routes import search_response

@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.context import ServerContext
+from kvforge.app.dialects.openai.format import finish_reason, timings, usage
 from kvforge.app.dialects.openai.messages import ChatMessage
 from kvforge.app.dialects.openai.protocol import SamplingFields
 from kvforge.app.dialects.openai.tools import ToolFields
@@ -48,14 +49,8 @@ from kvforge.app.generate.admission import Ticket
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import whole_message
 from kvforge.app.generate.chat_request import ChatPlan, plan_conversation
-from kvforge.app.generate.completion import (
-    RequestTimedOut,
-    compile_constraint,
-    finish_reason,
-    timings,
-    usage,
-)
-from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.generate.stream import Failed, RequestTimedOut, drive
+from kvforge.app.generate.submit import compile_constraint
 from kvforge.app.http.errors import APIError
 from kvforge.app.sessions.conversations import (
     CURRENT,

@@ -32,9 +32,9 @@ from kvforge.app.dialects.anthropic.protocol import ANTHROPIC_NAMES, Conversatio
 from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.generate.chat_output import whole_message
 from kvforge.app.generate.chat_request import ChatPlan, plan_chat
-from kvforge.app.generate.completion import StreamResponse, check_prompt_chars
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.generate.stream import Failed, StreamResponse, drive
+from kvforge.app.generate.submit import check_prompt_chars
 from kvforge.app.http.errors import anthropic_error, renaming_route
 from kvforge.core.output import RequestOutput
 

@@ -47,13 +47,14 @@ from kvforge.app.dialects.ollama.protocol import (
     OllamaPullRequest,
     OllamaRequest,
 )
+from kvforge.app.dialects.openai.format import format_logprobs
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.generate.chat_output import whole_message
 from kvforge.app.generate.chat_request import ChatPlan, reasoning_syntax
-from kvforge.app.generate.completion import ContextWindow, StreamResponse, format_logprobs
 from kvforge.app.generate.embeddings import embed
-from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.generate.stream import Failed, StreamResponse, drive
+from kvforge.app.generate.submit import ContextWindow
 from kvforge.app.http.errors import APIError, renaming_route
 from kvforge.app.models.catalog import LISTING_DEADLINE_S, ModelEntry, catalog
 from kvforge.app.models.keep_alive import forever_from_now

@@ -28,8 +28,7 @@ from kvforge.app.context import ServerContext
 from kvforge.app.dialects.openai.responses_protocol import RESPONSES_NAMES, ResponsesRequest
 from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
 from kvforge.app.generate.chat_output import ChoiceReader
-from kvforge.app.generate.completion import StreamResponse
-from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.generate.stream import Failed, StreamResponse, drive
 from kvforge.app.http.errors import renaming_route
 from kvforge.core.output import RequestOutput
 

@@ -13,19 +13,13 @@ from functools import partial
 from fastapi import APIRouter
 
 from kvforge.app.context import ServerContext
+from kvforge.app.dialects.openai.format import finish_reason, format_logprobs, timings, usage
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvforge.app.generate.admit import admit, chat_chars, collect, render_chat
 from kvforge.app.generate.chat_output import whole_message
 from kvforge.app.generate.chat_request import ChatPlan
-from kvforge.app.generate.completion import (
-    StreamResponse,
-    compile_constraint,
-    finish_reason,
-    format_logprobs,
-    timings,
-    usage,
-)
-from kvforge.app.generate.stream import Failed, drive
+from kvforge.app.generate.stream import Failed, StreamResponse, drive
+from kvforge.app.generate.submit import compile_constraint
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.constraint import Constraint
