@@ -175,6 +175,12 @@ class ChatHandlers:
         first = next((items[0][1] for _, items in groups if items), None)
         return self.show(first)
 
+    def on_page_load(self):
+        """The page's first view (on_load's), then New chat enabled."""
+        import gradio as gr
+
+        return (*self.on_load(), gr.update(interactive=True))
+
     def new_conversation(self, system: str):
         return self.show(self.service.create_conversation(system).id)
 
@@ -381,7 +387,8 @@ def add_chat(blocks: gr.Blocks, service: UIService) -> None:
     message_ids = gr.State([])  # the message each chat bubble shows
     shown_outputs: list = []  # filled below, once every component exists (the lists rendered later use it)
     with gr.Column(scale=1, min_width=220):
-        new_button = gr.Button("New chat", elem_id="new-chat", variant="secondary")
+        # enabled by the page's load event: a conversation made before it answers would be unselected by it
+        new_button = gr.Button("New chat", elem_id="new-chat", variant="secondary", interactive=False)
         search_box = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id="search",
                                 max_lines=1)
         with gr.Column(elem_id="conversations"):
@@ -457,7 +464,7 @@ def add_chat(blocks: gr.Blocks, service: UIService) -> None:
     sampling = [temperature, top_p, max_tokens, guard]
     shown_outputs += [listing, session, chatbot, stats, system_box, *sampling, defaults_note, branches, message_ids,
                       titles]
-    blocks.load(on.on_load, outputs=shown_outputs)
+    blocks.load(on.on_page_load, outputs=[*shown_outputs, new_button], api_name="on_load")  # its API name as before
     new_button.click(on.new_conversation, inputs=[system_box], outputs=shown_outputs)
     chatbot.clear(on.new_conversation, inputs=[system_box], outputs=shown_outputs)  # its trash icon: the chat stays
     search_box.change(on.search, inputs=[session, search_box], outputs=[listing], show_progress="hidden")
