@@ -77,7 +77,7 @@ def mount_ui(app, chat: ChatService, sampler: DashboardSampler | None = None):
     dashboard samples the host and metrics of `chat` (a sampler of its own, on app.state.sampler, unless given).
     create_app takes it as its `ui` (app/server.py does not import the UI: the CLI composes the two)."""
     if sampler is None:
-        sampler = app.state.sampler = DashboardSampler(chat.host, chat.metrics).start()
+        sampler = app.state.sampler = DashboardSampler(chat.context.host, chat.context.metrics).start()
     demo = build_ui(chat, sampler)  # first: it sets the environment gradio is imported under
     import gradio as gr
 

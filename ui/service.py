@@ -43,7 +43,7 @@ UI_REPETITION_GUARD = True
 class UIService:
     def __init__(self, chat: ChatService, sampler: DashboardSampler) -> None:
         self._chat, self._sampler = chat, sampler
-        self._conversations, self._host = chat.conversations, chat.host
+        self._conversations, self._host = chat.conversations, chat.context.host
 
     # ---- conversations ------------------------------------------------------------------------------
 
@@ -130,7 +130,7 @@ class UIService:
         engine = self._host.engine
         model = engine.engine.generation_defaults.values if engine is not None else {}
         base = {name: SamplingParams.default(name) for name in ("temperature", "top_p")}
-        base |= {"max_tokens": self._chat.default_max_tokens, "repetition_guard": UI_REPETITION_GUARD}
+        base |= {"max_tokens": self._chat.context.default_max_tokens, "repetition_guard": UI_REPETITION_GUARD}
         return base | {k: v for k, v in model.items() if k in base}
 
     def model_defaults_note(self) -> str:

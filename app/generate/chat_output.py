@@ -1,23 +1,24 @@
-"""A chat choice's generated text read back into OpenAI's message fields: the thinking of a reasoning model as
-`reasoning_content`, tool calls as `tool_calls`, the rest as `content`. One reader serves streamed and whole
-responses (a whole response is the stream's deltas merged), so the two never disagree. The format the
-tokenizer declares (app/generate/parsers/declared_response.py) reads a reply with tools where there is one; kvforge's
-per-family readers otherwise."""
+"""A chat choice's generated text read back into the reply's parts (app/generate/reply.py): the thinking of a
+reasoning model, the answer's text, and tool calls. One reader serves streamed and whole responses (a whole reply
+is the stream's parts merged), so the two never disagree. The format the tokenizer declares
+(app/generate/parsers/declared_response.py) reads a reply with tools where there is one; kvforge's per-family
+readers otherwise."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from kvforge.app.generate.chat_request import ChatPlan
 from kvforge.app.generate.parsers.declared_response import REASONING_FIELDS, DeclaredResponseReader
 from kvforge.app.generate.parsers.reasoning import ReasoningStream
-from kvforge.app.generate.parsers.tool_calls import ToolCall, ToolCallStream, openai_tool_call
+from kvforge.app.generate.parsers.tool_calls import ToolCallStream
+from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
 from kvforge.core.output import RequestOutput
 
 
 class ChoiceReader:
-    """Text deltas of one choice -> OpenAI delta dicts ({"reasoning_content"}, {"content"}, {"tool_calls"}):
-    the thinking is split off first, then tool calls are read from the answer."""
+    """Text deltas of one choice -> its parts, in order: the thinking is split off first, then tool calls are read
+    from the answer; calls are numbered in the order they come."""
 
     def __init__(self, plan: ChatPlan) -> None:
         self._declared = None
@@ -35,59 +36,48 @@ class ChoiceReader:
             return self._declared.open_field in REASONING_FIELDS
         return self._reasoning is not None and self._reasoning.in_reasoning
 
-    def feed(self, delta_text: str) -> list[dict[str, Any]]:
+    def feed(self, delta_text: str) -> list[Part]:
         return self._read(delta_text, final=False)
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[Part]:
         return self._read("", final=True)
 
-    def read(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """The deltas of one of the engine's streamed outputs: its new text, and with the last (finished) one
-        what was held back."""
+    def read(self, out: RequestOutput) -> list[Part]:
+        """The parts of one of the engine's streamed outputs: its new text, and with the last (finished) one what
+        was held back."""
         return self.feed(out.delta_text) + (self.finish() if out.finished else [])
 
-    def read_whole(self, text: str) -> list[dict[str, Any]]:
-        """The deltas of a finished choice's whole text, read at once."""
-        return self.feed(text) + self.finish()
-
-    def _read(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def _read(self, text: str, final: bool) -> list[Part]:
         if self._declared is not None:
-            events = (self._declared.feed(text) if text else []) + (self._declared.finish() if final else [])
-            return [self._tool_call_delta(e) if isinstance(e, ToolCall) else
-                    {"reasoning_content" if e[0] == "reasoning" else "content": e[1]} for e in events]
-        deltas = []
+            parts = (self._declared.feed(text) if text else []) + (self._declared.finish() if final else [])
+            return [self._numbered(p) if isinstance(p, ToolCall) else p for p in parts]
+        parts: list[Part] = []
         if self._reasoning is not None:
             thinking, text = self._reasoning.finish() if final else self._reasoning.feed(text)
             if thinking:
-                deltas.append({"reasoning_content": thinking})
+                parts.append(Thinking(thinking))
         if self._tools is None:
-            return deltas + ([{"content": text}] if text else [])
+            return parts + ([Text(text)] if text else [])
         events = self._tools.feed(text) if text else []
         if final:
             events += self._tools.finish()
         for event in events:
             if isinstance(event, ToolCall):
-                deltas.append(self._tool_call_delta(event))
+                parts.append(self._numbered(event))
             elif event:
-                deltas.append({"content": event})
-        return deltas
+                parts.append(Text(event))
+        return parts
 
-    def _tool_call_delta(self, call: ToolCall) -> dict[str, Any]:
+    def _numbered(self, call: ToolCall) -> ToolCall:
         self.num_tool_calls += 1
-        return {"tool_calls": [openai_tool_call(call, self.num_tool_calls - 1)]}
+        return replace(call, index=self.num_tool_calls - 1)
 
 
-def whole_message(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
-    """The assistant message of a finished choice and whether it called tools."""
+def read_whole(plan: ChatPlan, text: str) -> WholeReply:
+    """A finished choice's whole text, read at once."""
     reader = ChoiceReader(plan)
-    deltas = reader.read_whole(text)
-    content = "".join(d.get("content", "") for d in deltas)
-    thinking = "".join(d.get("reasoning_content", "") for d in deltas)
-    calls = [{k: v for k, v in call.items() if k != "index"} for d in deltas for call in d.get("tool_calls", [])]
-    no_answer = bool(calls) or reader.ended_in_reasoning
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if no_answer else "")}
-    if plan.reasoning is not None or thinking:  # a reasoning model's (null: it did not think); a declared format's
-        message["reasoning_content"] = thinking or None
-    if calls:
-        message["tool_calls"] = calls
-    return message, bool(calls)
+    parts = reader.feed(text) + reader.finish()
+    calls = [p for p in parts if isinstance(p, ToolCall)]
+    return WholeReply(thinking="".join(p.text for p in parts if isinstance(p, Thinking)),
+                      content="".join(p.text for p in parts if isinstance(p, Text)), calls=calls,
+                      no_answer=bool(calls) or reader.ended_in_reasoning, reasoning_model=plan.reasoning is not None)

@@ -72,17 +72,12 @@ def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: l
         raise APIError(400, f"messages: {exc}", "messages") from None
 
 
-def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPlan:
-    """Render and decide (see the module's docstring); APIError 400 for a conversation the template rejects.
-    Runs off the event loop (template rendering is Python work)."""
-    return plan_conversation(tokenizer, body.messages, body, body.chat_template_kwargs, *_format_constraint(body))
-
-
 def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fields: ToolFields,
                       template_kwargs: dict | None = None, output_constraint: Constraint | None = None,
                       output_field: str | None = None) -> ChatPlan:
-    """A chat request's plan from its parts: the chat route's, and a session turn's (its stored conversation and
-    settings). `output_constraint`: the response format's, which a forced tool call overrides."""
+    """A chat request's plan (see the module's docstring) from its parts (app/generate/request.py's ChatPrompt).
+    `output_constraint`: the response format's, which a forced tool call overrides. APIError 400 for a conversation
+    the template rejects. Runs off the event loop (template rendering is Python work)."""
     syntax = detect_tool_syntax(tokenizer.hf.chat_template)
     tools, choice = tool_fields.tool_dicts(), tool_fields.tool_choice_value()
     use_tools = bool(tools) and choice != "none"
@@ -111,7 +106,7 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
                     declared, text if declared is not None else "", tools if use_tools else [])
 
 
-def _format_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
+def format_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
     """The constraint `structured_outputs` or `response_format` asks for, and the field it is blamed on."""
     if body.structured_outputs is not None:
         return body.structured_outputs.constraint(), "structured_outputs"

@@ -1,22 +1,22 @@
-"""The one loop that drives a request's outputs, for every dialect and the sessions API: the server's request
-timeout, each sample's text read into OpenAI-shaped deltas (content, reasoning_content, tool_calls: ChoiceReader,
-or a raw prompt's text as content), finished samples counted in the metrics, and a failure after the response's
-headers went out (the engine failed the request, or it ran past the timeout) handed over as an item the dialect
-writes into its stream instead of an exception. A dialect's stream writer, and a whole response's collect(), only
-shape what this yields."""
+"""The one loop that drives a request's outputs, for every dialect and the sessions API: the server's request timeout,
+each sample's text read into the reply's parts (app/generate/reply.py: thinking, text, tool calls, by ChoiceReader; a
+raw prompt's text as it comes), finished samples counted in the metrics, and a failure after the response's headers went
+out (the engine failed the request, or it ran past the timeout) handed over as an item the dialect writes into its
+stream instead of an exception. A dialect's stream writer, and a whole response's collect(), only shape what this
+yields."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvforge.app.generate.chat_output import ChoiceReader
 from kvforge.app.generate.chat_request import ChatPlan
+from kvforge.app.generate.reply import Part, Text
 from kvforge.app.http.errors import APIError
 from kvforge.app.http.metrics import ServerMetrics
 from kvforge.core.async_engine import RequestStream
@@ -29,7 +29,7 @@ class Read:
     """One engine output of one sample, read."""
 
     out: RequestOutput
-    deltas: list[dict[str, Any]]  # OpenAI's delta fields, in order (none when `read` was off)
+    parts: list[Part]  # the reply's new parts, in order (none when `read` was off)
     first: bool  # the sample's first output (its first token: a true TTFT)
     called_tools: bool  # the sample has called tools so far (a finished one's finish reason)
 
@@ -57,7 +57,7 @@ def failed(error: RequestsFailed | RequestTimedOut) -> Failed:
 async def drive(stream: RequestStream, plan: ChatPlan | None, timeout_s: float | None, metrics: ServerMetrics,
                 read: bool = True) -> AsyncIterator[Read | Failed]:
     """The request's outputs, each read (`plan`: a chat's, how its text is read; None: the text as it comes), until
-    every sample has finished; then nothing more, or one Failed last. `read` False: no deltas (a whole response
+    every sample has finished; then nothing more, or one Failed last. `read` False: no parts (a whole response
     reads the final text at once)."""
     readers: dict[int, ChoiceReader | None] = {}
     try:
@@ -65,12 +65,12 @@ async def drive(stream: RequestStream, plan: ChatPlan | None, timeout_s: float |
             first = out.index not in readers
             reader = readers.setdefault(out.index, ChoiceReader(plan) if plan is not None and read else None)
             if reader is not None:
-                deltas = reader.read(out)
+                parts = reader.read(out)
             else:
-                deltas = [{"content": out.delta_text}] if read and out.delta_text else []
+                parts = [Text(out.delta_text)] if read and out.delta_text else []
             if out.finished:
                 metrics.observe_finished(out)
-            yield Read(out, deltas, first, reader is not None and reader.num_tool_calls > 0)
+            yield Read(out, parts, first, reader is not None and reader.num_tool_calls > 0)
     except (RequestsFailed, RequestTimedOut) as exc:
         yield failed(exc)
 

@@ -71,7 +71,7 @@ DEFAULT_TITLE = "New chat"
 
 
 def sessions_router(chat: ChatService) -> APIRouter:
-    router, host, conversations = APIRouter(), chat.host, chat.conversations
+    router, host, conversations = APIRouter(), chat.context.host, chat.conversations
     get = chat.get
 
     searcher = ConversationSearch(conversations.store)

@@ -41,16 +41,15 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.context import ServerContext
-from kvforge.app.dialects.openai.format import finish_reason, timings, usage
+from kvforge.app.dialects.openai.format import delta, finish_reason, timings, tool_call, usage
 from kvforge.app.dialects.openai.messages import ChatMessage
 from kvforge.app.dialects.openai.protocol import SamplingFields
 from kvforge.app.dialects.openai.tools import ToolFields
-from kvforge.app.generate.admission import Ticket
 from kvforge.app.generate.admit import Admitted, admit
-from kvforge.app.generate.chat_output import whole_message
-from kvforge.app.generate.chat_request import ChatPlan, plan_conversation
-from kvforge.app.generate.stream import Failed, RequestTimedOut, drive
-from kvforge.app.generate.submit import compile_constraint
+from kvforge.app.generate.chat_output import read_whole
+from kvforge.app.generate.chat_request import ChatPlan
+from kvforge.app.generate.request import ChatPrompt, GenerateRequest
+from kvforge.app.generate.stream import Failed, RequestTimedOut
 from kvforge.app.http.errors import APIError
 from kvforge.app.sessions.conversations import (
     CURRENT,
@@ -61,7 +60,6 @@ from kvforge.app.sessions.conversations import (
     MessageNotFound,
     NotFound,
 )
-from kvforge.core.async_engine import RequestStream
 from kvforge.core.output import RequestOutput
 from kvforge.core.store import Store
 
@@ -142,11 +140,11 @@ def not_found(exc: NotFound, suffix: str = "") -> APIError:
 
 
 def stored_reply(plan: ChatPlan, text: str) -> tuple[dict[str, Any], bool]:
-    """A reply's text as stored: its content ("" when it only called tools), reasoning and tool calls, and
-    whether it called any."""
-    message, called = whole_message(plan, text)
-    return {"content": message["content"] or "", "reasoning": message.get("reasoning_content"),
-            "tool_calls": message.get("tool_calls")}, called
+    """A reply's text as stored: its content ("" when it only called tools), reasoning and tool calls (OpenAI's
+    shape), and whether it called any."""
+    reply = read_whole(plan, text)
+    return {"content": reply.content, "reasoning": reply.thinking or None,
+            "tool_calls": [tool_call(call) for call in reply.calls] or None}, bool(reply.calls)
 
 
 @dataclass
@@ -165,30 +163,34 @@ class Turn:
     service: ChatService
     session_id: str
     posted: Message
-    prompt_tokens: int
-    stream: RequestStream
-    ticket: Ticket
-    plan: ChatPlan
+    admitted: Admitted
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.admitted.prompt)
+
+    @property
+    def plan(self) -> ChatPlan:
+        return self.admitted.plan
 
     def abort(self) -> None:
         """Stop the reply and give back its admission; safe to call more than once."""
-        self.ticket.release()
-        self.stream.abort()
+        self.admitted.close()
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Raises RequestTimedOut (after keeping the partial reply, finish_reason "timeout") when the
         reply runs past the server's request timeout."""
         conversations, last, final, ended = self.service.conversations, None, None, "abort"
         try:
-            async for item in drive(self.stream, self.plan, self.service.request_timeout_s, self.service.metrics):
+            async for item in self.admitted.outputs():
                 if isinstance(item, Failed):
                     ended = "timeout" if isinstance(item.error, RequestTimedOut) else ended
                     raise item.error
                 last = item.out
                 if last.finished:
                     final = last
-                for delta in item.deltas:
-                    yield {"type": "delta", **delta}
+                for part in item.parts:
+                    yield {"type": "delta", **delta(part)}
         finally:
             self.abort()  # no-op once finished; frees the KV blocks if the client went away
             if final is None and last is not None and last.text:  # cut short: keep what was generated
@@ -216,9 +218,8 @@ class Turn:
 class ChatService:
     def __init__(self, context: ServerContext, store: Store) -> None:
         """`store`: the database the server's owner opened (and closes); conversations are kept in it."""
-        self.admission, self.host, self.metrics = context.admission, context.host, context.metrics
+        self.context, self.admission = context, context.admission
         self.conversations = Conversations(store)
-        self.default_max_tokens, self.request_timeout_s = context.default_max_tokens, context.request_timeout_s
 
     def get(self, session_id: str) -> Conversation:
         try:
@@ -266,7 +267,7 @@ class ChatService:
         except BaseException:
             admitted.close()
             raise
-        return Turn(self, session_id, message, len(admitted.prompt), admitted.stream, admitted.ticket, admitted.plan)
+        return Turn(self, session_id, message, admitted)
 
     async def regenerate(self, session_id: str, message_id: int, overrides: dict[str, Any] | None = None,
                          tool_choice: str | dict | None = None) -> Turn:
@@ -291,28 +292,15 @@ class ChatService:
             raise APIError(400, f"message_id: tool result {answered.id} leaves calls of its reply open "
                            f"({', '.join(open_tool_calls(history))}): it was not answered", "message_id")
         admitted = await self._admit(conv, chat_messages(conv, history), overrides, tools, "message_id")
-        return Turn(self, session_id, answered, len(admitted.prompt), admitted.stream, admitted.ticket, admitted.plan)
+        return Turn(self, session_id, answered, admitted)
 
     async def _admit(self, conv: Conversation, messages: list[ChatMessage], overrides: dict[str, Any] | None,
                      tools: ToolFields, field: str) -> Admitted:
-        """Check the sampling fields (the conversation's, then this reply's), render and queue the reply."""
+        """Check the sampling fields (the conversation's, then this reply's), render and queue the reply; `field`:
+        the request field a prompt the template rejects (or too long) is blamed on."""
         fields = SamplingFields.model_validate({**(conv.settings or {}).get("sampling", {}), **(overrides or {})})
-        return await admit(self.admission, fields, sum(len(m.text()) for m in messages),
-                           lambda engine: self._plan(engine, messages, tools, field), None, field,
-                           self.default_max_tokens)
-
-    @staticmethod
-    def _plan(engine, messages: list[ChatMessage], tools: ToolFields, field: str) -> ChatPlan:
-        try:
-            plan = plan_conversation(engine.tokenizer, messages, tools)
-        except APIError as exc:
-            if exc.param != "messages":
-                raise
-            # the template rejected this conversation (e.g. role order): the posted message is to blame
-            raise APIError(400, exc.message.replace("messages: ", f"{field}: ", 1), field) from None
-        if plan.constraint is not None:
-            compile_constraint(engine, plan.constraint, "tools")
-        return plan
+        return await admit(self.context, GenerateRequest(prompt=ChatPrompt(messages=messages, tools=tools, field=field),
+                                                         sampling=fields))
 
     async def _store(self, session_id: str, conv: Conversation, posted: dict[str, Any], parent_id: int | None,
                      **stats: Any) -> Message:

@@ -1,6 +1,6 @@
 """Anthropic's Messages API on the same server, for the coding agents and tools that speak it. A request is translated
-into the OpenAI-shaped one (app/dialects/anthropic/protocol.py) and runs the same way: the one admission gate, the chat
-template, tools, constraints (`output_config.format`) and reasoning (`thinking`).
+into the canonical one (app/dialects/anthropic/protocol.py, app/generate/request.py) and runs the same way: the one
+admission gate, the chat template, tools, constraints (`output_config.format`) and reasoning (`thinking`).
 
     POST /v1/messages               -> a message, or its server-sent events when `stream` is true
     POST /v1/messages/count_tokens  -> {"input_tokens"}: the prompt as /v1/messages would render it
@@ -22,18 +22,18 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
 
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.anthropic.protocol import ANTHROPIC_NAMES, ConversationFields, MessagesRequest
-from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
-from kvforge.app.generate.chat_output import whole_message
-from kvforge.app.generate.chat_request import ChatPlan, plan_chat
+from kvforge.app.generate.admit import Admitted, admit
+from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.stream import Failed, StreamResponse, drive
+from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
+from kvforge.app.generate.request import ChatPrompt, GenerateRequest
+from kvforge.app.generate.stream import Failed, StreamResponse
 from kvforge.app.generate.submit import check_prompt_chars
 from kvforge.app.http.errors import anthropic_error, renaming_route
 from kvforge.core.output import RequestOutput
@@ -54,19 +54,18 @@ def input_usage(prompt_tokens: int, cached: int) -> dict[str, int]:
             "cache_creation_input_tokens": 0}
 
 
-def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"])}
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments_value}
 
 
-def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An OpenAI message (content, reasoning_content, tool_calls) as Anthropic's content blocks."""
+def content_blocks(reply: WholeReply) -> list[dict[str, Any]]:
+    """A whole reply as Anthropic's content blocks."""
     blocks = []
-    if message.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    return blocks + [tool_use_block(call) for call in message.get("tool_calls") or []]
+    if reply.thinking:
+        blocks.append({"type": "thinking", "thinking": reply.thinking, "signature": ""})
+    if reply.content:
+        blocks.append({"type": "text", "text": reply.content})
+    return blocks + [tool_use_block(call) for call in reply.calls]
 
 
 def event(kind: str, **data: Any) -> str:
@@ -74,24 +73,23 @@ def event(kind: str, **data: Any) -> str:
 
 
 class BlockStream:
-    """OpenAI-shaped deltas -> Anthropic's content block events: a block opens where the kind of delta changes
+    """The reply's parts -> Anthropic's content block events: a block opens where the kind of part changes
     (thinking, text, a call) and closes before the next one opens."""
 
     def __init__(self) -> None:
         self.index, self.open_kind = -1, None
 
-    def add(self, delta: dict[str, Any]) -> list[str]:
-        events = []
-        if delta.get("reasoning_content"):
-            events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
-        if delta.get("content"):
-            events += self._open("text", {"type": "text", "text": ""})
-            events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls") or []:
-            events += self._open("tool_use", tool_use_block(call) | {"input": {}}, always=True)
-            events.append(self._delta({"type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
-        return events
+    def add(self, part: Part) -> list[str]:
+        if isinstance(part, Thinking | Text) and not part.text:
+            return []
+        if isinstance(part, Thinking):
+            return self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}) + [
+                self._delta({"type": "thinking_delta", "thinking": part.text})]
+        if isinstance(part, Text):
+            return self._open("text", {"type": "text", "text": ""}) + [
+                self._delta({"type": "text_delta", "text": part.text})]
+        return self._open("tool_use", tool_use_block(part) | {"input": {}}, always=True) + [
+            self._delta({"type": "input_json_delta", "partial_json": part.arguments_json})]
 
     def close(self) -> list[str]:
         if self.open_kind is None:
@@ -111,29 +109,27 @@ class BlockStream:
 
 
 def anthropic_router(context: ServerContext) -> APIRouter:
-    admission, metrics = context.admission, context.metrics
-    default_max_tokens, request_timeout_s = context.default_max_tokens, context.request_timeout_s
     router = APIRouter(route_class=renaming_route(ANTHROPIC_NAMES))  # errors name Anthropic's fields
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest):
-        admission.check_model(body.model)
+        context.admission.check_model(body.model)
         request = body.chat_request()
-        admitted = await admit(admission, request, chat_chars(request), partial(render_chat, request), None,
-                               "messages", default_max_tokens, model=body.model)
+        admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request), sampling=request,
+                                                        model=body.model))
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
             return StreamResponse(events(admitted, message_id), admitted.close)
-        final = (await collect(admitted, request_timeout_s, metrics))[0][0]
-        message, called = whole_message(admitted.plan, final.text)
+        final = (await admitted.collect())[0][0]
+        reply = read_whole(admitted.plan, final.text)
         return {"id": message_id, "type": "message", "role": "assistant", "model": admitted.model,
-                "content": content_blocks(message), **stop_fields(final, called),
+                "content": content_blocks(reply), **stop_fields(final, bool(reply.calls)),
                 "usage": input_usage(len(admitted.prompt), final.num_cached_tokens) | {
                     "output_tokens": len(final.token_ids)}}
 
     async def events(admitted: Admitted, message_id: str) -> AsyncIterator[str]:
         blocks = BlockStream()
-        async for item in drive(admitted.stream, admitted.plan, request_timeout_s, metrics):
+        async for item in admitted.outputs():
             if isinstance(item, Failed):  # the status is sent: say it in the stream
                 yield event("error", error=anthropic_error(item.status, item.message)["error"])
                 return
@@ -143,8 +139,8 @@ def anthropic_router(context: ServerContext) -> APIRouter:
                     "id": message_id, "type": "message", "role": "assistant", "content": [],
                     "model": admitted.model, "stop_reason": None, "stop_sequence": None,
                     "usage": input_usage(len(admitted.prompt), out.num_cached_tokens) | {"output_tokens": 0}})
-            for delta in item.deltas:
-                for line in blocks.add(delta):
+            for part in item.parts:
+                for line in blocks.add(part):
                     yield line
             if out.finished:
                 for line in blocks.close():
@@ -155,12 +151,12 @@ def anthropic_router(context: ServerContext) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: ConversationFields):
-        admission.check_model(body.model)
-        request = body.chat_request()
-        ticket = await admission.enter(body.model)
+        context.admission.check_model(body.model)
+        prompt = ChatPrompt.of(body.chat_request())
+        ticket = await context.admission.enter(body.model)
         try:
-            check_prompt_chars(ticket.engine, chat_chars(request), "messages")
-            plan: ChatPlan = await off_loop(plan_chat, request, ticket.engine.tokenizer)
+            check_prompt_chars(ticket.engine, prompt.chars(), prompt.field)
+            plan = await off_loop(prompt.plan, ticket.engine.tokenizer)
         finally:
             ticket.release()
         return {"input_tokens": len(plan.prompt)}

@@ -1,7 +1,7 @@
 """Ollama's REST API on the same server, for the local tools that speak only Ollama's dialect (Open WebUI's default,
-editor plugins, home automation). A request is translated into the OpenAI-shaped one (app/dialects/ollama/protocol.py)
-and
-runs the same way: the one admission gate, the chat template, tools, constraints (`format`) and reasoning (`think`).
+editor plugins, home automation). A request is translated into the canonical one (app/dialects/ollama/protocol.py,
+app/generate/request.py) and runs the same way: the one admission gate, the chat template, tools, constraints (`format`)
+and reasoning (`think`).
 
     POST /api/chat       {"model", "messages", "tools", "format", "options", "think", "stream"} -> NDJSON or whole
     POST /api/generate   {"model", "prompt", "system", "raw", "context", ...} -> NDJSON or whole, with `context`
@@ -27,9 +27,7 @@ import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
@@ -49,17 +47,18 @@ from kvforge.app.dialects.ollama.protocol import (
 )
 from kvforge.app.dialects.openai.format import format_logprobs
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
-from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
-from kvforge.app.generate.chat_output import whole_message
-from kvforge.app.generate.chat_request import ChatPlan, reasoning_syntax
+from kvforge.app.generate.admit import Admitted, admit
+from kvforge.app.generate.chat_output import read_whole
+from kvforge.app.generate.chat_request import reasoning_syntax
 from kvforge.app.generate.embeddings import embed
-from kvforge.app.generate.stream import Failed, StreamResponse, drive
+from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
+from kvforge.app.generate.request import ChatPrompt, GenerateRequest, TextPrompt
+from kvforge.app.generate.stream import Failed, StreamResponse
 from kvforge.app.generate.submit import ContextWindow
 from kvforge.app.http.errors import APIError, renaming_route
 from kvforge.app.models.catalog import LISTING_DEADLINE_S, ModelEntry, catalog
 from kvforge.app.models.keep_alive import forever_from_now
 from kvforge.app.models.pull import PullError, PullProgress, parse_name, pull
-from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.output import RequestOutput
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow (clients read it for features)
@@ -120,15 +119,27 @@ def last_fields(admitted: Admitted, out: RequestOutput, chat: bool) -> dict[str,
     return fields
 
 
-def ollama_message(delta: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI message or delta (content, reasoning_content, tool_calls) in Ollama's shape."""
-    message: dict[str, Any] = {"role": "assistant", "content": delta.get("content") or ""}
-    if delta.get("reasoning_content"):
-        message["thinking"] = delta["reasoning_content"]
-    if delta.get("tool_calls"):
-        message["tool_calls"] = [{"id": call["id"], "function": {
-            "index": call.get("index", i), "name": call["function"]["name"],
-            "arguments": json.loads(call["function"]["arguments"])}} for i, call in enumerate(delta["tool_calls"])]
+def tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "function": {"index": call.index, "name": call.name, "arguments": call.arguments_value}}
+
+
+def part_message(part: Part) -> dict[str, Any]:
+    """One part of a streamed reply as an Ollama message."""
+    message: dict[str, Any] = {"role": "assistant", "content": part.text if isinstance(part, Text) else ""}
+    if isinstance(part, Thinking):
+        message["thinking"] = part.text
+    elif isinstance(part, ToolCall):
+        message["tool_calls"] = [tool_call(part)]
+    return message
+
+
+def whole_message(reply: WholeReply) -> dict[str, Any]:
+    """A finished reply as an Ollama message."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.thinking:
+        message["thinking"] = reply.thinking
+    if reply.calls:
+        message["tool_calls"] = [tool_call(call) for call in reply.calls]
     return message
 
 
@@ -141,10 +152,8 @@ def ollama_logprobs(items, tokenizer) -> list[dict[str, Any]]:
 
 
 def ollama_router(context: ServerContext) -> APIRouter:
-    admission, metrics = context.admission, context.metrics
-    default_max_tokens, request_timeout_s = context.default_max_tokens, context.request_timeout_s
+    admission, host = context.admission, context.host
     router = APIRouter(route_class=renaming_route(OLLAMA_NAMES))  # errors name Ollama's fields
-    host = admission.host
 
     def served(name: str) -> str:
         """`name` as the response names it (Ollama's clients add the tag ":latest"); 404 for no model here."""
@@ -166,16 +175,10 @@ def ollama_router(context: ServerContext) -> APIRouter:
         num_ctx = body.num_ctx()
         return ContextWindow(num_ctx or UNBOUNDED, "options.num_ctx" if num_ctx else prompt_field)
 
-    def check_think(body: OllamaRequest, engine: AsyncEngine) -> None:
-        if body.think and reasoning_syntax(engine.tokenizer) is None:
-            raise APIError(400, f"think: {body.model!r} does not think (its template and vocabulary have no think "
-                           "markers)", "think")
-
-    def render_ollama_chat(body: OllamaRequest, request: ChatCompletionRequest, context: list[int] | None,
-                           engine: AsyncEngine) -> ChatPlan:
-        check_think(body, engine)
-        plan = render_chat(request, engine)
-        return replace(plan, prompt=context + plan.prompt) if context else plan
+    def chat_prompt(body: OllamaRequest, request: ChatCompletionRequest, prefix: list[int] | None,
+                    field: str) -> ChatPrompt:
+        return ChatPrompt.of(request, prefix=prefix or [], reasoning_field="think" if body.think else None,
+                             field=field)
 
     @router.post("/api/chat")
     async def chat(body: OllamaChatRequest):
@@ -184,10 +187,9 @@ def ollama_router(context: ServerContext) -> APIRouter:
             return {"model": name, "created_at": now(), "message": {"role": "assistant", "content": ""},
                     "done": True, "done_reason": await load_or_unload(body)}
         request = body.chat_request()
-        render = partial(render_ollama_chat, body, request, None)
-        admitted = await admit(admission, request, chat_chars(request), render, request.logprobs_count(), "messages",
-                               default_max_tokens, window=context_window(body, "messages"), model=body.model,
-                               keep_alive_s=body.keep_alive_s())
+        admitted = await admit(context, GenerateRequest(
+            prompt=chat_prompt(body, request, None, "messages"), sampling=request, logprobs=request.logprobs_count(),
+            model=body.model, keep_alive_s=body.keep_alive_s(), window=context_window(body, "messages")))
         return await respond(admitted, name, body.stream, chat=True)
 
     @router.post("/api/generate")
@@ -198,30 +200,25 @@ def ollama_router(context: ServerContext) -> APIRouter:
                     "done_reason": await load_or_unload(body)}
         if body.raw:
             request = body.completion_request()
-
-            def render(engine: AsyncEngine) -> list[int]:
-                return (body.context or []) + engine.tokenizer.encode(body.prompt)
-
-            logprobs = request.logprobs
+            prompt, logprobs = TextPrompt(text=body.prompt, prefix=body.context or []), request.logprobs
         else:
             request = body.chat_request()
-            render = partial(render_ollama_chat, body, request, body.context)
-            logprobs = request.logprobs_count()
-        admitted = await admit(admission, request, len(body.prompt) + len(body.system or ""), render, logprobs,
-                               "prompt", default_max_tokens, window=context_window(body, "prompt"), model=body.model,
-                               keep_alive_s=body.keep_alive_s())
+            prompt, logprobs = chat_prompt(body, request, body.context, "prompt"), request.logprobs_count()
+        admitted = await admit(context, GenerateRequest(
+            prompt=prompt, sampling=request, logprobs=logprobs, model=body.model, keep_alive_s=body.keep_alive_s(),
+            window=context_window(body, "prompt")))
         return await respond(admitted, name, body.stream, chat=False)
 
     async def respond(admitted: Admitted, name: str, stream: bool, chat: bool):
         """`chat`: /api/chat's shape (a message); else /api/generate's (a response text, and the context)."""
         if stream:
             return StreamResponse(lines(admitted, name, chat), admitted.close, NDJSON)
-        finals, token_logprobs = await collect(admitted, request_timeout_s, metrics)
+        finals, token_logprobs = await admitted.collect()
         final = finals[0]
         if admitted.plan is None:  # a raw prompt: the text as it came
             message = {"role": "assistant", "content": final.text}
         else:
-            message = ollama_message(whole_message(admitted.plan, final.text)[0])
+            message = whole_message(read_whole(admitted.plan, final.text))
         whole = shaped(name, message, chat)
         whole.update(last_fields(admitted, final, chat))
         if token_logprobs.get(0):
@@ -230,16 +227,17 @@ def ollama_router(context: ServerContext) -> APIRouter:
 
     async def lines(admitted: Admitted, name: str, chat: bool) -> AsyncIterator[str]:
         """A streamed response's JSON lines."""
-        async for item in drive(admitted.stream, admitted.plan, request_timeout_s, metrics):
+        async for item in admitted.outputs():
             if isinstance(item, Failed):  # the status is sent: say it in the stream, as Ollama does
                 yield json.dumps({"error": item.message}) + "\n"
                 return
-            out, deltas = item.out, item.deltas
+            out = item.out
+            messages = [part_message(part) for part in item.parts]
             logprobs = ollama_logprobs(out.delta_logprobs, admitted.engine.tokenizer) if out.delta_logprobs else None
-            if logprobs and not deltas:
-                deltas = [{"content": ""}]
-            for i, delta in enumerate(deltas):
-                line = shaped(name, ollama_message(delta), chat) | {"done": False}
+            if logprobs and not messages:
+                messages = [{"role": "assistant", "content": ""}]
+            for i, message in enumerate(messages):
+                line = shaped(name, message, chat) | {"done": False}
                 if logprobs and i == 0:
                     line["logprobs"] = logprobs
                 yield json.dumps(line) + "\n"
@@ -255,8 +253,8 @@ def ollama_router(context: ServerContext) -> APIRouter:
         """The models directory's entries (or those of `names`), read off the event loop within the listing
         deadline: an entry not read by then comes with an error, as a broken one does."""
         engine = host.engine
-        context = engine.engine.max_model_len if engine is not None else 4096
-        return await run_in_threadpool(catalog, host.models_dir, context, "auto", names, LISTING_DEADLINE_S)
+        tokens = engine.engine.max_model_len if engine is not None else 4096
+        return await run_in_threadpool(catalog, host.models_dir, tokens, "auto", names, LISTING_DEADLINE_S)
 
     @router.get("/api/tags")
     async def tags():
@@ -290,7 +288,7 @@ def ollama_router(context: ServerContext) -> APIRouter:
     async def embed_texts(body: OllamaEmbedRequest) -> dict[str, Any]:
         served(body.model)
         num_ctx = body.num_ctx()
-        result = await embed(admission, body.inputs(), "input", request_timeout_s, truncate=body.truncate,
+        result = await embed(admission, body.inputs(), "input", context.request_timeout_s, truncate=body.truncate,
                              window=ContextWindow(num_ctx, "options.num_ctx") if num_ctx else None,
                              dimensions=body.dimensions, model=body.model, keep_alive_s=body.keep_alive_s())
         took = max((out.metrics or {}).get("e2e_latency") or 0 for out in result.outputs)

@@ -1,10 +1,40 @@
-"""OpenAI's response fields from the engine's outputs: finish_reason, usage (with cached tokens), logprobs objects,
-and kvforge's extra `timings` (ttft_ms, tpot_ms, tokens_per_second, queue_ms); the other dialects and the sessions API
+"""OpenAI's response fields from the engine's outputs and the reply's parts: a stream's deltas and a whole message
+(content, reasoning_content, tool_calls), finish_reason, usage (with cached tokens), logprobs objects, and
+kvforge's extra `timings` (ttft_ms, tpot_ms, tokens_per_second, queue_ms); the other dialects and the sessions API
 reuse them where their shapes match."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
 from kvforge.core.output import RequestOutput, TokenLogprob
+
+
+def tool_call(call: ToolCall, streamed: bool = False) -> dict[str, Any]:
+    """A call as a message's `tool_calls` item, or `streamed` as a delta's (with its index)."""
+    shaped = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+    return {"index": call.index, **shaped} if streamed else shaped
+
+
+def delta(part: Part) -> dict[str, Any]:
+    """One part of a streamed reply as OpenAI's delta fields."""
+    if isinstance(part, Thinking):
+        return {"reasoning_content": part.text}
+    if isinstance(part, Text):
+        return {"content": part.text}
+    return {"tool_calls": [tool_call(part, streamed=True)]}
+
+
+def message(reply: WholeReply) -> dict[str, Any]:
+    """A finished choice's assistant message: content null when there is no answer (only calls, or thinking never
+    closed); reasoning_content for a reasoning model (null: it did not think) or thinking a declared format read."""
+    shaped: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.no_answer else "")}
+    if reply.reasoning_model or reply.thinking:
+        shaped["reasoning_content"] = reply.thinking or None
+    if reply.calls:
+        shaped["tool_calls"] = [tool_call(call) for call in reply.calls]
+    return shaped
 
 
 def finish_reason(out: RequestOutput, called_tools: bool = False) -> str:

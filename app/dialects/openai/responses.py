@@ -1,7 +1,6 @@
 """OpenAI's Responses API on the same server (`POST /v1/responses`), which OpenAI's SDK pushes for new code. A request
-is translated into the chat request (app/dialects/openai/responses_protocol.py) and runs the same way: the one
-admission gate, the
-chat template, tools, constraints (`text.format`) and reasoning.
+is translated into the canonical one (app/dialects/openai/responses_protocol.py, app/generate/request.py) and runs
+the same way: the one admission gate, the chat template, tools, constraints (`text.format`) and reasoning.
 
 The response's `output` items, in order: a `reasoning` item (a reasoning model's thinking, as `reasoning_text`
 content), a `message` (its `output_text`), one `function_call` per call. `status` is "completed", or "incomplete"
@@ -19,16 +18,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
 
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.openai.responses_protocol import RESPONSES_NAMES, ResponsesRequest
-from kvforge.app.generate.admit import Admitted, admit, chat_chars, collect, render_chat
+from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import ChoiceReader
-from kvforge.app.generate.stream import Failed, StreamResponse, drive
+from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall
+from kvforge.app.generate.request import ChatPrompt, GenerateRequest
+from kvforge.app.generate.stream import Failed, StreamResponse
 from kvforge.app.http.errors import renaming_route
 from kvforge.core.output import RequestOutput
 
@@ -38,34 +38,34 @@ def new_id(prefix: str) -> str:
 
 
 class OutputItems:
-    """OpenAI-shaped chat deltas (ChoiceReader's) -> the Responses output items and the stream events that build
-    them: an item opens where the kind of delta changes (reasoning, text, a call) and is done before the next."""
+    """The reply's parts (ChoiceReader's) -> the Responses output items and the stream events that build them: an
+    item opens where the kind of part changes (reasoning, text, a call) and is done before the next."""
 
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item still receiving text
 
-    def add(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def add(self, part: Part) -> list[dict[str, Any]]:
         events = []
-        if delta.get("reasoning_content"):
+        if isinstance(part, Thinking) and part.text:
             events += self._open("reasoning", {"type": "reasoning", "id": new_id("rs"), "summary": [],
                                                "content": [{"type": "reasoning_text", "text": ""}],
                                                "status": "in_progress"})
-            events.append(self._text_delta("response.reasoning_text.delta", delta["reasoning_content"]))
-        if delta.get("content"):
+            events.append(self._text_delta("response.reasoning_text.delta", part.text))
+        if isinstance(part, Text) and part.text:
             if self._open_kind() != "message":
                 events += self._open("message", {"type": "message", "id": new_id("msg"), "status": "in_progress",
                                                  "role": "assistant", "content": []})
                 self.open["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                 events.append(self._event("response.content_part.added", content_index=0,
                                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-            events.append(self._text_delta("response.output_text.delta", delta["content"]))
-        for call in delta.get("tool_calls") or []:
+            events.append(self._text_delta("response.output_text.delta", part.text))
+        if isinstance(part, ToolCall):
             events += self.close("completed")
-            item = {"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+            item = {"type": "function_call", "id": new_id("fc"), "call_id": part.id, "name": part.name,
+                    "arguments": "", "status": "in_progress"}
             events += self._open("function_call", item)
-            arguments = call["function"]["arguments"]
+            arguments = part.arguments_json
             item["arguments"] = arguments
             events.append(self._event("response.function_call_arguments.delta", delta=arguments))
             events.append(self._event("response.function_call_arguments.done", arguments=arguments,
@@ -115,8 +115,6 @@ class OutputItems:
 
 
 def responses_router(context: ServerContext) -> APIRouter:
-    admission, metrics = context.admission, context.metrics
-    default_max_tokens, request_timeout_s = context.default_max_tokens, context.request_timeout_s
     router = APIRouter(route_class=renaming_route(RESPONSES_NAMES))  # errors name the Responses fields
 
     def envelope(body: ResponsesRequest, admitted: Admitted, response_id: str, created: float, status: str,
@@ -148,17 +146,17 @@ def responses_router(context: ServerContext) -> APIRouter:
 
     @router.post("/v1/responses")
     async def responses(body: ResponsesRequest):
-        admission.check_model(body.model)
+        context.admission.check_model(body.model)
         request = body.chat_request()
-        admitted = await admit(admission, request, chat_chars(request), partial(render_chat, request), None,
-                               "input", default_max_tokens, model=body.model)
+        admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request, field="input"),
+                                                        sampling=request, model=body.model))
         response_id, created = new_id("resp"), time.time()
         if body.stream:
             return StreamResponse(events(body, admitted, response_id, created), admitted.close)
-        out = (await collect(admitted, request_timeout_s, metrics))[0][0]
+        out = (await admitted.collect())[0][0]
         reader, items = ChoiceReader(admitted.plan), OutputItems()
-        for delta in reader.read_whole(out.text):
-            items.add(delta)
+        for part in reader.feed(out.text) + reader.finish():
+            items.add(part)
         items.close(status_of(out))
         return envelope(body, admitted, response_id, created, status_of(out), items.items, out)
 
@@ -176,12 +174,12 @@ def responses_router(context: ServerContext) -> APIRouter:
         yield sse({"type": "response.created", "response": started})
         yield sse({"type": "response.in_progress", "response": started})
         items = OutputItems()
-        async for item in drive(admitted.stream, admitted.plan, request_timeout_s, metrics):
+        async for item in admitted.outputs():
             if isinstance(item, Failed):  # the status is sent: say it in the stream
                 yield sse({"type": "error", "code": item.code, "message": item.message, "param": None})
                 return
-            for delta in item.deltas:
-                for event in items.add(delta):
+            for part in item.parts:
+                for event in items.add(part):
                     yield sse(event)
             if item.out.finished:
                 out = item.out

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvforge.app.generate.parsers.tool_calls import ToolCall, new_call_id
+from kvforge.app.generate.parsers.tool_calls import new_call_id
+from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall
 
 REASONING_FIELDS = ("reasoning_content", "thinking")  # the name transformers asks for, and one found on the Hub
 
@@ -27,7 +28,7 @@ def declared_template(tokenizer) -> dict | None:
 
 
 class DeclaredResponseReader:
-    """Text deltas -> events: ("reasoning", text), ("content", text) and ToolCall, in order."""
+    """Text deltas -> the reply's parts (Thinking, Text, ToolCall), in order."""
 
     def __init__(self, template: dict, prompt_text: str, tools: list[dict], tool_names: list[str]) -> None:
         from transformers.utils.chat_parsing import ResponseParser
@@ -36,33 +37,34 @@ class DeclaredResponseReader:
         self._names = set(tool_names)
         self.open_field: str | None = None  # the region the reply is in (after finish: the one it ended in)
 
-    def feed(self, text: str) -> list[tuple[str, str] | ToolCall]:
+    def feed(self, text: str) -> list[Part]:
         return self._read(self._parser.feed(text))
 
-    def finish(self) -> list[tuple[str, str] | ToolCall]:
+    def finish(self) -> list[Part]:
         _, events = self._parser.finalize()
         return self._read(events)
 
-    def _read(self, events: list[dict[str, Any]]) -> list[tuple[str, str] | ToolCall]:
-        out: list[tuple[str, str] | ToolCall] = []
+    def _read(self, events: list[dict[str, Any]]) -> list[Part]:
+        out: list[Part] = []
         for event in events:
             field = event.get("field")
             if event["type"] == "region_open":
                 self.open_field = field
             elif event["type"] == "region_chunk" and not event.get("dirty") and event.get("text"):
                 if field in REASONING_FIELDS:
-                    out.append(("reasoning", event["text"]))
+                    out.append(Thinking(event["text"]))
                 elif field == "content":
-                    out.append(("content", event["text"]))
+                    out.append(Text(event["text"]))
             elif event["type"] == "region_close" and field == "tool_calls":
                 out.append(self._call(event["value"]))
         return out
 
-    def _call(self, value: Any) -> ToolCall | tuple[str, str]:
+    def _call(self, value: Any) -> ToolCall | Text:
         function = value.get("function") if isinstance(value, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if name not in self._names:
-            return "content", json.dumps(value, ensure_ascii=False)
-        arguments = function.get("arguments")
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
-        return ToolCall(new_call_id(), name, text)
+            return Text(json.dumps(value, ensure_ascii=False))
+        arguments = function.get("arguments") or {}
+        if not isinstance(arguments, dict | str):  # not an object: kept as its JSON text, verbatim
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(new_call_id(), name, arguments)

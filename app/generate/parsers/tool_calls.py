@@ -1,6 +1,6 @@
 """OpenAI tool calling as text: which wire format a model family writes its calls in, the grammar that forces a
-call (tool_choice "required" or a named function), and the parsers that turn the model's text back into
-OpenAI `tool_calls`, whole or streamed.
+call (tool_choice "required" or a named function), and the parsers that turn the model's text back into tool
+calls (app/generate/reply.py), whole or streamed.
 
 Families (detected from the chat template's source):
 - hermes (Hermes, Qwen2.5, Qwen3): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call;
@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvforge.app.generate.parsers.stream_text import partial_marker_length
+from kvforge.app.generate.reply import ToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -82,23 +83,8 @@ def tool_parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One parsed call; `arguments` is a JSON string, as OpenAI sends it."""
-
-    id: str
-    name: str
-    arguments: str
-
-
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
-
-
-def openai_tool_call(call: ToolCall, index: int | None = None) -> dict:
-    """The OpenAI shape of a call: a message's `tool_calls` item, or with `index` a stream delta's."""
-    shaped = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return shaped if index is None else {"index": index, **shaped}
 
 
 @dataclass(frozen=True)
@@ -136,7 +122,7 @@ def _tool_call_from(value, names: set[str]) -> ToolCall | None:
         arguments = json_object(arguments)
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_call_id(), value["name"], arguments)
 
 
 def _parse_segment(syntax: ToolSyntax, body: str, names: set[str]) -> tuple[list[ToolCall], str] | None:

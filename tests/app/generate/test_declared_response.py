@@ -10,9 +10,10 @@ import shutil
 
 import pytest
 
+from kvforge.app.dialects.openai.format import delta, message
 from kvforge.app.dialects.openai.messages import ChatMessage
 from kvforge.app.dialects.openai.tools import ToolFields
-from kvforge.app.generate.chat_output import ChoiceReader, whole_message
+from kvforge.app.generate.chat_output import ChoiceReader, read_whole
 from kvforge.app.generate.chat_request import plan_conversation
 from kvforge.app.generate.parsers.tool_calls import parse_tool_calls
 from kvforge.core.tokenizer import Tokenizer
@@ -48,9 +49,16 @@ def tokenizer(embedded_path, tmp_path_factory):
 
 
 def read(plan, text: str, step: int) -> list[dict]:
+    """The reply streamed in pieces of `step` characters, as OpenAI's deltas."""
     reader = ChoiceReader(plan)
-    deltas = [d for i in range(0, len(text), step) for d in reader.feed(text[i:i + step])]
-    return deltas + reader.finish()
+    parts = [p for i in range(0, len(text), step) for p in reader.feed(text[i:i + step])]
+    return [delta(part) for part in parts + reader.finish()]
+
+
+def whole_message(plan, text: str) -> tuple[dict, bool]:
+    """The whole reply as OpenAI's message, and whether it called tools."""
+    reply = read_whole(plan, text)
+    return message(reply), bool(reply.calls)
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
@@ -63,17 +71,17 @@ def test_the_declared_format_reads_the_reply_in_any_split(tokenizer, step):
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}  # cast by the tool's schema
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants the weather."
     assert "".join(d.get("content", "") for d in deltas).strip() == "Let me look."
-    message, called = whole_message(plan, REPLY)
-    assert called and message["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert message["content"].strip() == "Let me look." and message["reasoning_content"]
+    whole, called = whole_message(plan, REPLY)
+    assert called and whole["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert whole["content"].strip() == "Let me look." and whole["reasoning_content"]
     # no family parser reads this syntax: without the declared format there would be no call
     assert parse_tool_calls(plan.tool_syntax, REPLY, ["get_weather"]).tool_calls == []
 
 
 def test_a_call_of_another_function_stays_in_the_content(tokenizer):
     plan = plan_conversation(tokenizer, QUESTION, ToolFields(tools=[WEATHER]))
-    message, called = whole_message(plan, '<|tool_call>call:delete_files{path:<|"|>/<|"|>}<tool_call|>')
-    assert not called and "delete_files" in message["content"]
+    whole, called = whole_message(plan, '<|tool_call>call:delete_files{path:<|"|>/<|"|>}<tool_call|>')
+    assert not called and "delete_files" in whole["content"]
 
 
 def test_without_tools_or_with_a_forced_call_kvforge_reads_the_reply(tokenizer):
@@ -84,6 +92,6 @@ def test_without_tools_or_with_a_forced_call_kvforge_reads_the_reply(tokenizer):
     assert whole_message(plain, "Sunny.") == ({"role": "assistant", "content": "Sunny."}, False)
     forced = plan_conversation(tokenizer, QUESTION, ToolFields(tools=[WEATHER], tool_choice="required"))
     assert forced.declared_template is None and forced.constraint is not None
-    message, called = whole_message(forced, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-                                            '</tool_call>')
-    assert called and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    whole, called = whole_message(forced, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                          '</tool_call>')
+    assert called and json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}

@@ -6,24 +6,25 @@ templates without tool syntax, and the call grammar, compiled by llguidance agai
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvforge.app.dialects.openai.format import tool_call
 from kvforge.app.generate.parsers.tool_calls import (
     DEFAULT,
     HERMES,
     LLAMA3,
     MISTRAL,
     MISTRAL_ARGS_FORM,
-    ToolCall,
     ToolCallStream,
     detect_tool_syntax,
-    openai_tool_call,
     parse_tool_calls,
     tool_names,
 )
+from kvforge.app.generate.reply import ToolCall
 from kvforge.app.generate.tool_grammar import call_grammar
 from kvforge.app.generate.tool_prompts import messages_for_template, render_history_for_default, tools_system_prompt
 
@@ -79,7 +80,7 @@ def call_text(syntax, calls: list[tuple[str, dict]]) -> str:
 
 
 def calls_of(tool_calls: list[ToolCall]) -> list[tuple[str, dict]]:
-    return [(call.name, json.loads(call.arguments)) for call in tool_calls]
+    return [(call.name, call.arguments) for call in tool_calls]
 
 
 # ---- detection ----
@@ -192,9 +193,9 @@ def test_call_ids_are_random_and_openai_shaped():
         assert call.id.startswith("call_") and len(call.id) == 29
         int(call.id[5:], 16)
     assert first.id != second.id
-    assert openai_tool_call(first) == {"id": first.id, "type": "function",
-                                       "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    assert openai_tool_call(second, index=1) == {"index": 1, **openai_tool_call(second)}
+    assert tool_call(first) == {"id": first.id, "type": "function",
+                                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert tool_call(replace(second, index=1), streamed=True) == {"index": 1, **tool_call(second)}
 
 
 # ---- streaming ----
@@ -256,7 +257,7 @@ def test_the_stream_releases_content_early_and_a_call_when_its_block_closes():
     assert stream.feed("\n\n<tool_c") == []  # whitespace and a possible marker are held
     assert stream.feed('all>\n{"name": "get_weather", ') == []
     [call] = stream.feed('"arguments": {"city": "Paris"}}\n</tool_call>')
-    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
+    assert (call.name, call.arguments_json) == ("get_weather", '{"city": "Paris"}')
     assert stream.feed("\nAnything <") == ["\n\n\nAnything"]  # held space released once text follows it
     assert stream.feed(" else") == [" < else"]  # "<" was held: it might have started a call
     assert stream.finish() == []
@@ -267,7 +268,7 @@ def test_llama3_holds_a_json_output_until_finish_and_streams_text():
     assert stream.feed(' {"name": "get_weather", ') == []
     assert stream.feed('"parameters": {"city": "Paris"}}') == []
     [call] = stream.finish()
-    assert (call.name, json.loads(call.arguments)) == PARIS
+    assert (call.name, call.arguments) == PARIS
     text_stream = ToolCallStream(LLAMA3, NAMES)
     assert text_stream.feed("<|py") == []  # may be the python tag
     assert text_stream.feed("thon is a language") == ["<|python is a language"]

@@ -181,10 +181,10 @@ def test_bad_requests_get_ollama_errors_naming_the_field(server, request_fields,
 def test_a_reply_with_calls_in_the_clients_own_types(embedded_path):
     """The 135M model does not call tools unforced (Ollama has no tool_choice), so a reply with calls is read
     here, as the route reads one, and checked against the client's own types, whole and as stream deltas."""
-    from kvforge.app.dialects.ollama.routes import ollama_message
+    from kvforge.app.dialects.ollama.routes import part_message, whole_message
     from kvforge.app.dialects.openai.messages import ChatMessage
     from kvforge.app.dialects.openai.tools import ToolFields
-    from kvforge.app.generate.chat_output import ChoiceReader, whole_message
+    from kvforge.app.generate.chat_output import ChoiceReader, read_whole
     from kvforge.app.generate.chat_request import plan_conversation
     from kvforge.core.tokenizer import Tokenizer
 
@@ -192,12 +192,12 @@ def test_a_reply_with_calls_in_the_clients_own_types(embedded_path):
                              ToolFields(tools=[WEATHER, TIME]))
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
             '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
-    whole = ollama.Message.model_validate(ollama_message(whole_message(plan, text)[0]))
+    whole = ollama.Message.model_validate(whole_message(read_whole(plan, text)))
     assert whole.content == "Let me check."
     assert [(c.function.name, dict(c.function.arguments)) for c in whole.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "CET"})]
     reader = ChoiceReader(plan)
-    deltas = [d for i in range(0, len(text), 5) for d in reader.feed(text[i:i + 5])] + reader.finish()
-    streamed = [ollama.Message.model_validate(ollama_message(d)) for d in deltas]
+    parts = [p for i in range(0, len(text), 5) for p in reader.feed(text[i:i + 5])] + reader.finish()
+    streamed = [ollama.Message.model_validate(part_message(p)) for p in parts]
     assert [c.function for m in streamed for c in m.tool_calls or []] == [c.function for c in whole.tool_calls]
     assert "".join(m.content for m in streamed).strip() == whole.content

@@ -1,0 +1,127 @@
+"""The canonical generation request: what every dialect's request (OpenAI's chat, completions and responses,
+Ollama's chat and generate, Anthropic's messages, a session's turn) becomes before the way in
+(app/generate/admit.py). A dialect maps its fields here and nothing else; the prompt is a conversation rendered with
+the chat template (ChatPrompt) or a text / token ids taken as they are (TextPrompt). Rendering runs off the event
+loop (template rendering and tokenizing are Python work) and compiles the request's constraint there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvforge.app.dialects.openai.messages import ChatMessage
+from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, SamplingFields
+from kvforge.app.dialects.openai.tools import ToolFields
+from kvforge.app.generate.chat_request import ChatPlan, format_constraint, plan_conversation, reasoning_syntax
+from kvforge.app.generate.submit import ContextWindow, compile_constraint
+from kvforge.app.http.errors import APIError
+from kvforge.core.async_engine import AsyncEngine
+from kvforge.core.constraint import Constraint
+from kvforge.core.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A prompt made ready: its token ids, the constraint its output is held to (compiled), a chat's plan (how its
+    output is read), the text each choice starts with (completions' echo)."""
+
+    prompt: list[int]
+    constraint: Constraint | None = None
+    plan: ChatPlan | None = None
+    echoed: str = ""
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether decoding may drop special tokens (not where a chat's reader looks for one)."""
+        return self.plan.skip_special_tokens if self.plan is not None else True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatPrompt:
+    """A conversation for the chat template: its messages, the tools the model may call, the output format asked
+    for, extra template variables."""
+
+    messages: list[ChatMessage]
+    tools: ToolFields = field(default_factory=ToolFields)
+    template_kwargs: dict | None = None
+    output: Constraint | None = None  # the response format's constraint (a forced tool call overrides it)
+    output_field: str | None = None  # the field `output` came from, blamed when it cannot be enforced
+    prefix: list[int] = field(default_factory=list)  # ids before the conversation (Ollama's `context`)
+    reasoning_field: str | None = None  # a field that asks the model to think (Ollama's think): refused if it cannot
+    field: str = "messages"  # the request field the prompt came from (too long, empty, rejected by the template)
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest, **fields) -> ChatPrompt:
+        """An OpenAI-shaped chat request's conversation (what the other dialects translate theirs into)."""
+        output, output_field = format_constraint(request)
+        return cls(messages=request.messages, tools=request, template_kwargs=request.chat_template_kwargs,
+                   output=output, output_field=output_field, **fields)
+
+    def chars(self) -> int:
+        """The characters the prompt is made from (messages and tools), checked before rendering."""
+        return sum(len(m.text()) for m in self.messages) + sum(len(t.model_dump_json()) for t in self.tools.tools or [])
+
+    def plan(self, tokenizer: Tokenizer) -> ChatPlan:
+        """Render and decide (app/generate/chat_request.py); APIError 400 naming `field` for a conversation the
+        template rejects."""
+        try:
+            plan = plan_conversation(tokenizer, self.messages, self.tools, self.template_kwargs, self.output,
+                                     self.output_field)
+        except APIError as exc:
+            if exc.param != "messages" or self.field == "messages":
+                raise
+            raise APIError(400, exc.message.replace("messages: ", f"{self.field}: ", 1), self.field) from None
+        return replace(plan, prompt=self.prefix + plan.prompt) if self.prefix else plan
+
+    def render(self, engine: AsyncEngine, model: str) -> Rendered:
+        if self.reasoning_field and reasoning_syntax(engine.tokenizer) is None:
+            raise APIError(400, f"{self.reasoning_field}: {model!r} does not think (its template and vocabulary "
+                           "have no think markers)", self.reasoning_field)
+        plan = self.plan(engine.tokenizer)
+        if plan.constraint is not None:
+            compile_constraint(engine, plan.constraint, plan.constraint_field)
+        return Rendered(plan.prompt, plan.constraint, plan)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextPrompt:
+    """A prompt taken as it is: text (tokenized) or token ids."""
+
+    text: str | list[int]
+    prefix: list[int] = field(default_factory=list)  # ids before it (Ollama's `context`)
+    echo: bool = False  # each choice starts with the prompt's text (completions' echo)
+    constraint: Constraint | None = None  # structured_outputs'
+    field: str = "prompt"
+
+    def chars(self) -> int:
+        return len(self.text) if isinstance(self.text, str) else 0
+
+    def render(self, engine: AsyncEngine, model: str) -> Rendered:
+        if self.constraint is not None:
+            compile_constraint(engine, self.constraint, "structured_outputs")
+        if isinstance(self.text, list):  # checked before echo decodes it (a huge id overflows the tokenizer)
+            if not engine.engine.in_vocabulary(self.text):
+                raise APIError(400, f"{self.field}: token ids must be in [0, {engine.engine.hf_config.vocab_size})",
+                               self.field)
+            ids = self.text
+        else:
+            try:
+                ids = engine.tokenizer.encode(self.text)
+            except Exception as exc:  # text the tokenizer cannot take (e.g. a lone UTF-16 surrogate)
+                raise APIError(400, f"{self.field}: cannot tokenize ({type(exc).__name__})", self.field) from None
+        prompt = self.prefix + ids
+        if not self.echo or not prompt:
+            return Rendered(prompt, self.constraint)
+        echoed = self.text if isinstance(self.text, str) else engine.tokenizer.decode(prompt, False)
+        return Rendered(prompt, self.constraint, echoed=echoed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One generation request in no API's terms."""
+
+    prompt: ChatPrompt | TextPrompt
+    sampling: SamplingFields  # the sampling values, OpenAI's names (a dialect maps its own, naming them in errors)
+    logprobs: int | None = None  # the top logprobs per token to return (None: none)
+    model: str | None = None  # the model it names (None: the server's own), loaded on demand
+    keep_alive_s: float | None = None  # how long a model loaded for it stays after (Ollama's keep_alive)
+    window: ContextWindow | None = None  # a context it asks for, smaller than the model's (Ollama's num_ctx)
