@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.app.http.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvforge.app.models.keep_alive import parse_keep_alive
 from kvforge.core.config import DECODE_ATTENTION, KERNELS, LINEAR_KERNELS, engine_default
 
 if sys.version_info >= (3, 11):
@@ -74,8 +75,6 @@ def at_least(low: int) -> Callable[[str, Any], None]:
 
 def keep_alive_seconds(value: str | float) -> float:
     """--keep-alive in seconds (math.inf: until room is needed); ValueError naming the setting."""
-    from kvforge.app.models.keep_alive import parse_keep_alive
-
     try:
         return parse_keep_alive(float(value) if re.fullmatch(r"-?\d+(\.\d+)?", str(value)) else value)
     except ValueError as exc:

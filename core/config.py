@@ -7,11 +7,13 @@ repeating them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from platformdirs import user_cache_dir
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -156,3 +158,9 @@ def engine_default(name: str) -> Any:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """The seed formula: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes, per token."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cache_dir() -> Path:
+    """Where kvforge keeps what it builds and measures once per machine (GGUF conversions, compiled kernels, kernel
+    timings): KVFORGE_CACHE_DIR, else the user's cache directory."""
+    return Path(os.environ.get("KVFORGE_CACHE_DIR") or user_cache_dir("kvforge"))

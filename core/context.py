@@ -29,6 +29,9 @@ class PrefillSeq:
     gather_rows: torch.Tensor | None  # the blocks of its whole context; None when nothing was cached
 
 
+DECODE_GROUP_SIZE = 8  # decode tokens attended together (a DecodeGroup); similar lengths keep the padding small
+
+
 @dataclass
 class DecodeGroup:
     start: int  # rows [start, end) of the flat batch, one new token each

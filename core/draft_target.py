@@ -1,6 +1,6 @@
-"""What a speculative-decoding proposer gets from the engine it drafts for: the target's settings,
-tokenizer and model, and builders for a runner and a KV pool of the drafter's own (so a plugin never
-assembles core parts itself)."""
+"""The engine's side of the plugin API's DraftTarget (core/plugins.py): what a speculative-decoding proposer gets
+from the engine it drafts for -- the target's settings, tokenizer and model, and builders for a runner and a KV pool
+of the drafter's own, so a plugin never assembles core parts itself."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvforge.core.plugins import DraftModel, DraftTarget
 
 if TYPE_CHECKING:
     from torch import nn
@@ -20,16 +22,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DraftModel:
-    """A draft model loaded beside the target: its runner (no KV pool yet), config and tokenizer."""
-
-    runner: ModelRunner
-    hf_config: PretrainedConfig
-    tokenizer: Tokenizer
-
-
-@dataclass
-class DraftTarget:
+class EngineDraftTarget(DraftTarget):
     config: EngineConfig | None
     hf_config: PretrainedConfig | None
     model_path: Path | None
@@ -59,8 +52,7 @@ class DraftTarget:
         config = dataclasses.replace(self.draft_config(), model=str(path))
         return DraftModel(ModelRunner(config, path, hf_config, progress=False), hf_config, Tokenizer(path))
 
-    @staticmethod
-    def kv_pool(num_blocks: int, block_size: int) -> KVCacheManager:
+    def kv_pool(self, num_blocks: int, block_size: int) -> KVCacheManager:
         """Block tables over a pool of `num_blocks` of the drafter's own (no prefix caching)."""
         from kvforge.core.kv.blocks import BlockPool
         from kvforge.core.kv.manager import KVCacheManager

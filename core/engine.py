@@ -20,6 +20,7 @@ import torch
 
 from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
 from kvforge.core.constraint import Constraint, GrammarCompiler
+from kvforge.core.draft_target import EngineDraftTarget
 from kvforge.core.generation_defaults import GenerationDefaults, model_generation_defaults
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.index import KVIndex
@@ -28,7 +29,7 @@ from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, weight_files
 from kvforge.core.metrics import EngineStats, RateMeter, available_memory_bytes, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
-from kvforge.core.plugins import DraftTarget, resolve_quant
+from kvforge.core.plugins import resolve_quant
 from kvforge.core.pooling import PoolingParams, model_pooling
 from kvforge.core.request import Sequence
 from kvforge.core.runner import ModelRunner
@@ -100,7 +101,7 @@ class LLMEngine:
         try:
             self.speculator = None
             if self.config.decoding != "none":
-                self.speculator = Speculator(self.config.decoding, self.config.decoding_options, DraftTarget(
+                self.speculator = Speculator(self.config.decoding, self.config.decoding_options, EngineDraftTarget(
                     self.config, self.hf_config, self.model_path, self.tokenizer, self.runner.model,
                     self.runner.kernels))
                 self.config = dataclasses.replace(self.config, decoding_options=self.speculator.options)

@@ -25,20 +25,13 @@ from typing import Any
 
 import torch
 
-from kvforge.core.config import DECODE_ATTENTION, LINEAR_KERNELS
+from kvforge.core.config import DECODE_ATTENTION, LINEAR_KERNELS, cache_dir
 from kvforge.core.cpu import cpu_signature
+from kvforge.core.plugins import LinearKernel
 
 TIMED_ROWS = (1, 16, 128)  # linears: rows of a batch-1 decode step, of a batch, of a prefill chunk
 TIMED_CONTEXTS = (128, 1024)  # decode attention: context lengths of a decode group
 MIN_GAIN = 0.05  # a candidate must beat the stock kernel by this much (geometric mean) to replace it
-
-
-@dataclass(frozen=True)
-class LinearKernel:
-    """One implementation of a layer's matmul: `prepare(weight)` once, then `run(x, prepared, bias)` per call."""
-
-    prepare: Callable[[torch.Tensor], Any]
-    run: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass
@@ -100,9 +93,8 @@ def time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch
     """Each named decode-attention variant, run by an attention layer as a step runs it: a batch of
     DECODE_GROUP_SIZE sequences whose contexts end within the last block of `contexts` tokens, their blocks
     scattered over a paged cache (the gathering variants' gather is timed with them)."""
-    from kvforge.core.context import DecodeGroup, StepContext, block_tables_tensor, gather_rows
+    from kvforge.core.context import DECODE_GROUP_SIZE, DecodeGroup, StepContext, block_tables_tensor, gather_rows
     from kvforge.core.layers.attention import Attention
-    from kvforge.core.runner import DECODE_GROUP_SIZE
 
     g, block, calls = DECODE_GROUP_SIZE, 16, {name: {} for name in names}
     contexts = contexts or TIMED_CONTEXTS
@@ -305,6 +297,5 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype, linear: str = "au
 
 
 def default_cache_dir() -> Path:
-    from kvforge.core.loader import cache_dir
 
     return cache_dir()

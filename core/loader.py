@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from platformdirs import user_cache_dir
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
 from kvforge.core.chat_templates import save_tokenizer
+from kvforge.core.config import cache_dir
 from kvforge.core.gguf_shared_reader import shared_gguf_reader
 from kvforge.core.model_files import check_checkpoint_dir, read_gguf_header
 from kvforge.core.models.registry import model_class_for
@@ -41,10 +41,6 @@ CONVERTER_VERSION = "2"  # bump when the GGUF conversion output changes
 
 class ModelNotFoundError(RuntimeError):
     """A model that cannot be found or fetched; its message is one line meant for the user."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVFORGE_CACHE_DIR") or user_cache_dir("kvforge"))
 
 
 def resolve_model(model: str | None, native_gguf: bool = False) -> Path:

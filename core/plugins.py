@@ -1,8 +1,13 @@
-"""Plugin seams (quantization methods, speculative proposers) and their entry-point discovery.
+"""The plugin API: the seams (quantization methods, speculative proposers), what a plugin is handed and builds
+with, and their entry-point discovery. Plugins import from here only.
 
 A plugin is a class named by an entry point in the group `kvforge.quant` or `kvforge.decoding`.
 Discovery imports each entry point lazily and on its own, so one broken plugin is reported and
 the others still load. The built-in dense method `none` comes through the same group.
+
+This module is a leaf of the core: it imports only modules that never import it back (the sequence and step
+types, the sampler), so the engine's modules import it, not the other way round; what a drafter gets from the
+engine (DraftTarget) is implemented by core/draft_target.py.
 """
 
 from __future__ import annotations
@@ -12,15 +17,27 @@ import importlib.metadata
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvforge.core.draft_target import DraftTarget as DraftTarget  # part of the plugin API
-from kvforge.core.kernel_choice import LinearKernel as LinearKernel  # part of the plugin API
+# what a drafter reads and builds with: the engine's sequences, a step's items, its sampling, KV block tables
+from kvforge.core.kv.manager import KVCacheManager as KVCacheManager
+from kvforge.core.request import Sequence as Sequence
+from kvforge.core.sampler import draw as draw
+from kvforge.core.sampler import sampling_probs as sampling_probs
+from kvforge.core.scheduler import ScheduledSeq as ScheduledSeq
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from kvforge.core.config import EngineConfig
+    from kvforge.core.runner import ModelRunner
+    from kvforge.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +46,14 @@ DECODING_GROUP = "kvforge.decoding"
 BUILTIN_DISTRIBUTION = "kvforge"
 # A quant option of every method, read by the core (core/quant_config.py): modules that stay dense
 DENSE_MODULES_OPTION = "modules_to_not_convert"
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """One implementation of a layer's matmul: `prepare(weight)` once, then `run(x, prepared, bias)` per call."""
+
+    prepare: Callable[[torch.Tensor], Any]
+    run: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 
 class QuantMethod(ABC):
@@ -115,6 +140,40 @@ class QuantMethod(ABC):
         """Bytes the layer's weights take after processing (for memory reports)."""
         return sum(t.numel() * t.element_size() for t in layer.parameters(recurse=False)) + sum(
             t.numel() * t.element_size() for t in layer.buffers(recurse=False))
+
+
+@dataclass
+class DraftModel:
+    """A draft model loaded beside the target: its runner (no KV pool yet), config and tokenizer."""
+
+    runner: ModelRunner
+    hf_config: PretrainedConfig
+    tokenizer: Tokenizer
+
+
+class DraftTarget(ABC):
+    """What a speculative-decoding proposer gets from the engine it drafts for: the target's settings, tokenizer
+    and model, and builders for a runner and a KV pool of the drafter's own (a plugin never assembles core parts
+    itself)."""
+
+    config: EngineConfig | None
+    hf_config: PretrainedConfig | None
+    model_path: Path | None
+    tokenizer: Tokenizer | None
+    model: nn.Module | None  # the target's model (a drafter may run its first layers)
+    kernels: str  # the attention / norm kernels the target's layers were built with
+
+    @abstractmethod
+    def runner_for(self, model: nn.Module, hf_config: PretrainedConfig) -> ModelRunner:
+        """A runner of the drafter's own for `model`, built on the target's layers (their kernels)."""
+
+    @abstractmethod
+    def load_draft_model(self, model: str) -> DraftModel:
+        """Load a draft model (a directory, .gguf file or embedded alias) on the target's device and dtype."""
+
+    @abstractmethod
+    def kv_pool(self, num_blocks: int, block_size: int) -> KVCacheManager:
+        """Block tables over a pool of `num_blocks` of the drafter's own (no prefix caching)."""
 
 
 @dataclass

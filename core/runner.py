@@ -11,6 +11,7 @@ import torch
 
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
 from kvforge.core.context import (
+    DECODE_GROUP_SIZE,
     DecodeGroup,
     KernelBatch,
     PrefillSeq,
@@ -30,8 +31,6 @@ from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
 from kvforge.core.pooling import PooledHidden
 from kvforge.core.quant_config import QuantConfig
 from kvforge.core.scheduler import ScheduledSeq
-
-DECODE_GROUP_SIZE = 8  # decode tokens attended together; similar lengths keep the padding small
 
 
 @dataclass

@@ -100,7 +100,7 @@ def check_quant(quant: str) -> str:
 
 
 def shapes_dir() -> Path:
-    from kvforge.core.loader import cache_dir
+    from kvforge.core.config import cache_dir
 
     return cache_dir() / "bench_shapes"
 

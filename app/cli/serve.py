@@ -11,6 +11,7 @@ would join them at exit). Should a thread hold the interpreter so that none of t
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 import threading
 
@@ -41,6 +42,19 @@ def served_model_name(settings: ServeSettings) -> str:
     if settings.model in EMBEDDED_ALIASES:
         return EMBEDDED_MODEL
     return Path(settings.model).stem if Path(settings.model).exists() else settings.model
+
+
+UI_ENTRY_POINTS = "kvforge.ui"  # the group the browser UI is installed under (pyproject.toml)
+
+
+def browser_ui(name: str = "gradio"):
+    """The browser UI's mount (kvforge.ui.app.mount_ui), found by its entry point: the app does not import the UI
+    package, which is built over the app's sessions API."""
+    found = [ep for ep in importlib.metadata.entry_points(group=UI_ENTRY_POINTS) if ep.name == name]
+    if not found:
+        sys.exit(f"kvforge serve: no browser UI {name!r} is installed (the {UI_ENTRY_POINTS!r} entry points; "
+                 "reinstall kvforge, or serve with --no-ui)")
+    return found[0].load()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -98,11 +112,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      embedding_model=settings.embedding_model)
     access = AccessPolicy(settings.api_key, settings.host, split_list(settings.allowed_hosts),
                           split_list(settings.allowed_origins))
-    mount_ui = None  # the composition root: the app's routes, and the UI over them unless --no-ui
-    if not settings.no_ui:
-        from kvforge.ui.app import mount_ui
+    # the composition root: the app's routes, and the UI over them unless --no-ui
     app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
-                     store=store, ui=mount_ui, access=access,
+                     store=store, ui=None if settings.no_ui else browser_ui(), access=access,
                      max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout)
 
     watchdog = ExitWatchdog(SHUTDOWN_DEADLINE_S)

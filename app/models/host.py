@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvforge.app.models.keep_alive import DEFAULT_KEEP_ALIVE_S, FOREVER, forever_from_now
+from kvforge.app.models.keep_alive import FOREVER, forever_from_now, parse_keep_alive
 from kvforge.app.models.spec import InvalidSpec, ModelSpec, check_decoding, max_tp_ranks
 from kvforge.app.settings import serve_default
 from kvforge.core.async_engine import AsyncEngine
@@ -44,6 +44,7 @@ from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOADED_MODELS = serve_default("max_loaded_models")  # --max-loaded-models' (Ollama's default on a CPU)
+DEFAULT_KEEP_ALIVE_S = parse_keep_alive(serve_default("keep_alive"))  # --keep-alive's (Ollama's five minutes)
 
 
 class NoModelLoaded(RuntimeError):

@@ -1,5 +1,5 @@
 """How long a model loaded on demand stays once idle: Ollama's keep_alive (seconds, or a Go duration such as
-'5m' or '1h30m'; negative: forever) parsed as Ollama parses it, and the server's default (--keep-alive)."""
+'5m' or '1h30m'; negative: forever) parsed as Ollama parses it, and the server's --keep-alive."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import math
 import re
 import time
 from typing import Any
-
-from kvforge.app.settings import serve_default
 
 FOREVER = math.inf
 
@@ -64,9 +62,6 @@ def _duration_seconds(text: str) -> float:
         raise ValueError(f"must be {KEEP_ALIVE_FORMS} (units ns, us, ms, s, m, h); got {text!r}")
     seconds = sum(float(number) * GO_DURATION_UNITS[unit] for number, unit in _GO_TERM.findall(parts.group(2)))
     return -seconds if parts.group(1) == "-" else seconds
-
-
-DEFAULT_KEEP_ALIVE_S = parse_keep_alive(serve_default("keep_alive"))  # --keep-alive's (Ollama's five minutes)
 
 
 def forever_from_now() -> float:

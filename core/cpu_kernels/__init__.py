@@ -66,8 +66,8 @@ def _compiler() -> str:
 
 @functools.cache
 def _library() -> ctypes.CDLL:
+    from kvforge.core.config import cache_dir
     from kvforge.core.cpu import cpu_signature
-    from kvforge.core.loader import cache_dir
     from kvforge.core.private_files import private_dir
 
     compiler = _compiler()

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kvforge.core.plugins import DraftTarget, Proposal, Proposer
-from kvforge.core.request import Sequence
-from kvforge.core.sampler import draw, sampling_probs
-from kvforge.core.scheduler import ScheduledSeq
-
-if TYPE_CHECKING:
-    from kvforge.core.kv.manager import KVCacheManager
+from kvforge.core.plugins import (
+    DraftTarget,
+    KVCacheManager,
+    Proposal,
+    Proposer,
+    ScheduledSeq,
+    Sequence,
+    draw,
+    sampling_probs,
+)
 
 
 class FirstLayers(nn.Module):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvforge.core.plugins import DECODING_GROUP, DraftTarget, discover
+from kvforge.core.draft_target import EngineDraftTarget
+from kvforge.core.plugins import DECODING_GROUP, discover
 from kvforge.core.request import Sequence
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.speculative import PAUSE_TOKENS, Speculator
 from kvforge.plugins.decoding.ngram import NgramProposer, lookup
 
-NO_TARGET = DraftTarget(None, None, None, None, None)  # the n-gram proposer needs no model
+NO_TARGET = EngineDraftTarget(None, None, None, None, None)  # the n-gram proposer needs no model
 
 
 def test_lookup_proposes_what_followed_the_latest_occurrence():
