@@ -134,7 +134,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its samples
-        self._output_states: dict[tuple[str, int], OutputState] = {}
         self._generation_rate, self._prompt_rate = RateMeter(), RateMeter()
         self._totals = dict(requests_finished=0, prompt_tokens_total=0, cached_tokens_total=0,
                             generated_tokens_total=0)
@@ -210,8 +209,8 @@ class LLMEngine:
             seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival, group=group)
             if params.constraint is not None:  # compiled by validate_prompt: a cache hit
                 seq.grammar = self.grammars.start(params.constraint)
+            seq.output_state = OutputState(self.tokenizer, params)
             samples.append(seq)
-            self._output_states[seq.key] = OutputState(self.tokenizer, params)
         self.scheduler.add(samples[0], forks=samples[1:])  # the others fork off sample 0 at its prompt's end
         self._requests[request_id] = samples
         self._totals["prompt_tokens_total"] += len(prompt_ids)
@@ -298,7 +297,7 @@ class LLMEngine:
         for seq, chunk in zip(pooling, out.pooled, strict=True):
             seq.pooled = chunk if seq.pooled is None else seq.pooled.then(chunk)
         sampled = self._sample(plan, out.logits) if plan.sampled else None
-        updates, copies = self.scheduler.update_from_output(plan, sampled, self._detokenize)
+        updates, copies = self.scheduler.update_from_output(plan, sampled)
         self.runner.copy_blocks(copies)
         self._prompt_rate.add(plan.num_prompt_tokens)
         return self._outputs(updates, sampled)
@@ -335,11 +334,6 @@ class LLMEngine:
         self.grammars.fill_masks(entries, bitmask)
         return bitmask, masked
 
-    def _detokenize(self, seq: Sequence, token: int, is_stop_token: bool) -> bool:
-        """The scheduler appended `token`: stream its text (a stop token's stays hidden); True at a stop string."""
-        return self._output_states[seq.key].add_token(token, text_visible=not is_stop_token,
-                                                      num_output_tokens=len(seq.output_token_ids))
-
     def _outputs(self, updates: list[SeqUpdate], sampled: StepTokens | None) -> list[RequestOutput]:
         """One output per sequence that got tokens (its final one when it finished)."""
         outputs, generated = [], 0
@@ -348,7 +342,7 @@ class LLMEngine:
             if seq.pools:  # finished: its prompt is pooled
                 outputs.append(self._final_output(seq, [], update.finish_reason))
                 continue
-            state = self._output_states[seq.key]
+            state = seq.output_state
             generated += update.num_new_tokens
             if seq.params.logprobs is not None:
                 tokens = sampled.token_ids[i][:update.num_new_tokens]
@@ -386,7 +380,7 @@ class LLMEngine:
     def _final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None) -> RequestOutput:
         if seq.pools:
             return self._embedding_output(seq, reason)
-        state = self._output_states[seq.key]
+        state = seq.output_state
         delta_text = state.take_delta(finished=True)
         metrics = request_metrics(seq)
         if self.speculator is not None:
@@ -417,8 +411,6 @@ class LLMEngine:
         samples = self._requests.get(request_id, [])
         if samples and all(s.is_finished for s in samples):
             del self._requests[request_id]
-            for s in samples:
-                self._output_states.pop(s.key, None)
 
     # --- stats --------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from kvforge.core.constraint import GrammarState
 from kvforge.core.pooling import PooledHidden, PoolingParams
 from kvforge.core.repetition import RepetitionGuard
 from kvforge.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvforge.core.output import OutputState
 
 
 class Status(Enum):
@@ -30,6 +34,8 @@ class Sequence:
     arrival: int = 0  # global arrival order: FCFS within a group, latest-first preemption
     group: str | None = None  # the client request it is part of, which shares the engine fairly (core/scheduler.py)
     output_token_ids: list[int] = field(default_factory=list)
+    # its output's text, decoded as each token is appended (where stop strings are found); None: not decoded
+    output_state: OutputState | None = None
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

@@ -26,8 +26,9 @@ first come first served: a 2048-input batch holds every slot until it is done):
 With one sequence per request all of this is first come first served, as before.
 
 `update_from_output(plan, sampled)` applies what the step produced: computed tokens, accepted and
-rejected drafts (rolled back in the KV), forks of n-sample requests at their prompt's end, new tokens,
-stop conditions and finishing. Sequence progress (`num_computed_tokens`, drafts) changes only here.
+rejected drafts (rolled back in the KV), forks of n-sample requests at their prompt's end, new tokens (each
+decoded into the sequence's own text, core/output.py, where stop strings are found), stop conditions and finishing.
+Sequence progress (`num_computed_tokens`, drafts) changes only here.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import functools
 import heapq
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -108,11 +109,6 @@ class SeqUpdate:
     seq: Sequence
     num_new_tokens: int
     finish_reason: str | None = None
-
-
-# The output side's view of each appended token, in order: (sequence, token, whether it is a stop token, whose
-# text stays hidden) -> True when the sequence's text now holds a stop string.
-StopStringCheck = Callable[[Sequence, int, bool], bool]
 
 
 class Scheduler:
@@ -335,8 +331,8 @@ class Scheduler:
 
     # --- applying a step's output -------------------------------------------------------------
 
-    def update_from_output(self, plan: StepPlan, sampled: StepTokens | None,
-                           stop_string: StopStringCheck) -> tuple[list[SeqUpdate], list[tuple[int, int]]]:
+    def update_from_output(self, plan: StepPlan,
+                           sampled: StepTokens | None) -> tuple[list[SeqUpdate], list[tuple[int, int]]]:
         """Apply a step that ran `plan` and sampled `sampled` (one entry per `plan.sampling_rows`).
         Returns each sampled sequence's update, in that order, then those of the embedding requests whose prompt
         is now computed (finished), and the KV blocks (source, destination) the
@@ -369,20 +365,22 @@ class Scheduler:
                 seq.clear_drafts()
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            update = self._append(seq, tokens, stop_string)
+            update = self._append(seq, tokens)
             if len(tokens) > 1 and not seq.is_finished:
                 self.kv.cache_computed_blocks(seq)
             updates.append(update)
         return updates + pooled, copies
 
-    def _append(self, seq: Sequence, tokens: list[int], stop_string: StopStringCheck) -> SeqUpdate:
-        """Append the step's tokens (several when drafts were accepted) up to the first stop."""
+    def _append(self, seq: Sequence, tokens: list[int]) -> SeqUpdate:
+        """Append the step's tokens (several when drafts were accepted) up to the first stop; each is decoded into
+        the sequence's text as it is appended (a stop token's text stays hidden), where a stop string ends it."""
         params = seq.params
         for count, token in enumerate(tokens, 1):
             seq.output_token_ids.append(token)
             is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
             generated = len(seq.output_token_ids)
-            found_stop_string = stop_string(seq, token, is_stop_token)
+            found_stop_string = seq.output_state is not None and seq.output_state.add_token(
+                token, text_visible=not is_stop_token, num_output_tokens=generated)
             if seq.grammar is not None:
                 seq.grammar.accept(token, seq.output_token_ids)
             reason = None

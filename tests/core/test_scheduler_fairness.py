@@ -52,7 +52,7 @@ def step(sched: Scheduler) -> StepPlan:
     plan = sched.schedule()
     rows = plan.sampling_rows
     sampled = StepTokens([[7] for _ in rows], [None] * len(rows), [None] * len(rows)) if rows else None
-    sched.update_from_output(plan, sampled, lambda seq, token, is_stop: False)
+    sched.update_from_output(plan, sampled)
     return plan
 
 
