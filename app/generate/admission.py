@@ -10,7 +10,8 @@ be swapped or unloaded under it) until released, once, however the request ends.
 from __future__ import annotations
 
 from kvforge.app.http.errors import APIError
-from kvforge.app.models.host import Lease, ModelHost, ModelUnavailable, NoModelLoaded
+from kvforge.app.models.host import ModelHost, NoModelLoaded
+from kvforge.app.models.residents import Lease, ModelUnavailable
 from kvforge.app.models.spec import InvalidSpec
 from kvforge.core.async_engine import AsyncEngine
 

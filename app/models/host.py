@@ -25,21 +25,20 @@ Model paths given over the API are confined to the models directory, and so is a
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvforge.app.models.keep_alive import FOREVER, forever_from_now, parse_keep_alive
-from kvforge.app.models.spec import InvalidSpec, ModelSpec, check_decoding, max_tp_ranks
+from kvforge.app.models.keep_alive import FOREVER, parse_keep_alive
+from kvforge.app.models.residents import Lease, Loading, ModelUnavailable, Resident, close_and_free
+from kvforge.app.models.spec import ModelSpec, checked
 from kvforge.app.settings import serve_default
 from kvforge.core.async_engine import AsyncEngine
-from kvforge.core.host_memory import release_freed_memory
-from kvforge.core.loader import EMBEDDED_ALIASES, EMBEDDED_MODEL
+from kvforge.core.loader import EMBEDDED_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -49,42 +48,6 @@ DEFAULT_KEEP_ALIVE_S = parse_keep_alive(serve_default("keep_alive"))  # --keep-a
 
 class NoModelLoaded(RuntimeError):
     pass
-
-
-class ModelUnavailable(ValueError):
-    """A model that can never be loaded on demand here (its memory or the count of resident models is taken by what
-    cannot be unloaded); the message says which limit."""
-
-
-@dataclass
-class Resident:
-    """A model loaded on demand."""
-
-    name: str  # the models-directory entry it was loaded from (what requests name)
-    spec: ModelSpec
-    engine: AsyncEngine | None  # None once unloaded (nothing here may keep a closed engine's memory alive)
-    memory_bytes: int  # its weights and KV pool, measured once loaded
-    keep_alive_s: float  # idle seconds before it is unloaded (math.inf: until room is needed)
-    in_flight: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # its keep-alive's unload, while idle
-
-    def expires_at(self) -> float:
-        """When it will be unloaded (time.time()) if it stays idle from now on (busy: its keep-alive from now);
-        kept forever: Ollama's forever, ~292 years from now."""
-        if self.keep_alive_s == FOREVER:
-            return forever_from_now()
-        idle = 0.0 if self.in_flight else time.monotonic() - self.last_used
-        return time.time() + max(0.0, self.keep_alive_s - idle)
-
-
-@dataclass
-class Lease:
-    """What a request runs on: the engine and the name it answers under, until released (ModelHost.release)."""
-
-    engine: AsyncEngine
-    name: str
-    resident: Resident | None  # None: the server's own model
 
 
 class ModelHost:
@@ -141,44 +104,10 @@ class ModelHost:
             raise NoModelLoaded("no model is loaded; load one with POST /admin/models/load")
         return self.engine
 
-    def confine(self, model: str | None) -> str | None:
-        """The embedded default, or a path inside the models directory; anything else is refused."""
-        if model in EMBEDDED_ALIASES:
-            return None
-        if self.models_dir is None:
-            raise ValueError("no models directory is configured (--models-dir); only the embedded model can be loaded")
-        path = (self.models_dir / model).resolve()
-        if not path.is_relative_to(self.models_dir):
-            raise ValueError(f"model path {model!r} is outside the models directory")
-        if not path.exists():
-            raise ValueError(f"model {model!r} not found in the models directory")
-        if not (path.is_file() or path.is_dir()):  # a FIFO, device or socket: its open would block or act
-            raise ValueError(f"model {model!r} is not a regular file or a checkpoint directory")
-        return str(path)
-
     def check(self, spec: ModelSpec) -> ModelSpec:
-        """The spec with its paths confined to the models directory (the model, and a decoding plugin's
-        draft model, option `model`), its tensor-parallel ranks and its decoding plugin checked; InvalidSpec
-        when refused."""
-        if isinstance(spec.tp, bool) or not isinstance(spec.tp, int) or spec.tp < 1:
-            raise InvalidSpec(f"tp (tensor-parallel ranks) must be an integer >= 1, got {spec.tp!r}", "tp")
-        most = max_tp_ranks()
-        if spec.tp > most:
-            raise InvalidSpec(f"tp (tensor-parallel ranks) must be at most {most} on this machine, got {spec.tp}",
-                              "tp")
-        try:
-            model = self.confine(spec.model)
-        except ValueError as exc:
-            raise InvalidSpec(str(exc), "model") from None
-        check_decoding(spec.decoding, spec.decoding_options)
-        options = dict(spec.decoding_options or {})
-        draft = options.get("model")
-        if isinstance(draft, str) and draft:
-            try:  # the embedded model keeps its alias (the option must stay a non-empty string)
-                options["model"] = self.confine(draft) or draft
-            except ValueError as exc:
-                raise InvalidSpec(f"decoding option 'model': {exc}", "decoding_options") from None
-        return replace(spec, model=model, decoding_options=options)
+        """The spec with its paths confined to the models directory, checked (app/models/spec.py); InvalidSpec when
+        refused."""
+        return checked(spec, self.models_dir)
 
     def available(self) -> list[str]:
         """What a load may name: the list `kvforge models` describes (app/models/catalog.py)."""
@@ -481,30 +410,3 @@ class ModelHost:
         return victims
 
 
-@dataclass
-class Loading:
-    """A model being loaded on demand: its task, its estimated bytes, and whether they count yet (not while the
-    models unloaded to make room for it are still closing: their own places and memory count until then)."""
-
-    need: int
-    counted: bool = False
-    task: asyncio.Task | None = None
-    waiters: int = 0  # requests waiting for it: the model is in flight for each once loaded
-
-
-def close_and_free(engines: list[AsyncEngine]) -> None:
-    """Close engines and give their memory back to the system now (call it off the event loop). The list is emptied
-    so that the caller's reference goes; then the cyclic garbage (an engine's parts refer to each other) is collected
-    and glibc's free heap pages are returned (malloc_trim): freed memory otherwise stays in the process, whose heap
-    keeps up to 1 GiB of it for the step loop (core/host_memory.py); so are the CUDA allocator's cached blocks."""
-    while engines:
-        try:
-            engines.pop().close()
-        except Exception:  # the others are still closed, and what this one freed is returned
-            log.exception("closing an unloaded model failed")
-    gc.collect()
-    release_freed_memory()
-    import torch
-
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()  # the CUDA allocator's cached blocks of the closed engines go back to the device

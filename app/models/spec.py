@@ -1,11 +1,12 @@
 """A model to load and how (ModelSpec: the one declaration of a model's load settings; the admin API's request, the UI's
 settings and `kvforge serve`'s flags build one), and the checks a spec passes before anything is built or drained:
-tensor-parallel ranks this machine can run, a decoding plugin that exists with valid options."""
+its paths inside the models directory, tensor-parallel ranks this machine can run, a decoding plugin that exists with
+valid options."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +74,43 @@ class ModelSpec:
     @property
     def name(self) -> str:
         return self.served_name or self.entry
+
+
+def confine(models_dir: Path | None, model: str | None) -> str | None:
+    """The embedded default (None), or the path of `model` inside the models directory; ValueError for anything
+    else."""
+    if model in EMBEDDED_ALIASES:
+        return None
+    if models_dir is None:
+        raise ValueError("no models directory is configured (--models-dir); only the embedded model can be loaded")
+    path = (models_dir / model).resolve()
+    if not path.is_relative_to(models_dir):
+        raise ValueError(f"model path {model!r} is outside the models directory")
+    if not path.exists():
+        raise ValueError(f"model {model!r} not found in the models directory")
+    if not (path.is_file() or path.is_dir()):  # a FIFO, device or socket: its open would block or act
+        raise ValueError(f"model {model!r} is not a regular file or a checkpoint directory")
+    return str(path)
+
+
+def checked(spec: ModelSpec, models_dir: Path | None) -> ModelSpec:
+    """The spec with its paths confined to the models directory (the model, and a decoding plugin's draft model,
+    option `model`), its tensor-parallel ranks and its decoding plugin checked; InvalidSpec when refused."""
+    if isinstance(spec.tp, bool) or not isinstance(spec.tp, int) or spec.tp < 1:
+        raise InvalidSpec(f"tp (tensor-parallel ranks) must be an integer >= 1, got {spec.tp!r}", "tp")
+    most = max_tp_ranks()
+    if spec.tp > most:
+        raise InvalidSpec(f"tp (tensor-parallel ranks) must be at most {most} on this machine, got {spec.tp}", "tp")
+    try:
+        model = confine(models_dir, spec.model)
+    except ValueError as exc:
+        raise InvalidSpec(str(exc), "model") from None
+    check_decoding(spec.decoding, spec.decoding_options)
+    options = dict(spec.decoding_options or {})
+    draft = options.get("model")
+    if isinstance(draft, str) and draft:
+        try:  # the embedded model keeps its alias (the option must stay a non-empty string)
+            options["model"] = confine(models_dir, draft) or draft
+        except ValueError as exc:
+            raise InvalidSpec(f"decoding option 'model': {exc}", "decoding_options") from None
+    return replace(spec, model=model, decoding_options=options)

@@ -15,8 +15,9 @@ import weakref
 import pytest
 
 from kvforge.app.models.factory import build_async_engine
-from kvforge.app.models.host import ModelHost, ModelUnavailable
+from kvforge.app.models.host import ModelHost
 from kvforge.app.models.keep_alive import LONGEST_KEEP_ALIVE_S, parse_keep_alive
+from kvforge.app.models.residents import ModelUnavailable
 from kvforge.app.models.spec import ModelSpec
 from tests.helpers.tiny_models import save_tiny_model
 
