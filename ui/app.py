@@ -81,7 +81,7 @@ def mount_ui(app, chat: ChatService, sampler: DashboardSampler | None = None):
     demo = build_ui(chat, sampler)  # first: it sets the environment gradio is imported under
     import gradio as gr
 
-    from kvforge.ui.chat import TOOLTIP_SCRIPT
+    from kvforge.ui.chat_view import TOOLTIP_SCRIPT
 
     return gr.mount_gradio_app(app, demo, path="/", theme=gr.themes.Default(), css=CSS, footer_links=[],
                                head=TOOLTIP_SCRIPT)

@@ -1,10 +1,9 @@
-"""The chat: the conversations list (new, switch, rename, delete), the messages with their per-reply stats (a
-reasoning model's thinking in a collapsible bubble before its answer; a reply's tool calls, and the results the
-client posted for them, each in a collapsible bubble after it), a streamed reply with Stop (the partial reply is
-kept), Regenerate and Edit last message, and the generation settings (system prompt, temperature, top-p, max
-tokens, the repetition guard): each conversation shows its own, which start at the served model's defaults
-(core/generation_defaults.py; "Model defaults" goes back to them) and are kept with it when a message is sent.
-A conversation's tools are set, and their results posted, through the sessions API (app/sessions/routes.py).
+"""The chat: the conversations list (new, switch, rename, delete), the messages with their per-reply stats (shown as
+ui/chat_view.py renders them), a streamed reply with Stop (the partial reply is kept), Regenerate and Edit last message,
+and the generation settings (system prompt, temperature, top-p, max tokens, the repetition guard): each conversation
+shows its own, which start at the served model's defaults (core/generation_defaults.py; "Model defaults" goes back to
+them) and are kept with it when a message is sent. A conversation's tools are set, and their results posted, through the
+sessions API (app/sessions/routes.py).
 
 Gradio is imported inside the functions: build_ui imports this module after the offline environment is set.
 """
@@ -12,129 +11,18 @@ Gradio is imported inside the functions: build_ui imports this module after the 
 from __future__ import annotations
 
 import asyncio
-import html
-import json
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvforge.app.http.errors import APIError
-from kvforge.app.sessions.reply_stats import reply_stats_line
+from kvforge.ui.chat_view import branch_label, chat_view, last_stats, message_bubbles, reply_stats_markdown, titles_html
 from kvforge.ui.service import UIService
 
 if TYPE_CHECKING:
     import gradio as gr
 
     from kvforge.app.sessions.conversations import Conversation
-
-
-REASONING_TITLE = "Reasoning"
-
-
-def tool_call_title(call: dict) -> str:
-    return f"Tool call: {call['function']['name']}"
-
-
-def tool_result_title(name: str | None, call_id: str | None) -> str:
-    return f"Tool result: {name}" if name else f"Tool result for {call_id}"
-
-
-def reply_stats_markdown(message: dict | None) -> str:
-    """Per-reply stats under the chat."""
-    line = reply_stats_line(message)
-    return f"Last reply: {line}" if line else ""
-
-
-def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False,
-                    tool_calls: list[dict] | None = None, tool_name: str | None = None,
-                    tool_call_id: str | None = None) -> list[dict]:
-    """A message as the chat shows it: a reasoning model's thinking in a collapsible bubble ("Reasoning", Gradio's
-    metadata title) before its answer; `thinking` while the reply still streams it; each tool call after it (its
-    arguments); a tool result (role "tool", Gradio has no such role) as a collapsible bubble named after its call."""
-    if role == "tool":
-        return [{"role": "assistant", "content": content,
-                 "metadata": {"title": tool_result_title(tool_name, tool_call_id), "status": "done"}}]
-    bubbles = []
-    if reasoning:
-        status = "pending" if thinking else "done"
-        bubbles.append({"role": "assistant", "content": reasoning,
-                        "metadata": {"title": REASONING_TITLE, "status": status}})
-    if content or not (reasoning or tool_calls):
-        bubbles.append({"role": role, "content": content})
-    for call in tool_calls or ():
-        bubbles.append({"role": "assistant", "content": f"```json\n{call['function']['arguments']}\n```",
-                        "metadata": {"title": tool_call_title(call), "status": "done"}})
-    return bubbles
-
-
-@dataclass
-class ChatView:
-    """A conversation's branch as the chat shows it: the bubbles, and for each bubble the message it shows (its id)
-    and its tooltip (a reply's stats, on its answer's bubble); the branch points along it ("< 2/3 >")."""
-    bubbles: list[dict] = field(default_factory=list)
-    message_ids: list[int] = field(default_factory=list)
-    titles: list[str] = field(default_factory=list)
-    branches: list[dict] = field(default_factory=list)
-
-
-def chat_view(conv: Conversation | None) -> ChatView:
-    view = ChatView()
-    if conv is None:
-        return view
-    names = {}  # each call's function, for the results that answer it
-    for number, m in enumerate(conv.messages, 1):
-        names.update({call["id"]: call["function"]["name"] for call in m.tool_calls or ()})
-        shown = message_bubbles(m.role, m.content, m.reasoning, tool_calls=m.tool_calls,
-                                tool_name=names.get(m.tool_call_id), tool_call_id=m.tool_call_id)
-        stats = reply_stats_line(m.to_dict())
-        view.bubbles += shown
-        view.message_ids += [m.id] * len(shown)
-        view.titles += [stats if b["role"] == "assistant" and "metadata" not in b else "" for b in shown]
-        siblings = list(m.siblings or [m.id])
-        if len(siblings) > 1:
-            at = siblings.index(m.id)
-            view.branches.append({"number": number, "role": m.role, "index": at + 1, "count": len(siblings),
-                                  "previous": siblings[at - 1] if at > 0 else None,
-                                  "next": siblings[at + 1] if at + 1 < len(siblings) else None})
-    return view
-
-
-def titles_html(titles: list[str]) -> str:
-    """The bubbles' tooltips for the page's script (TOOLTIP_SCRIPT), which sets them as the bubbles' titles."""
-    return f'<div data-titles="{html.escape(json.dumps(titles))}"></div>'
-
-
-# Set in the page's head: keeps each chat bubble's title (its tooltip) equal to the list #message-titles holds.
-TOOLTIP_SCRIPT = """<script>
-(() => {
-  const apply = () => {
-    const holder = document.querySelector('#message-titles [data-titles]');
-    if (!holder) return;
-    let titles;
-    try { titles = JSON.parse(holder.dataset.titles); } catch (e) { return; }
-    document.querySelectorAll('#chat [data-testid=user], #chat [data-testid=bot]').forEach((el, i) => {
-      const title = titles[i] || '';
-      if (title && el.title !== title) el.title = title;
-      else if (!title && el.hasAttribute('title')) el.removeAttribute('title');
-    });
-  };
-  let queued = false;
-  new MutationObserver(() => {
-    if (!queued) { queued = true; requestAnimationFrame(() => { queued = false; apply(); }); }
-  }).observe(document.documentElement, {subtree: true, childList: true, characterData: true, attributes: true,
-                                        attributeFilter: ['data-titles']});
-})();
-</script>"""
-
-
-def last_stats(conv: Conversation | None) -> str:
-    return reply_stats_markdown(conv.messages[-1].to_dict()) if conv is not None and conv.messages else ""
-
-
-def branch_label(point: dict) -> str:
-    who = "reply" if point["role"] == "assistant" else f"{point['role']} message"
-    return f"Message {point['number']} ({who}): {point['index']}/{point['count']}"
 
 
 class ChatHandlers:
