@@ -13,7 +13,6 @@ import itertools
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
 from kvforge.core.loader import load_config, resolve_model, weight_files
-from kvforge.core.metrics import EngineStats, RateMeter, available_memory_bytes, request_metrics
+from kvforge.core.metrics import EngineStats, RateMeter, RuntimeInfo, available_memory_bytes, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import resolve_quant
 from kvforge.core.pooling import PoolingParams, model_pooling
@@ -51,24 +50,6 @@ class RequestsFailed(RuntimeError):
     def __init__(self, request_ids: list[str], message: str) -> None:
         super().__init__(message)
         self.request_ids = request_ids
-
-
-@dataclass
-class RuntimeInfo:
-    """Where and how the engine runs: what the API's model card, the CLI and the benches report."""
-
-    device: str
-    kernels: str  # "triton" | "torch"
-    cuda_graph_batch_sizes: list[int] | None  # decode batch sizes that replay captured CUDA graphs
-    weight_bytes: int  # the model's weights on this process's rank
-    embedding_bytes: int  # of which the input embedding table (a decode step reads one row of it)
-    kv_cache_bytes: int  # the paged KV pool on this process's rank
-    kv_bytes_per_token: float
-    kernel_choices: dict[str, str]  # op class and shape (core/kernel_choice.py ShapeChoice.key) -> the kernel chosen
-
-    @property
-    def cuda_graphs(self) -> bool:
-        return self.cuda_graph_batch_sizes is not None
 
 
 class LLMEngine:
@@ -351,13 +332,7 @@ class LLMEngine:
             if update.finish_reason is not None:
                 outputs.append(self._final_output(seq, state.pending_tokens, update.finish_reason))
                 continue
-            delta_text = state.take_delta(finished=False)  # first: it moves what emitted_text() holds
-            out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
-                                state.emitted_text(), delta_text, state.pending_tokens,
-                                state.pending_logprobs if seq.params.logprobs is not None else None,
-                                num_cached_tokens=seq.num_cached_tokens or 0)
-            state.pending_tokens, state.pending_logprobs = [], []
-            outputs.append(out)
+            outputs.append(state.output(seq))
         for request_id in {u.seq.request_id for u in updates if u.finish_reason is not None}:
             self._forget_if_done(request_id)
         self._generation_rate.add(generated)
@@ -380,17 +355,10 @@ class LLMEngine:
     def _final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None) -> RequestOutput:
         if seq.pools:
             return self._embedding_output(seq, reason)
-        state = seq.output_state
-        delta_text = state.take_delta(finished=True)
         metrics = request_metrics(seq)
         if self.speculator is not None:
             metrics |= spec_metrics(seq)
-        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
-                            state.emitted_text(), delta_text, list(delta_tokens),
-                            state.pending_logprobs if seq.params.logprobs is not None else None,
-                            finished=True, finish_reason=seq.finish_reason or reason, stop_reason=state.stop_string,
-                            num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)
-        state.pending_tokens, state.pending_logprobs = [], []
+        out = seq.output_state.final_output(seq, delta_tokens, reason, metrics)
         if seq.index == 0:
             self._totals["cached_tokens_total"] += seq.num_cached_tokens or 0
         self._totals["requests_finished"] += seq.index == 0

@@ -1,4 +1,5 @@
-"""Request and engine metrics, read by the server's /metrics and the UI dashboard."""
+"""Request and engine metrics, read by the server's /metrics and the UI dashboard, and where and how an engine runs
+(RuntimeInfo)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,21 @@ def gpu_memory() -> list[dict[str, Any]]:
         gpus.append({"device": f"cuda:{i}", "name": torch.cuda.get_device_name(i), "used": total - free,
                      "total": total})
     return gpus
+
+
+@dataclass
+class RuntimeInfo:
+    """Where and how the engine runs: what the API's model card, the CLI and the benches report."""
+
+    device: str
+    kernels: str  # "triton" | "torch"
+    cuda_graph_batch_sizes: list[int] | None  # decode batch sizes that replay captured CUDA graphs
+    weight_bytes: int  # the model's weights on this process's rank
+    embedding_bytes: int  # of which the input embedding table (a decode step reads one row of it)
+    kv_cache_bytes: int  # the paged KV pool on this process's rank
+    kv_bytes_per_token: float
+    kernel_choices: dict[str, str]  # op class and shape (core/kernel_choice.py ShapeChoice.key) -> the kernel chosen
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.cuda_graph_batch_sizes is not None

@@ -8,10 +8,13 @@ so a stop string never reaches the client, not even in part.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvforge.core.request import Sequence
 
 
 @dataclass
@@ -80,3 +83,27 @@ class OutputState:
 
     def emitted_text(self) -> str:
         return self.text[: self.sent]
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The sequence's output of a step in which it got tokens and goes on: the text decoded since the last one
+        (held back where a stop string may be starting), its tokens and logprobs."""
+        delta_text = self.take_delta(finished=False)  # first: it moves what emitted_text() holds
+        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
+                            self.emitted_text(), delta_text, self.pending_tokens,
+                            self.pending_logprobs if seq.params.logprobs is not None else None,
+                            num_cached_tokens=seq.num_cached_tokens or 0)
+        self.pending_tokens, self.pending_logprobs = [], []
+        return out
+
+    def final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None,
+                     metrics: dict[str, Any]) -> RequestOutput:
+        """The sequence's last output: the rest of its text, why it finished (and the stop string found), and the
+        request's metrics."""
+        delta_text = self.take_delta(finished=True)
+        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
+                            self.emitted_text(), delta_text, list(delta_tokens),
+                            self.pending_logprobs if seq.params.logprobs is not None else None,
+                            finished=True, finish_reason=seq.finish_reason or reason, stop_reason=self.stop_string,
+                            num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)
+        self.pending_tokens, self.pending_logprobs = [], []
+        return out
