@@ -35,8 +35,9 @@ from kvforge.core.runner import ModelRunner
 from kvforge.core.runner_api import Runner
 from kvforge.core.sampler import SamplingBatch, StepTokens, sample_tokens
 from kvforge.core.sampling import SamplingParams
-from kvforge.core.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepPlan
+from kvforge.core.scheduler import Scheduler
 from kvforge.core.speculative import Speculator, spec_metrics
+from kvforge.core.step import ScheduledSeq, SeqUpdate, StepPlan
 from kvforge.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

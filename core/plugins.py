@@ -29,7 +29,7 @@ from kvforge.core.kv.manager import KVCacheManager as KVCacheManager
 from kvforge.core.request import Sequence as Sequence
 from kvforge.core.sampler import draw as draw
 from kvforge.core.sampler import sampling_probs as sampling_probs
-from kvforge.core.scheduler import ScheduledSeq as ScheduledSeq
+from kvforge.core.step import ScheduledSeq as ScheduledSeq
 
 if TYPE_CHECKING:
     from torch import nn

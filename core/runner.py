@@ -30,7 +30,7 @@ from kvforge.core.models.llama import head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
 from kvforge.core.pooling import PooledHidden
 from kvforge.core.quant_config import QuantConfig
-from kvforge.core.scheduler import ScheduledSeq
+from kvforge.core.step import ScheduledSeq
 
 
 @dataclass

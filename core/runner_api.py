@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from kvforge.core.runner import StepInputs, StepOutput
-    from kvforge.core.scheduler import ScheduledSeq
+    from kvforge.core.step import ScheduledSeq
 
 
 class Runner(Protocol):

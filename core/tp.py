@@ -31,7 +31,7 @@ import torch.distributed as dist
 from kvforge.core.config import EngineConfig
 from kvforge.core.distributed import heads_of_rank, tensor_parallel
 from kvforge.core.runner import ModelRunner, StepInputs, StepOutput
-from kvforge.core.scheduler import ScheduledSeq
+from kvforge.core.step import ScheduledSeq
 
 log = logging.getLogger(__name__)
 

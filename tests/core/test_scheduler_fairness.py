@@ -12,7 +12,8 @@ from kvforge.core.pooling import PoolingParams
 from kvforge.core.request import Sequence, Status
 from kvforge.core.sampler import StepTokens
 from kvforge.core.sampling import SamplingParams
-from kvforge.core.scheduler import Scheduler, StepPlan
+from kvforge.core.scheduler import Scheduler
+from kvforge.core.step import StepPlan
 
 BLOCK = 16
 
