@@ -15,7 +15,8 @@ loading, each layer goes to the fastest path of its device:
   in order as the kernel stores its outputs (each column where HF's order has it) instead of in the weight;
 - `int4pack` (CPU, bf16 compute): the 4-bit types (Q4_0, Q4_1, Q4_K) through torch's weight-only int4 matmul
   (cpu_kernels.py), groups of 32, scale and zero rounded to bf16; from the row count where it loses (timed once per
-  shape, `wide_rows`) a call expands the weight to bf16 (core/cpu_kernels/dequant.c) and runs oneDNN's bf16 GEMM;
+  shape, `block_paths.wide_rows`) a call expands the weight to bf16 (core/cpu_kernels/dequant.c) and runs oneDNN's
+  bf16 GEMM;
 - `int8` (CPU, bf16 compute): the other types as int8 codes with fp32 scales (and offsets) per group of 16 or 32,
   through a C matmul reading the codes (core/cpu_kernels/dequant.c), expanded for wide batches likewise;
 - `triton` (CUDA; on CPU under TRITON_INTERPRET=1 when named): every type through the Triton dequantize-GEMM
@@ -35,10 +36,10 @@ import itertools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from kvforge.plugins.quant.cpu_kernels import COMPUTE_DTYPE, int4_linear, int4pack_available, pack_int4_affine
+from kvforge.plugins.quant.block_paths import blocks_linear, expanded_linear, int8_layer_linear, int16_rows, wide_rows
+from kvforge.plugins.quant.cpu_kernels import int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
 from kvforge.plugins.quant.gguf_blocks import SUPPORTED, affine_weight
 
@@ -49,9 +50,6 @@ INT8_GROUPS = {GGMLQuantizationType.Q5_0: (32, False), GGMLQuantizationType.Q5_1
                GGMLQuantizationType.Q8_0: (32, False), GGMLQuantizationType.Q5_K: (32, True),
                GGMLQuantizationType.Q6_K: (16, False)}
 ACTIVATIONS = ("auto", "fp32", "int16", "int8")
-INT16_TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts at which `auto` times int16 x against fp32 x
-WIDE_ROWS = (4, 8, 16, 32, 64, 128)  # row counts at which the expand-then-GEMM path is timed against the kernels
-TIMED_OUTPUTS = 16384
 
 
 def held_bytes_per_weight(qtype: int, dtype: torch.dtype) -> tuple[float, str] | None:
@@ -64,11 +62,6 @@ def held_bytes_per_weight(qtype: int, dtype: torch.dtype) -> tuple[float, str] |
         return None
     block, size = gguf_layout(qtype)
     return size / block, "blocks"
-
-
-def expanded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) in bf16, with W just expanded from its codes (core/cpu_kernels: dequant_int4 / dequant_int8)."""
-    return F.linear(x.to(COMPUTE_DTYPE), weight, None if bias is None else bias.to(COMPUTE_DTYPE)).to(x.dtype)
 
 
 def groups_of_32(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -104,111 +97,6 @@ def triton_layout(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
             "scales": scales.T.contiguous(), "qzeros": pack_cols(zeros, bits).to(codes.device),
             "g_idx": (torch.arange(k, device=codes.device) // group).to(torch.int32), "bits": bits,
             "offsets": offsets.T.contiguous() if offsets.any() else None}
-
-
-def int8_layer_linear(x: torch.Tensor, int8: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) from int8 codes, scales and offsets (core/cpu_kernels.int8_linear), in x's dtype."""
-    from kvforge.core.cpu_kernels import int8_linear
-
-    out = int8_linear(x, *int8)
-    return out if bias is None else out + bias.to(out.dtype)
-
-
-@functools.cache
-def wide_rows(kind: str, out_features: int, in_features: int, threads: int) -> int | None:
-    """The fewest timed rows from which expanding a weight of this shape to bf16 and running the bf16 GEMM beats
-    the `kind` kernel ("int4pack": torch's int4 matmul; "int8": the int8-code C kernel) at every larger timed
-    count (random weights: the speed does not depend on their values); None: it never does, or the C kernels
-    cannot run here. Timed on at most TIMED_OUTPUTS of the output features (both paths cost in proportion to them:
-    a 262k-vocabulary head timed whole added 10 s to loading), once per shape and CPU signature: a steady timing is
-    kept in the kernel-choice cache (core/kernel_choice.py), so later loads on this machine read it (Gemma 3 270M's
-    six shapes took ~10 s of every load on a 2-core Zen 2)."""
-    from kvforge.core.cpu_kernels import dequant_int4, dequant_int8, pack_nibbles, unavailable
-    from kvforge.core.kernel_choice import cached_choice, time_calls
-
-    if unavailable() is not None:
-        return None
-    out_features = min(out_features, TIMED_OUTPUTS)
-
-    def measure():
-        inputs = {rows: torch.randn(rows, in_features, dtype=COMPUTE_DTYPE) for rows in WIDE_ROWS}
-        if kind == "int4pack":
-            q = torch.randint(0, 16, (out_features, in_features))
-            scales = torch.rand(out_features, in_features // 32) / 64
-            packed = pack_int4_affine(q, scales, -8 * scales, 32)
-            if packed is None:
-                return None, None
-            nibbles = pack_nibbles(q)
-            kernel = {r: (lambda x=x: int4_linear(x, packed)) for r, x in inputs.items()}
-            expand = {r: (lambda x=x: expanded_linear(x, dequant_int4(nibbles, packed.scales_and_zeros)))
-                      for r, x in inputs.items()}
-        else:
-            int8 = (torch.randint(-32, 32, (out_features, in_features), dtype=torch.int8),
-                    torch.rand(out_features, in_features // 32) / 64, None)
-            kernel = {r: (lambda x=x: int8_layer_linear(x, int8)) for r, x in inputs.items()}
-            expand = {r: (lambda x=x: expanded_linear(x, dequant_int8(*int8))) for r, x in inputs.items()}
-        timing = time_calls({kind: kernel, "expand": expand}, min_total=0.002)
-        threshold = None
-        for rows in reversed(WIDE_ROWS):
-            if timing.us["expand"][rows] >= timing.us[kind][rows]:
-                break
-            threshold = rows
-        return threshold, timing
-
-    return cached_choice(f"gguf_wide_rows:{kind}:{out_features}x{in_features}:rows={','.join(map(str, WIDE_ROWS))}"
-                         f":t{threads}", measure)
-
-
-@functools.cache
-def int16_rows(threads: int, dtype: torch.dtype = torch.float32) -> int:
-    """`activations: auto`: up to how many rows of x (0: none) the blocks kernel with x quantized to int16 beats the
-    path `auto` takes otherwise (x as given in the model's dtype, without the fixed order) at every timed count, on
-    this CPU. Timed on a random Q4_K weight (Q4_K_M files' main type) of 4096 x 2048 (the kernels' costs scale alike
-    with the shape), once per CPU signature, thread count and dtype, a steady timing cached like `wide_rows`'. On a
-    2-core Zen 2 (AVX2) int16 was 2.2x faster at 1 row (a decode step reads the weight once: decoding its codes to
-    fp32 is what costs) and fp32's panel path won from 5 rows; on Zen 5 (AVX-512) int16 won at every count to 16."""
-    from kvforge.core.cpu_kernels import GgufSegments, gguf_layout, gguf_linear, unavailable
-    from kvforge.core.kernel_choice import cached_choice, time_calls
-
-    if unavailable() is not None:
-        return 0
-
-    def measure():
-        out_features, in_features = 4096, 2048
-        block, size = gguf_layout(GGMLQuantizationType.Q4_K)
-        generator = torch.Generator().manual_seed(0)
-        blocks = torch.randint(0, 256, (out_features * in_features // block, size), dtype=torch.uint8,
-                               generator=generator)
-        blocks[:, 0:4] = torch.tensor([0.01, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite
-        weights = GgufSegments([(int(GGMLQuantizationType.Q4_K), blocks.view(out_features, -1))], in_features)
-        inputs = {rows: torch.randn(rows, in_features, dtype=dtype) for rows in INT16_TIMED_ROWS}
-        timing = time_calls({acts: {r: (lambda x=x, a=acts: gguf_linear(x, weights, activations=a,
-                                                                        batch_invariant=False))
-                                    for r, x in inputs.items()} for acts in ("int16", "fp32")}, min_total=0.002)
-        choice = 0
-        for rows in INT16_TIMED_ROWS:
-            if timing.us["int16"][rows] >= timing.us["fp32"][rows]:
-                break
-            choice = rows
-        return choice, timing
-
-    dtype_name = str(dtype).removeprefix("torch.")
-    return cached_choice(f"gguf_int16_rows:rows={','.join(map(str, INT16_TIMED_ROWS))}:{dtype_name}:t{threads}",
-                         measure)
-
-
-def blocks_linear(x: torch.Tensor, segments, int16_rows: int, activations: str = "auto",
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) for GGUF blocks (a GgufSegments) through the C kernels, with `activations` as the option of
-    that name: `auto` quantizes x to int16 up to `int16_rows` rows (int16_rows()) and takes x as given beyond,
-    without the fixed order (a decode step is int16 anyway); `fp32` keeps every row's result batch-invariant."""
-    from kvforge.core.cpu_kernels import gguf_linear
-
-    invariant = activations == "fp32"
-    if activations == "auto":
-        activations = "int16" if x.numel() <= int16_rows * x.shape[-1] else "fp32"
-    out = gguf_linear(x, segments, activations=activations, batch_invariant=invariant)
-    return out if bias is None else out + bias.to(out.dtype)
 
 
 class GgufMethod(DenseMethod):

@@ -108,7 +108,7 @@ class GroupQuantMethod(QuantMethod):
     def _blocks(self, layer: torch.nn.Module, quant: Quantized) -> str | None:
         """Serve the layer from GGUF blocks written once from `quant` (layer.segments); why not, or None."""
         from kvforge.core.cpu_kernels import GgufSegments, unavailable
-        from kvforge.plugins.quant.gguf import int16_rows
+        from kvforge.plugins.quant.block_paths import int16_rows
         from kvforge.plugins.quant.gguf_blocks import encode_centred
 
         k, n = quant.q.shape
@@ -156,7 +156,7 @@ class GroupQuantMethod(QuantMethod):
         if layer.kernel == "int4pack":
             return int4_linear(x, layer.int4, bias)
         if layer.kernel == "blocks":
-            from kvforge.plugins.quant.gguf import blocks_linear
+            from kvforge.plugins.quant.block_paths import blocks_linear
 
             return blocks_linear(x, layer.segments, layer.int16_rows, "auto", bias)
         if layer.kernel == "triton":

@@ -123,7 +123,7 @@ def test_auto_activations_follow_this_cpus_timing(tmp_path, monkeypatch):
     from kvforge.core import kernel_choice
     from kvforge.core.cpu import cpu_signature
     from kvforge.core.cpu_kernels import gguf_linear
-    from kvforge.plugins.quant.gguf import INT16_TIMED_ROWS, int16_rows
+    from kvforge.plugins.quant.block_paths import INT16_TIMED_ROWS, int16_rows
 
     _c_kernels()
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
@@ -151,7 +151,7 @@ def test_wide_rows_timing_is_kept_for_the_next_load(tmp_path, monkeypatch):
     later process reads it there instead of timing again (an unsteady one is not kept)."""
     from kvforge.core import kernel_choice
     from kvforge.core.cpu import cpu_signature
-    from kvforge.plugins.quant.gguf import wide_rows
+    from kvforge.plugins.quant.block_paths import wide_rows
 
     _c_kernels()
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
@@ -290,7 +290,7 @@ def test_the_wide_path_expands_the_int4_weight_exactly():
     bf16 GEMM: the expanded weight is bf16((q - 8) * scale + zero) of the int4 kernel's own scales and zeros,
     and the layer's output stays within the int4 kernel's tolerance."""
     from kvforge.core.cpu_kernels import dequant_int4, pack_nibbles, unavailable
-    from kvforge.plugins.quant.gguf import expanded_linear
+    from kvforge.plugins.quant.block_paths import expanded_linear
 
     if unavailable() is not None:
         pytest.skip(f"the C kernels do not build here: {unavailable()}")
