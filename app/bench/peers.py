@@ -248,7 +248,7 @@ def run_peers(args: argparse.Namespace) -> int:
         """The engine's model; with --shape the twin for those that read safetensors, written on first use."""
         if shape and reads_safetensors(engine):
             if "dir" not in twin:
-                from kvforge.app.bench.real_shapes import shape_twin
+                from kvforge.app.bench.shape_twin import shape_twin
 
                 twin["dir"] = str(shape_twin(shape, tokenizer_dir=model_dir, log=say))
                 shape_info["twin"] = twin["dir"]

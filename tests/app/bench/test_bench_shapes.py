@@ -22,15 +22,8 @@ import pytest
 import torch
 
 from kvforge.app.bench import real_shapes
-from kvforge.app.bench.real_shapes import (
-    QUANTS,
-    SHAPES,
-    TEST_SHAPES,
-    shape_gguf,
-    shape_twin,
-    tensor_shapes,
-    tensor_types,
-)
+from kvforge.app.bench.real_shapes import QUANTS, SHAPES, TEST_SHAPES, shape_gguf, tensor_shapes, tensor_types
+from kvforge.app.bench.shape_twin import shape_twin
 
 TINY = TEST_SHAPES["tiny"]
 
