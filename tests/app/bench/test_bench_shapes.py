@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvforge.app.bench import real_shapes
+from kvforge.app.bench import shape_twin as twin_module
 from kvforge.app.bench.real_shapes import QUANTS, SHAPES, TEST_SHAPES, shape_gguf, tensor_shapes, tensor_types
 from kvforge.app.bench.shape_twin import shape_twin
 
@@ -35,7 +36,7 @@ def files(tmp_path_factory, embedded_path):
     root = tmp_path_factory.mktemp("bench_shapes")
     ggufs = {q: shape_gguf("tiny", q, root=root) for q in QUANTS}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(real_shapes, "SHARD_BYTES", 16 << 20)
+        mp.setattr(twin_module, "SHARD_BYTES", 16 << 20)
         twin = shape_twin("tiny", root=root, tokenizer_dir=embedded_path)
     return root, ggufs, twin
 
@@ -209,6 +210,7 @@ def test_peers_with_shape_run_the_gguf_and_the_twin_and_report_the_roofline(file
 
     root, ggufs, twin = files
     monkeypatch.setattr(real_shapes, "shapes_dir", lambda: root)
+    monkeypatch.setattr(twin_module, "shapes_dir", lambda: root)
     monkeypatch.setattr(roofline, "stream_bandwidth", lambda threads: {
         "bytes_per_s": 5e9, "how": "stand-in", "threads": threads})
     jobs = []
