@@ -34,6 +34,17 @@ class Read:
     called_tools: bool  # the sample has called tools so far (a finished one's finish reason)
 
 
+class RequestTimedOut(Exception):
+    kind, code = "timeout_error", "request_timeout"  # its type and code in OpenAI's error shape
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request ran past the server's --request-timeout of {seconds:g} s and was aborted")
+
+    def api_error(self) -> APIError:
+        """For a whole (not streamed) response: 504."""
+        return APIError(504, str(self), None, self.kind, self.code)
+
+
 @dataclass(frozen=True)
 class Failed:
     """The request failed after the response started: what the stream says, in each API's terms."""
@@ -90,17 +101,6 @@ class StreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
-
-
-class RequestTimedOut(Exception):
-    kind, code = "timeout_error", "request_timeout"  # its type and code in OpenAI's error shape
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__(f"the request ran past the server's --request-timeout of {seconds:g} s and was aborted")
-
-    def api_error(self) -> APIError:
-        """For a whole (not streamed) response: 504."""
-        return APIError(504, str(self), None, self.kind, self.code)
 
 
 async def within(stream: RequestStream, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
