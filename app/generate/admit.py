@@ -1,7 +1,9 @@
 """The one way in, the same for every API dialect and the sessions API: a canonical request
 (app/generate/request.py) through the one gate (app/generate/admission.py), its prompt rendered and tokenized off
-the event loop (its constraint compiled there), queued (app/generate/submit.py). What comes back, Admitted, is the one
-way out: its outputs driven by app/generate/stream.py, which each dialect writes in its own shape."""
+the event loop (its constraint compiled there), then submitted: its sampling fields over the model's defaults into
+validated SamplingParams (a 400 naming the field otherwise), a max_tokens that fits the context (or the window the
+request asks for), queued. What comes back, Admitted, is the one way out: its outputs driven by
+app/generate/stream.py, which each dialect writes in its own shape."""
 
 from __future__ import annotations
 
@@ -9,16 +11,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvforge.app.context import ServerContext
+from kvforge.app.dialects.openai.protocol import SamplingFields
 from kvforge.app.generate.admission import Ticket
 from kvforge.app.generate.chat_request import ChatPlan
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.request import GenerateRequest
+from kvforge.app.generate.request import ContextWindow, GenerateRequest, check_prompt_chars
 from kvforge.app.generate.stream import Failed, Read, RequestTimedOut, drive
-from kvforge.app.generate.submit import check_prompt_chars, submit
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine, RequestStream
+from kvforge.core.constraint import Constraint
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.sampling import SamplingParams
+from kvforge.core.scheduler import RequestRejected
 
 
 @dataclass
@@ -92,3 +96,37 @@ async def admit(context: ServerContext, request: GenerateRequest) -> Admitted:
         ticket.release()
         raise
     return Admitted(context, ticket, stream, params, rendered.prompt, rendered.plan, rendered.echoed)
+
+
+def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default_max_tokens: int,
+           logprobs: int | None, prompt_field: str, constraint: Constraint | None = None,
+           skip_special_tokens: bool = True,
+           window: ContextWindow | None = None) -> tuple[RequestStream, SamplingParams]:
+    """Queue the request (held to `constraint`, compiled beforehand off the event loop); APIError 400 naming the
+    field for bad sampling values or a prompt that cannot fit (`prompt_field` names where the prompt came from)."""
+    defaults = engine.engine.generation_defaults.values
+    body = body.over_defaults(defaults)
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
+    try:
+        params = body.sampling_params(default_max_tokens, logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), str(exc).split()[0]) from None
+    params.constraint, params.skip_special_tokens = constraint, skip_special_tokens
+    context = engine.engine.max_model_len
+    if window is not None:
+        context = min(context, window.tokens)
+        if len(prompt) >= context:
+            raise APIError(400, f"{window.field}: the prompt's {len(prompt)} tokens leave no room in a context of "
+                           f"{context} tokens", window.field, code="context_length_exceeded")
+        params.max_tokens = min(params.max_tokens, context - len(prompt))
+    if params.max_tokens == default_max_tokens and body.requested_max_tokens() is None:
+        # no explicit limit: fit what is left of the context instead of rejecting the request
+        params.max_tokens = max(1, min(params.max_tokens, context - len(prompt)))
+    try:
+        stream = engine.add_request(prompt, params)
+    except RequestRejected as exc:
+        raise APIError(400, str(exc), prompt_field, code="context_length_exceeded") from None
+    except ValueError as exc:  # the prompt's token ids, or logit_bias's, outside the vocabulary
+        param = "logit_bias" if str(exc).startswith("logit_bias") else prompt_field
+        raise APIError(400, str(exc), param) from None
+    return stream, params

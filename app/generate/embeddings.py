@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from starlette.concurrency import run_in_threadpool
 
 from kvforge.app.generate.admission import Admission
+from kvforge.app.generate.request import ContextWindow, check_prompt_chars
 from kvforge.app.generate.stream import RequestTimedOut, within
-from kvforge.app.generate.submit import ContextWindow, check_prompt_chars
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine, RequestStream
 from kvforge.core.output import RequestOutput

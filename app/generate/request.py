@@ -12,10 +12,9 @@ from kvforge.app.dialects.openai.messages import ChatMessage
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, SamplingFields
 from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.chat_request import ChatPlan, format_constraint, plan_conversation, reasoning_syntax
-from kvforge.app.generate.submit import ContextWindow, compile_constraint
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine
-from kvforge.core.constraint import Constraint
+from kvforge.core.constraint import Constraint, InvalidConstraint
 from kvforge.core.tokenizer import Tokenizer
 
 
@@ -125,3 +124,30 @@ class GenerateRequest:
     model: str | None = None  # the model it names (None: the server's own), loaded on demand
     keep_alive_s: float | None = None  # how long a model loaded for it stays after (Ollama's keep_alive)
     window: ContextWindow | None = None  # a context it asks for, smaller than the model's (Ollama's num_ctx)
+
+
+@dataclass(frozen=True)
+class ContextWindow:
+    """A context a request asks for (Ollama's options.num_ctx): its prompt must fit, and its output stops where the
+    window ends. Larger than the model's context: the model's."""
+
+    tokens: int
+    field: str  # the request field that set it, named when the prompt does not fit
+
+
+def compile_constraint(engine: AsyncEngine, constraint: Constraint, field: str) -> None:
+    """Compile (and cache) a request's constraint before it is queued, off the event loop and the engine thread;
+    APIError 400 naming `field` when it cannot be enforced."""
+    try:
+        engine.engine.compile_constraint(constraint)
+    except InvalidConstraint as exc:
+        raise APIError(400, f"{field}: cannot be enforced: {exc}", field) from None
+
+
+def check_prompt_chars(engine: AsyncEngine, chars: int, prompt_field: str) -> None:
+    """Refuse, before tokenizing it, a prompt too long to fit the context whatever its tokens: more than
+    max_model_len times the longest token's characters (see Tokenizer.max_token_chars)."""
+    context = engine.engine.max_model_len
+    if chars > context * engine.tokenizer.max_token_chars:
+        raise APIError(400, f"{prompt_field}: {chars} characters cannot fit this model's context of {context} "
+                       "tokens", prompt_field, code="context_length_exceeded")

@@ -32,9 +32,8 @@ from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.off_loop import off_loop
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
-from kvforge.app.generate.request import ChatPrompt, GenerateRequest
+from kvforge.app.generate.request import ChatPrompt, GenerateRequest, check_prompt_chars
 from kvforge.app.generate.stream import Failed, StreamResponse
-from kvforge.app.generate.submit import check_prompt_chars
 from kvforge.app.http.errors import anthropic_error, renaming_route
 from kvforge.core.output import RequestOutput
 

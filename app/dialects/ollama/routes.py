@@ -52,9 +52,8 @@ from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import reasoning_syntax
 from kvforge.app.generate.embeddings import embed
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
-from kvforge.app.generate.request import ChatPrompt, GenerateRequest, TextPrompt
+from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest, TextPrompt
 from kvforge.app.generate.stream import Failed, StreamResponse
-from kvforge.app.generate.submit import ContextWindow
 from kvforge.app.http.errors import APIError, renaming_route
 from kvforge.app.models.catalog import LISTING_DEADLINE_S, ModelEntry, catalog
 from kvforge.app.models.keep_alive import forever_from_now

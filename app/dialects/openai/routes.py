@@ -1,6 +1,7 @@
-"""OpenAI's chat completions (POST /v1/chat/completions) and completions (POST /v1/completions): the canonical
-dialect. A request goes through the one way in (app/generate/admit.py: admission, render, tokenize, submit); its
-outputs come back as a whole response or as server-sent events, in OpenAI's shape."""
+"""OpenAI's chat completions (POST /v1/chat/completions) and completions (POST /v1/completions). A request is mapped
+to the canonical one (app/generate/request.py: a ChatPrompt or a TextPrompt) and goes through the one way in
+(app/generate/admit.py: admission, render, tokenize, submit); its outputs come back as a whole response or as
+server-sent events, in OpenAI's shape (app/dialects/openai/format.py)."""
 
 from __future__ import annotations
 

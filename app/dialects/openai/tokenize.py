@@ -23,7 +23,7 @@ from kvforge.app.dialects.openai.protocol import TokenId
 from kvforge.app.dialects.openai.tools import ChatCompletionFunctionTool, function_tools_only, template_variables
 from kvforge.app.generate.chat_request import chat_prompt_text
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.submit import check_prompt_chars
+from kvforge.app.generate.request import check_prompt_chars
 from kvforge.app.http.errors import APIError
 from kvforge.core.tokenizer import Tokenizer
 
