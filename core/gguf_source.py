@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,8 +54,9 @@ def block_types() -> dict[int, tuple[int, int]]:
     return GGUF_SUPER
 
 
-def write_index(gguf: Path, out: Path) -> None:
-    """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version)."""
+def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -> None:
+    """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version); `model_class_for`:
+    kvforge's model class for a config (core/models/registry.py; handed in: the models import this module)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -65,7 +67,6 @@ def write_index(gguf: Path, out: Path) -> None:
 
     from kvforge.core.chat_templates import save_tokenizer
     from kvforge.core.model_files import read_gguf_header
-    from kvforge.core.models.registry import model_class_for
 
     log.warning("indexing %s (once; its weights are served from the file itself)", gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

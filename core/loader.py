@@ -69,7 +69,8 @@ def _from_gguf(gguf: Path, native: bool) -> Path:
         return convert_gguf(gguf)
     from kvforge.core.gguf_source import INDEX_FILE, INDEX_VERSION, write_index
 
-    return cached_checkpoint(gguf, "gguf-index", INDEX_VERSION, lambda out: write_index(gguf, out), INDEX_FILE)
+    return cached_checkpoint(gguf, "gguf-index", INDEX_VERSION, lambda out: write_index(gguf, out, model_class_for),
+                             INDEX_FILE)
 
 
 def gguf_file_of(model: str | None) -> Path | None:

@@ -1,4 +1,4 @@
-"""The core/app boundary: `import kvforge.core`, and an LLM without the persisted KV tier, import no database
+"""The import boundaries: `import kvforge.core`, and an LLM without the persisted KV tier, import no database
 or web layer (SQLAlchemy, Alembic, FastAPI, Starlette, Gradio). Each check runs in a fresh interpreter."""
 
 from __future__ import annotations
@@ -67,3 +67,55 @@ def test_the_packages_import_in_one_direction():
             if wrong:
                 crossing[path] = wrong
     assert crossing == {}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every kvforge module (by dotted name) -> the kvforge modules it imports, at any depth of its code (imports
+    under `if TYPE_CHECKING:` are annotations only and do not count)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    folders = {"core": "kvforge.core", "plugins/quant": "kvforge.plugins.quant",
+               "plugins/decoding": "kvforge.plugins.decoding", "app": "kvforge.app", "ui": "kvforge.ui"}
+    files = {}
+    for folder, package in folders.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            files[".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for n in ast.walk(node)}
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def test_no_module_imports_itself_back():
+    """No import cycle between modules, lazy (function-level) imports included: each module can be read, and
+    loaded, after those it uses. A cycle found is printed as its path."""
+    graph, state, cycles = module_graph(), {}, []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
