@@ -1,5 +1,6 @@
 """The import boundaries: `import kvforge.core`, and an LLM without the persisted KV tier, import no database
-or web layer (SQLAlchemy, Alembic, FastAPI, Starlette, Gradio). Each check runs in a fresh interpreter."""
+or web layer (SQLAlchemy, Alembic, FastAPI, Starlette, Gradio), each checked in a fresh interpreter; the packages
+import one way (core <- plugins <- app <- ui) and no module imports itself back, checked on the source."""
 
 from __future__ import annotations
 
