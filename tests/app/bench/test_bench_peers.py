@@ -82,18 +82,22 @@ def test_rows_are_sane_and_ratios_come_from_the_same_run(run):
     assert all(rows[("kvforge-fp32", b)]["tpot_s"]["p50"] > 0 for b in BATCHES)
 
 
-def test_gguf_runs_the_same_comparison_on_another_file(gemma_gguf_path, tmp_path, capsys):
-    """--gguf: kvforge-gguf serves that file (Gemma 3 270M, Q4_K_M) from its blocks, the report names it, and
-    llama.cpp's quantization is the file's, not the embedded model's."""
-    out = tmp_path / "gemma.json"
+def test_gguf_runs_the_same_comparison_on_another_file(tmp_path, capsys):
+    """--gguf: kvforge-gguf serves that file (the tiny shape in Q4_K_M, app/bench/real_shapes.py: a file other than
+    the embedded model, of another quantization) from its blocks, the report names it, and llama.cpp's quantization
+    is the file's, not the embedded model's (Q4_1)."""
+    from kvforge.app.bench.real_shapes import shape_gguf
+
+    gguf_path = shape_gguf("tiny", "q4_k_m", root=tmp_path)
+    out = tmp_path / "other.json"
     result = subprocess.run(
-        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--gguf", str(gemma_gguf_path), "--engines",
+        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--gguf", str(gguf_path), "--engines",
          "kvforge-gguf,llama.cpp", "--no-peers", "--prompts", "1", "--batches", "1", "--output-tokens",
          str(OUTPUT_TOKENS), "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    assert report["model"] == str(gemma_gguf_path.resolve()) and f"peers: {report['model']};" in result.stdout
+    assert report["model"] == str(gguf_path.resolve()) and f"peers: {report['model']};" in result.stdout
     engines = {e["engine"]: e for e in report["engines"]}
     assert engines["kvforge-gguf"]["status"] == "ok"
     info = engines["kvforge-gguf"]["info"]
