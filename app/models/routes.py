@@ -19,7 +19,8 @@ from kvforge.core.metrics import gpu_memory
 
 
 class LoadModelRequest(BaseModel):
-    """POST /admin/models/load: a model in the models directory (or the embedded default) and options."""
+    """POST /admin/models/load: a model in the models directory (or the embedded default) and options -- ModelSpec's
+    settings (app/models/spec.py), each of them (a test keeps the two alike), under the API's names and bounds."""
     # defaults and dtype choices: EngineConfig's (core/config.py)
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -35,9 +36,10 @@ class LoadModelRequest(BaseModel):
 
     def spec(self, default_tp: int) -> ModelSpec:
         """The model to load, as the host takes it (`default_tp`: the server's --tp)."""
-        return ModelSpec(model=self.model, dtype=self.dtype, quant=self.quant, quant_options=self.quant_options,
-                         served_name=self.served_model_name, kv_cache_gb=self.kv_cache_gb, decoding=self.decoding,
-                         decoding_options=self.decoding_options, tp=default_tp if self.tp is None else self.tp)
+        settings = self.model_dump()
+        settings["served_name"] = settings.pop("served_model_name")  # --served-model-name's name in the API
+        settings["tp"] = default_tp if self.tp is None else self.tp
+        return ModelSpec(**settings)
 
 
 

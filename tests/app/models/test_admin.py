@@ -206,3 +206,20 @@ def test_models_show_tp_and_a_bad_tp_is_refused_and_the_old_model_keeps_serving(
     assert host.name == before["id"]
     assert httpx.get(f"{url}/admin/models").json()["loaded"]["tp"] == 1
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_the_admin_request_takes_every_model_setting():
+    """ModelSpec declares a model's load settings; the admin API's body takes each of them (the served name under
+    --served-model-name's name) and gives them back as a spec: a setting added to one is not forgotten in the
+    other."""
+    from dataclasses import asdict, fields
+
+    from kvforge.app.models.routes import LoadModelRequest
+
+    api = set(LoadModelRequest.model_fields) - {"served_model_name"} | {"served_name"}
+    assert api == {f.name for f in fields(ModelSpec)}
+    body = LoadModelRequest(model="m.gguf", dtype="bfloat16", quant="gguf", quant_options={"kernel": "blocks"},
+                            served_model_name="m", kv_cache_gb=0.5, decoding="ngram", decoding_options={"k": 2})
+    assert asdict(body.spec(default_tp=2)) == {
+        "model": "m.gguf", "dtype": "bfloat16", "quant": "gguf", "quant_options": {"kernel": "blocks"},
+        "served_name": "m", "kv_cache_gb": 0.5, "decoding": "ngram", "decoding_options": {"k": 2}, "tp": 2}
