@@ -8,16 +8,14 @@ get tokens, the sampler turns them into tokens (verifying drafts), the scheduler
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvforge.core.config import EngineConfig
 from kvforge.core.constraint import Constraint, GrammarCompiler
 from kvforge.core.draft_target import EngineDraftTarget
 from kvforge.core.generation_defaults import GenerationDefaults, model_generation_defaults
@@ -25,8 +23,9 @@ from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
 from kvforge.core.kv.persist import PersistedKV
-from kvforge.core.loader import load_config, resolve_model, weight_files
-from kvforge.core.metrics import EngineStats, RateMeter, RuntimeInfo, available_memory_bytes, request_metrics
+from kvforge.core.kv.pool_setup import kv_budget, model_fingerprint
+from kvforge.core.loader import load_config, resolve_model
+from kvforge.core.metrics import EngineStats, RateMeter, RuntimeInfo, request_metrics
 from kvforge.core.output import OutputState, RequestOutput, TokenLogprob
 from kvforge.core.plugins import resolve_quant
 from kvforge.core.pooling import PoolingParams, model_pooling
@@ -91,7 +90,8 @@ class LLMEngine:
             # a drafter with KV of its own shares the budget: both pools hold the same number of tokens
             draft_bytes = self.speculator.proposer.kv_bytes_per_block(self.config.block_size) if self.speculator else 0
             num_blocks = self.config.num_kv_blocks or max(
-                1, self._kv_budget() // (self.runner.kv_bytes_per_block + draft_bytes))
+                1, kv_budget(self.config, self.runner, self.max_model_len) // (
+                    self.runner.kv_bytes_per_block + draft_bytes))
             self.runner.allocate_kv(num_blocks)
             if self.speculator:
                 self.speculator.proposer.allocate_kv(num_blocks)
@@ -119,27 +119,6 @@ class LLMEngine:
         self._generation_rate, self._prompt_rate = RateMeter(), RateMeter()
         self._totals = dict(requests_finished=0, prompt_tokens_total=0, cached_tokens_total=0,
                             generated_tokens_total=0)
-
-    def _kv_budget(self) -> int:
-        """The KV pools' bytes: kv_cache_bytes when given; on CPU 1 GiB; on CUDA what gpu_memory_utilization
-        leaves after the weights and a profiling forward's peak (core/gpu_memory.py)."""
-        if self.runner.device.type != "cuda":
-            budget = self.config.kv_cache_bytes or CPU_KV_CACHE_BYTES
-            available = available_memory_bytes()
-            if available is not None and budget > available:  # refused, not left to the kernel's OOM killer
-                raise ValueError(f"the KV cache budget of {budget / (1 << 30):.2f} GiB is more than the "
-                                 f"{available / (1 << 30):.2f} GiB of memory available; lower kv_cache_gb")
-            return budget
-        if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes
-        from kvforge.core import gpu_memory
-
-        if self.config.tp_size > 1:  # the ranks' models live in other processes: size from what is free now
-            free, total = torch.cuda.mem_get_info(self.runner.device)
-            return gpu_memory.kv_cache_budget(total, self.config.gpu_memory_utilization, total - free, 0)
-        return gpu_memory.measure_kv_budget(self.runner, self.config.gpu_memory_utilization,
-                                            self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                            self.max_model_len)
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for decode batches (CUDA, Triton kernels, one rank); a capture that fails leaves the
@@ -432,13 +411,3 @@ class LLMEngine:
                     kv_disk_loaded_blocks_total=p.loaded_blocks, kv_disk_load_failures_total=p.load_failures)
 
 
-def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) -> bytes:
-    """Root of every block hash: anything that changes the KV of a prefix changes it."""
-    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files(model_path)]
-    identity = {
-        "weights": weights, "config": (model_path / "config.json").read_text(),
-        "dtype": str(config.torch_dtype), "quant": config.quant, "quant_options": config.quant_options,
-        "kv_dtype": str(config.torch_dtype), "block_size": config.block_size, "tp_size": config.tp_size,
-        "tokenizer": tokenizer.fingerprint(),
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()[:16]

@@ -13,7 +13,7 @@ tokens is dropped (logged) and the block is recomputed, so a bad file can never 
 directory keeps to a byte budget by evicting the least recently used blocks, across every model that
 shares it.
 
-Block hashes are rooted in the model fingerprint (see engine.model_fingerprint): a block written
+Block hashes are rooted in the model fingerprint (core/kv/pool_setup.py model_fingerprint): a block written
 under another model, dtype, quant method, block size or tokenizer can never be found.
 """
 

@@ -23,11 +23,11 @@ import torch
 
 from kvforge.core import LLM, EngineConfig, SamplingParams
 from kvforge.core.async_engine import AsyncEngine
-from kvforge.core.engine import model_fingerprint
 from kvforge.core.kv import persist
 from kvforge.core.kv.blocks import block_hash
 from kvforge.core.kv.index import KVEntry
 from kvforge.core.kv.persist import MAGIC, PersistedKV, checksum
+from kvforge.core.kv.pool_setup import model_fingerprint
 from kvforge.core.kv.sql_index import SQLKVIndex
 
 TEXT = (
