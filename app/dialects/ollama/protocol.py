@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from kvforge.app.dialects.openai.fields import FORBID, MAX_EMBEDDING_INPUTS
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -257,9 +257,21 @@ class OllamaPullRequest(BaseModel):
 
 
 class OllamaModelRequest(BaseModel):
+    """POST /api/show. Ollama still takes the model under its older name, `name` (litellm and many small clients
+    send it): `model` wins where both are given, as in Ollama's ShowHandler."""
+
     model_config = FORBID
     model: str = Field(min_length=1)
     verbose: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name" in data:
+            data = dict(data)
+            name = data.pop("name")
+            data.setdefault("model", name)
+        return data
 
 
 def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:

@@ -151,6 +151,12 @@ def test_tags_show_ps_version(client, server):
     listed = next(m for m in client.list().models if m.model == MODEL)
     assert running[0].digest == listed.digest and running[0].details == listed.details == shown.details
     assert httpx.get(f"{server.url}/api/version", timeout=30).json()["version"]
+    # the model under its older name, `name` (litellm's get_model_info sends it), as Ollama still takes it
+    by_name = httpx.post(f"{server.url}/api/show", json={"name": MODEL}, timeout=30)
+    assert by_name.status_code == 200, by_name.text
+    assert by_name.json()["details"] == shown.details.model_dump() and by_name.json()["template"] == shown.template
+    missing = httpx.post(f"{server.url}/api/show", json={}, timeout=30)
+    assert missing.status_code == 400 and "model" in missing.json()["error"]
 
 
 @pytest.mark.parametrize(("request_fields", "status", "field"), [
