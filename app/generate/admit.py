@@ -11,15 +11,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvforge.app.context import ServerContext
-from kvforge.app.dialects.openai.protocol import SamplingFields
 from kvforge.app.generate.admission import Ticket
 from kvforge.app.generate.chat_request import ChatPlan
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.request import ContextWindow, GenerateRequest, check_prompt_chars
+from kvforge.app.generate.request import GenerateRequest, Rendered, check_prompt_chars
 from kvforge.app.generate.stream import Failed, Read, RequestTimedOut, drive
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine, RequestStream
-from kvforge.core.constraint import Constraint
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.sampling import SamplingParams
 from kvforge.core.scheduler import RequestRejected
@@ -89,29 +87,26 @@ async def admit(context: ServerContext, request: GenerateRequest) -> Admitted:
         rendered = await off_loop(request.prompt.render, engine, ticket.model)
         if not rendered.prompt:
             raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
-        stream, params = submit(engine, rendered.prompt, request.sampling, context.default_max_tokens,
-                                request.logprobs, prompt_field, rendered.constraint, rendered.skip_special_tokens,
-                                request.window)
+        stream, params = submit(engine, request, rendered, context.default_max_tokens)
     except BaseException:
         ticket.release()
         raise
     return Admitted(context, ticket, stream, params, rendered.prompt, rendered.plan, rendered.echoed)
 
 
-def submit(engine: AsyncEngine, prompt: list[int], body: SamplingFields, default_max_tokens: int,
-           logprobs: int | None, prompt_field: str, constraint: Constraint | None = None,
-           skip_special_tokens: bool = True,
-           window: ContextWindow | None = None) -> tuple[RequestStream, SamplingParams]:
-    """Queue the request (held to `constraint`, compiled beforehand off the event loop); APIError 400 naming the
-    field for bad sampling values or a prompt that cannot fit (`prompt_field` names where the prompt came from)."""
+def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,
+           default_max_tokens: int) -> tuple[RequestStream, SamplingParams]:
+    """Queue the rendered request (held to its constraint, compiled beforehand off the event loop); APIError 400
+    naming the field for bad sampling values or a prompt that cannot fit."""
+    prompt, prompt_field, window = rendered.prompt, request.prompt.field, request.window
     defaults = engine.engine.generation_defaults.values
-    body = body.over_defaults(defaults)
+    body = request.sampling.over_defaults(defaults)
     default_max_tokens = defaults.get("max_tokens", default_max_tokens)
     try:
-        params = body.sampling_params(default_max_tokens, logprobs)
+        params = body.sampling_params(default_max_tokens, request.logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split()[0]) from None
-    params.constraint, params.skip_special_tokens = constraint, skip_special_tokens
+    params.constraint, params.skip_special_tokens = rendered.constraint, rendered.skip_special_tokens
     context = engine.engine.max_model_len
     if window is not None:
         context = min(context, window.tokens)

@@ -47,6 +47,10 @@ class ChoiceReader:
         was held back."""
         return self.feed(out.delta_text) + (self.finish() if out.finished else [])
 
+    def read_all(self, text: str) -> list[Part]:
+        """The parts of a finished choice's whole text, read at once."""
+        return self.feed(text) + self.finish()
+
     def _read(self, text: str, final: bool) -> list[Part]:
         if self._declared is not None:
             parts = (self._declared.feed(text) if text else []) + (self._declared.finish() if final else [])
@@ -76,7 +80,7 @@ class ChoiceReader:
 def read_whole(plan: ChatPlan, text: str) -> WholeReply:
     """A finished choice's whole text, read at once."""
     reader = ChoiceReader(plan)
-    parts = reader.feed(text) + reader.finish()
+    parts = reader.read_all(text)
     calls = [p for p in parts if isinstance(p, ToolCall)]
     return WholeReply(thinking="".join(p.text for p in parts if isinstance(p, Thinking)),
                       content="".join(p.text for p in parts if isinstance(p, Text)), calls=calls,

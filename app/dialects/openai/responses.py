@@ -155,7 +155,7 @@ def responses_router(context: ServerContext) -> APIRouter:
             return StreamResponse(events(body, admitted, response_id, created), admitted.close)
         out = (await admitted.collect())[0][0]
         reader, items = ChoiceReader(admitted.plan), OutputItems()
-        for part in reader.feed(out.text) + reader.finish():
+        for part in reader.read_all(out.text):
             items.add(part)
         items.close(status_of(out))
         return envelope(body, admitted, response_id, created, status_of(out), items.items, out)

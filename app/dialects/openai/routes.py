@@ -30,7 +30,7 @@ def openai_router(context: ServerContext) -> APIRouter:
         context.admission.check_model(body.model)
         request = GenerateRequest(prompt=ChatPrompt.of(body), sampling=body, logprobs=body.logprobs_count(),
                                   model=body.model)
-        return await respond(body, await admit(context, request), chat=True)
+        return await respond(body, request, chat=True)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -38,14 +38,14 @@ def openai_router(context: ServerContext) -> APIRouter:
         constraint = body.structured_outputs.constraint() if body.structured_outputs else None
         request = GenerateRequest(prompt=TextPrompt(text=body.prompt, echo=body.echo, constraint=constraint),
                                   sampling=body, logprobs=body.logprobs, model=body.model)
-        return await respond(body, await admit(context, request), chat=False)
+        return await respond(body, request, chat=False)
 
-    async def respond(body: ChatCompletionRequest | CompletionRequest, admitted: Admitted, chat: bool):
-        """Answer in OpenAI's shape: a whole response, or its server-sent events."""
+    async def respond(body: ChatCompletionRequest | CompletionRequest, request: GenerateRequest, chat: bool):
+        """Admit and queue the request, answer in OpenAI's shape: a whole response, or its server-sent events."""
+        admitted = await admit(context, request)
         engine, params, plan = admitted.engine, admitted.params, admitted.plan
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        logprobs = body.logprobs_count() if chat else body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamResponse(sse(admitted, request_id, created, include_usage), admitted.close)
@@ -53,7 +53,8 @@ def openai_router(context: ServerContext) -> APIRouter:
         choices = []
         for i in range(params.n):
             out = finals[i]
-            lp = format_logprobs(token_logprobs.get(i, []), chat, engine.tokenizer) if logprobs is not None else None
+            lp = None if request.logprobs is None else format_logprobs(token_logprobs.get(i, []), chat,
+                                                                        engine.tokenizer)
             if chat:
                 reply = read_whole(plan, out.text)
                 choices.append({"index": i, "message": message(reply), "logprobs": lp,
