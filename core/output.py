@@ -87,23 +87,20 @@ class OutputState:
     def output(self, seq: Sequence) -> RequestOutput:
         """The sequence's output of a step in which it got tokens and goes on: the text decoded since the last one
         (held back where a stop string may be starting), its tokens and logprobs."""
-        delta_text = self.take_delta(finished=False)  # first: it moves what emitted_text() holds
-        out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
-                            self.emitted_text(), delta_text, self.pending_tokens,
-                            self.pending_logprobs if seq.params.logprobs is not None else None,
-                            num_cached_tokens=seq.num_cached_tokens or 0)
-        self.pending_tokens, self.pending_logprobs = [], []
-        return out
+        return self._emit(seq, self.pending_tokens, finished=False)
 
     def final_output(self, seq: Sequence, delta_tokens: list[int], reason: str | None,
                      metrics: dict[str, Any]) -> RequestOutput:
         """The sequence's last output: the rest of its text, why it finished (and the stop string found), and the
         request's metrics."""
-        delta_text = self.take_delta(finished=True)
+        return self._emit(seq, list(delta_tokens), finished=True, finish_reason=seq.finish_reason or reason,
+                          stop_reason=self.stop_string, metrics=metrics)
+
+    def _emit(self, seq: Sequence, delta_tokens: list[int], finished: bool, **final: Any) -> RequestOutput:
+        delta_text = self.take_delta(finished)  # first: it moves what emitted_text() holds
         out = RequestOutput(seq.request_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
-                            self.emitted_text(), delta_text, list(delta_tokens),
+                            self.emitted_text(), delta_text, delta_tokens,
                             self.pending_logprobs if seq.params.logprobs is not None else None,
-                            finished=True, finish_reason=seq.finish_reason or reason, stop_reason=self.stop_string,
-                            num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)
+                            finished=finished, num_cached_tokens=seq.num_cached_tokens or 0, **final)
         self.pending_tokens, self.pending_logprobs = [], []
         return out
