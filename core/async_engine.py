@@ -71,6 +71,11 @@ class RequestStream:
     async def aclose(self) -> None:
         self.abort()
 
+    def stop_sample(self, index: int) -> None:
+        """End sample `index` now, finish reason "stop": its reader has the whole reply (the other samples go on)."""
+        if self._remaining:
+            self.engine.abort(self.request_id, index, "stop")
+
 
 def _hand_over(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     """On the consumers' event loop: a step's outputs into their streams, in order."""
@@ -127,9 +132,10 @@ class AsyncEngine:
         self._wakeup.set()
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort at the next step: its blocks are freed and its stream ends with finish_reason 'abort'."""
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """Abort at the next step (every sample, or sample `index`): its blocks are freed and its stream ends with
+        finish_reason `reason`."""
+        self._commands.put(("abort", request_id, index, reason))
         self._wakeup.set()
 
     def abort_all(self) -> None:
@@ -220,7 +226,8 @@ class AsyncEngine:
                     self._unfinished.pop(request_id, None)
                     self._send(self._streams.pop(request_id), exc)
             else:
-                for output in self.engine.abort(command[1]):
+                _, request_id, index, reason = command
+                for output in self.engine.abort(request_id, index, reason):
                     self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:

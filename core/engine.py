@@ -233,13 +233,14 @@ class LLMEngine:
         """True while any sample of the request has not finished."""
         return request_id in self._requests
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        """Stop every sample of the request now and free its blocks; returns their final outputs."""
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> list[RequestOutput]:
+        """Stop every sample of the request now (or only sample `index`) and free its blocks; returns their final
+        outputs, finished for `reason` ("stop": the server read a complete reply before the model ended it)."""
         outputs = []
         for seq in self._requests.get(request_id, []):
-            if not seq.is_finished:  # running, waiting, or a sample not yet forked
-                self.scheduler.finish(seq, "abort")
-                outputs.append(self._final_output(seq, [], "abort"))
+            if not seq.is_finished and index in (None, seq.index):  # running, waiting, or a sample not yet forked
+                self.scheduler.finish(seq, reason)
+                outputs.append(self._final_output(seq, [], reason))
         self._forget_if_done(request_id)
         return outputs
 

@@ -26,8 +26,15 @@ class ChoiceReader:
             self._declared = DeclaredResponseReader(plan.declared_template, plan.prompt_text, plan.tools,
                                                     plan.tool_names or [])
         self._reasoning = ReasoningStream(plan.starts_in_reasoning, plan.reasoning) if plan.reasoning else None
-        self._tools = ToolCallStream(plan.tool_syntax, plan.tool_names) if plan.tool_names is not None else None
+        self._tools = (ToolCallStream(plan.tool_syntax, plan.tool_names, plan.forced_calls)
+                       if plan.tool_names is not None else None)
         self.num_tool_calls = 0
+
+    @property
+    def ended(self) -> bool:
+        """The reply is complete before the output ends: a forced call repeated an earlier one (what follows is not
+        read; the sample should be stopped)."""
+        return self._tools is not None and self._tools.ended
 
     @property
     def ended_in_reasoning(self) -> bool:

@@ -6,7 +6,9 @@ what its output reader needs (app/generate/chat_output.py).
 Decisions, one place each:
 - tool_choice "none" (or no tools): no tool is described and no call is parsed; "auto": tools described, calls
   parsed, the output unconstrained (the model may answer in prose); "required" / a named function: the call
-  grammar (app/generate/parsers/tool_calls.py) forces a call whose arguments validate against the tool's schema.
+  grammar (app/generate/tool_grammar.py) forces a call whose arguments validate against the tool's schema -- a
+  named function exactly one, "required" more where parallel_tool_calls allows, the reply ending at the first
+  call that repeats an earlier one (the reader drops it and the sample is stopped: app/generate/stream.py).
 - response_format json_schema / json_object: a JSON constraint; with a forced tool call the call grammar wins
   (the reply is a call, not an answer).
 - a reasoning model (its template or vocabulary has `</think>`): the constraint opens after `</think>`, unless the
@@ -50,6 +52,7 @@ class ChatPlan:
     declared_template: dict | None = None
     prompt_text: str = ""  # the rendered prompt: where a declared format's reader starts
     tools: list[dict] = field(default_factory=list)  # the tools described (their schemas type the arguments)
+    forced_calls: bool = False  # the call grammar holds the output: it is tool calls only
 
 
 def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
@@ -87,7 +90,8 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
     reasoning = reasoning_syntax(tokenizer)
     specials = special_token_ids(tokenizer)
     constraint, blamed = output_constraint, output_field
-    if use_tools and choice not in (None, "auto"):  # a forced call: the call grammar wins
+    forced = use_tools and choice not in (None, "auto")
+    if forced:  # the call grammar wins
         try:
             grammar = call_grammar(syntax, tools, choice, tool_fields.parallel_tool_calls is not False, specials)
         except ValueError as exc:
@@ -103,7 +107,7 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
     skip_special = declared is None and may_skip_special_tokens(specials, markers)
     return ChatPlan(prompt, constraint, blamed, syntax, tool_names(tools) if use_tools else None, reasoning,
                     reasoning is not None and starts_in_reasoning(text, reasoning), skip_special,
-                    declared, text if declared is not None else "", tools if use_tools else [])
+                    declared, text if declared is not None else "", tools if use_tools else [], forced)
 
 
 def format_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:

@@ -71,12 +71,20 @@ async def drive(stream: RequestStream, plan: ChatPlan | None, timeout_s: float |
     every sample has finished; then nothing more, or one Failed last. `read` False: no parts (a whole response
     reads the final text at once)."""
     readers: dict[int, ChoiceReader | None] = {}
+    # a forced call's output is read even for a whole response: a repeated call ends its sample early
+    reading = plan is not None and (read or plan.forced_calls)
+    stopped: set[int] = set()
     try:
         async for out in within(stream, timeout_s):
             first = out.index not in readers
-            reader = readers.setdefault(out.index, ChoiceReader(plan) if plan is not None and read else None)
+            reader = readers.setdefault(out.index, ChoiceReader(plan) if reading else None)
             if reader is not None:
                 parts = reader.read(out)
+                if reader.ended and not out.finished and out.index not in stopped:
+                    stream.stop_sample(out.index)
+                    stopped.add(out.index)
+                if not read:
+                    parts = []
             else:
                 parts = [Text(out.delta_text)] if read and out.delta_text else []
             if out.finished:

@@ -20,12 +20,14 @@ def call_grammar(syntax: ToolSyntax, tools: list[dict], tool_choice: str | dict,
                  special_token_ids: Mapping[str, int] | None = None) -> str:
     """A Lark grammar (llguidance's dialect) whose outputs are one tool call, or one or more when `parallel`, in the
     family's wire format, each naming an allowed tool with arguments valid against its parameters schema.
-    `tool_choice` is "required" (any tool) or {"type": "function", "function": {"name": X}} (only X).
+    `tool_choice` is "required" (any tool) or {"type": "function", "function": {"name": X}} (exactly one call of X:
+    OpenAI's named choice calls that function, so `parallel` only applies to "required").
     `special_token_ids` maps the tokenizer's special tokens to their ids, e.g.
     `{t.content: i for i, t in tok.added_tokens_decoder.items() if t.special}`: a marker that is one special token
     (Mistral's [TOOL_CALLS] and [ARGS]) must be written as that token, not spelled in text. Raises ValueError on a
     tool_choice that names no tool in `tools` or is not one of those two shapes."""
     allowed = _allowed_tools(tools, tool_choice)
+    parallel = parallel and tool_choice == "required"
     specials = special_token_ids or {}
 
     def marker(text: str) -> str:

@@ -121,19 +121,34 @@ def test_streamed_tool_calls_are_reassembled_by_the_sdk(client):
     assert streamed.message.tool_calls[0].id.startswith("call_")
 
 
-def test_parallel_calls_each_validate(client):
-    """parallel_tool_calls (OpenAI's default: true) lets the model call several times; this small model keeps
-    calling until max_tokens, so the last call may be cut: it stays in the content, the complete ones validate."""
-    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
-                                           tool_choice="required", temperature=0, max_tokens=120)
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_parallel_calls_end_without_a_repeat(client, stream):
+    """parallel_tool_calls (OpenAI's default: true) lets the model call several times; this small model writes its
+    first call again and again where the grammar lets it: the reply ends at the first repeat (the sample is stopped
+    there), with distinct calls only, no call text in the content and finish_reason "tool_calls"."""
+    request = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+                   temperature=0, max_tokens=300)
+    if stream:
+        with client.chat.completions.stream(**request, stream_options={"include_usage": True}) as events:
+            reply = events.get_final_completion()
+    else:
+        reply = client.chat.completions.create(**request)
     choice = reply.choices[0]
-    assert len(choice.message.tool_calls) >= 1
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    assert calls and len(set(calls)) == len(calls)
     for call in choice.message.tool_calls:
         arguments_valid(call, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])
-    if choice.finish_reason == "length":
-        assert choice.message.content.lstrip().startswith("<tool_call>")
-    else:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert reply.usage.completion_tokens < 300
+
+
+def test_a_named_tool_choice_is_one_call(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           temperature=0, max_tokens=300)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [call.function.name for call in choice.message.tool_calls] == ["get_weather"]
 
 
 def test_a_multi_turn_tool_conversation(client):

@@ -71,6 +71,27 @@ def test_abort_mid_stream_frees_blocks_and_ends_with_abort(async_engine):
     assert async_idle(async_engine)
 
 
+def test_stopping_one_sample_ends_it_with_stop_and_the_others_go_on(async_engine):
+    """What the server does when a reader has a sample's whole reply (a forced tool call repeated): that sample
+    ends as "stop", its blocks freed; its siblings run to their own end."""
+    async def main():
+        params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=40, ignore_eos=True)
+        stream = async_engine.add_request(PROMPTS[3], params)
+        finals, seen = {}, {}
+        async for out in stream:
+            seen[out.index] = seen.get(out.index, 0) + 1
+            if out.index == 1 and seen[1] == 2:
+                stream.stop_sample(1)
+            if out.finished:
+                finals[out.index] = out
+        return finals
+
+    finals = asyncio.run(main())
+    assert finals[1].finish_reason == "stop" and len(finals[1].token_ids) < 40
+    assert [finals[i].finish_reason for i in (0, 2)] == ["length", "length"]
+    assert async_idle(async_engine)
+
+
 def test_leaving_the_stream_early_aborts_the_request(async_engine):
     async def main():
         stream = async_engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

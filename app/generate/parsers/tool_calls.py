@@ -257,28 +257,85 @@ class ToolCallStream:
     output that starts with `{` or `<|python_tag|>` is held whole until finish(). For any split of an output, the
     events add up to `parse_tool_calls` of the whole."""
 
-    def __init__(self, syntax: ToolSyntax, tool_names: Iterable[str]) -> None:
+    def __init__(self, syntax: ToolSyntax, tool_names: Iterable[str], forced: bool = False) -> None:
+        """`forced`: the output is held to the call grammar (tool_choice "required" or a named function), so it is
+        calls only: a call is read as soon as its JSON closes, text that is not a complete call (the end of a reply
+        cut by max_tokens) is dropped, never content, and a call that repeats an earlier one ends the reply (`ended`:
+        a small model loops on its first call where the grammar lets it add more)."""
         self._syntax = syntax
         self._names = set(tool_names)
         self._buffer = ""
         self._in_call = False
         self._holding_bare_json: bool | None = None  # llama3: None until the first non-space text decides
         self._content = _StrippedText()
+        self._forced = forced
+        self._calls_seen: set[tuple[str, str]] = set()
+        self.ended = False  # forced: a call repeated an earlier one; what follows is not read
 
     def feed(self, delta_text: str) -> list[StreamEvent]:
+        if self.ended:
+            return []
         self._buffer += delta_text
+        if self._forced and self._syntax.wire in ("llama3", "mistral"):
+            return self._forced_events(self._json_calls())
         if self._syntax.wire == "llama3":
             return self._feed_bare_json()
-        return self._drain(final=False)
+        return self._forced_events(self._drain(final=False))
 
     def finish(self) -> list[StreamEvent]:
+        if self.ended:
+            return []
+        if self._forced and self._syntax.wire in ("llama3", "mistral"):
+            return []  # what is left is not a complete call
         if self._syntax.wire != "llama3":
-            return self._drain(final=True)
+            return self._forced_events(self._drain(final=True))
         text, self._buffer = self._buffer, ""
         if self._holding_bare_json is False:
             return self._content_events(text)
         parsed = parse_tool_calls(self._syntax, text, self._names)
         return [*self._content_events(parsed.content or ""), *parsed.tool_calls]
+
+    def _forced_events(self, events: list[StreamEvent]) -> list[StreamEvent]:
+        """Forced: the calls up to the first repeated one, and no text; otherwise the events as they are."""
+        if not self._forced:
+            return events
+        calls = []
+        for event in events:
+            if isinstance(event, ToolCall):
+                key = (event.name, json.dumps(event.arguments, sort_keys=True))
+                if key in self._calls_seen:
+                    self.ended = True
+                    break
+                self._calls_seen.add(key)
+                calls.append(event)
+        return calls
+
+    def _json_calls(self) -> list[StreamEvent]:
+        """Forced llama3 (`<|python_tag|>`? call `; ` call ...) and Mistral (`[TOOL_CALLS][` call `, ` call `]`):
+        the calls whose JSON has closed, read off the front of the buffer."""
+        opening = MISTRAL_MARKER if self._syntax.wire == "mistral" else PYTHON_TAG
+        if not self._in_call:
+            stripped = self._buffer.lstrip()
+            if stripped.startswith(opening):
+                stripped = stripped[len(opening):]
+            elif opening.startswith(stripped):
+                return []  # nothing yet, or the opening marker still arriving
+            self._buffer, self._in_call = stripped, True
+        decoder, calls = json.JSONDecoder(), []
+        while True:
+            body = self._buffer.lstrip(" \n\t;,[")
+            if not body.startswith("{"):
+                self._buffer = body
+                return calls
+            try:
+                value, end = decoder.raw_decode(body)
+            except (ValueError, RecursionError):  # not closed yet
+                self._buffer = body
+                return calls
+            self._buffer = body[end:]
+            call = _tool_call_from(value, self._names)
+            if call is not None:
+                calls.append(call)
 
     def _content_events(self, text: str) -> list[StreamEvent]:
         released = self._content.add(text)

@@ -387,10 +387,47 @@ def test_the_parallel_grammar_takes_several_calls(tokenizers, syntax):
 
 @pytest.mark.parametrize("syntax", WIRES, ids=lambda s: s.name)
 def test_a_named_tool_choice_allows_only_that_tool(tokenizers, syntax):
+    """A named choice is exactly one call of that function, parallel_tool_calls or not."""
     grammar = call_grammar(syntax, TOOLS, {"type": "function", "function": {"name": "get_time"}}, parallel=True)
     assert accepts(tokenizers, grammar, call_text(syntax, [CET]))
-    assert accepts(tokenizers, grammar, call_text(syntax, [CET, CET]))
+    assert not accepts(tokenizers, grammar, call_text(syntax, [CET, CET]))
     assert not accepts(tokenizers, grammar, call_text(syntax, [PARIS]))
+
+
+def forced_stream(syntax, text: str, cuts: list[int]) -> tuple[list, bool]:
+    stream = ToolCallStream(syntax, NAMES, forced=True)
+    events = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        events += stream.feed(text[a:b])
+    return events + stream.finish(), stream.ended
+
+
+@pytest.mark.parametrize("syntax", WIRES, ids=lambda s: s.name)
+def test_a_forced_reply_ends_at_a_repeated_call_and_drops_a_cut_one(syntax):
+    """What a small model does under the parallel grammar: its first call again and again until max_tokens. The
+    reply is the distinct calls before the first repeat; a call cut by max_tokens is dropped, never content."""
+    looping = call_text(syntax, [PARIS, CET, PARIS, TOKYO])
+    for cuts in ([], [7], list(range(1, len(looping)))):
+        events, ended = forced_stream(syntax, looping, cuts)
+        assert all(isinstance(e, ToolCall) for e in events)
+        assert calls_of(events) == [PARIS, CET] and ended
+    cut = call_text(syntax, [PARIS, CET])
+    cut = cut[:cut.rindex("Europe")]
+    events, ended = forced_stream(syntax, cut, [])
+    assert calls_of(events) == [PARIS] and not ended
+    distinct = call_text(syntax, [PARIS, CET])
+    events, ended = forced_stream(syntax, distinct, [len(distinct) // 2])
+    assert calls_of(events) == [PARIS, CET] and not ended
+
+
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3, MISTRAL], ids=lambda s: s.name)
+def test_a_forced_call_is_read_as_soon_as_it_closes(syntax):
+    """So that the server can stop the sample at a repeat without waiting for the end of the output."""
+    first = call_text(syntax, [PARIS, CET])
+    stream = ToolCallStream(syntax, NAMES, forced=True)
+    at = first.index("Europe")
+    assert calls_of(stream.feed(first[:at])) == [PARIS]
+    assert calls_of(stream.feed(first[at:])) == [CET]
 
 
 def test_parameters_with_refs_keep_their_meaning(tokenizers):
