@@ -58,7 +58,9 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Constraint:
-        return cls("json_schema", json.dumps(schema))  # key order kept: properties come out in the schema's order
+        """Output valid against `schema`, its objects that list properties closed (see `closed_objects`)."""
+        # key order kept: properties come out in the schema's order
+        return cls("json_schema", json.dumps(closed_objects(schema)))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -93,6 +95,41 @@ class Constraint:
         if self.kind == "choice":  # a Lark alternation of string literals (JSON strings are Lark strings)
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(self.spec)))
         return LLMatcher.grammar_from_lark(self.spec)
+
+
+# where a schema nests schemas: keyword -> how (one schema, a list of them, or a name -> schema map)
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties")
+_LIST = ("items", "prefixItems", "anyOf", "oneOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that lists `properties` and says
+    nothing of other keys (no additionalProperties, patternProperties or unevaluatedProperties), as llama.cpp's
+    schema converter and xgrammar read schemas: JSON Schema's own default (other keys allowed) lets a model add
+    keys until max_tokens, and what clients send (pydantic's schemas) means "these keys". The members of an
+    `allOf` stay as they are, and an object beside one: each lists part of one object's keys, and closing each
+    would refuse the whole.
+    Nested schemas are walked wherever JSON Schema puts them; anything else is kept verbatim."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _MAP and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            closed[key] = [closed_objects(sub, in_all_of=True) for sub in value]
+        elif key in _ONE or key in _LIST:
+            closed[key] = closed_objects(value)
+        else:
+            closed[key] = value
+    says_other_keys = any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+    if isinstance(schema.get("properties"), dict) and not says_other_keys and not in_all_of and "allOf" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class GrammarCompiler:

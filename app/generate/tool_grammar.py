@@ -14,6 +14,7 @@ from kvforge.app.generate.parsers.tool_calls import (
     ToolSyntax,
     tool_parameters,
 )
+from kvforge.core.constraint import closed_objects
 
 
 def call_grammar(syntax: ToolSyntax, tools: list[dict], tool_choice: str | dict, parallel: bool,
@@ -36,7 +37,7 @@ def call_grammar(syntax: ToolSyntax, tools: list[dict], tool_choice: str | dict,
     if syntax.wire == "mistral-args":
         alternatives = [f"call_{i}" for i in range(len(allowed))]
         rules = [f"call_{i}: {marker(MISTRAL_MARKER)} {_lark_string(tool['function']['name'])} "
-                 f"{marker(MISTRAL_ARGS)} %json {_schema_json(tool_parameters(tool))}"
+                 f"{marker(MISTRAL_ARGS)} %json {_schema_json(closed_objects(tool_parameters(tool)))}"
                  for i, tool in enumerate(allowed)]
         calls = f"({' | '.join(alternatives)})" + ("+" if parallel else "")
         return "\n".join([f"start: {calls}", *rules]) + "\n"
@@ -70,10 +71,11 @@ def _allowed_tools(tools: list[dict], tool_choice: str | dict) -> list[dict]:
 
 
 def _call_schema(tools: list[dict], arguments_key: str) -> dict:
-    """{"name": const, <arguments_key>: parameters} for each tool. Each parameters schema moves to the root's $defs
+    """{"name": const, <arguments_key>: parameters} for each tool, the parameters' objects closed as a response
+    format's are (core/constraint.py closed_objects). Each parameters schema moves to the root's $defs
     (as "tool<i>") with its local $refs rewritten to follow it: a "#/$defs/X" (pydantic writes them) or a
     recursive "#" would otherwise resolve against the call schema instead of the parameters."""
-    definitions = {f"tool{i}": _relocated_refs(tool_parameters(tool), f"#/$defs/tool{i}")
+    definitions = {f"tool{i}": _relocated_refs(closed_objects(tool_parameters(tool)), f"#/$defs/tool{i}")
                    for i, tool in enumerate(tools)}
     alternatives = [{"type": "object",
                      "properties": {"name": {"const": tool["function"]["name"]},

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforge.core import LLM, SamplingParams
-from kvforge.core.constraint import Constraint, InvalidConstraint, apply_token_masks
+from kvforge.core.constraint import Constraint, InvalidConstraint, apply_token_masks, closed_objects
 from tests.helpers.engine_helpers import assert_idle
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -225,3 +225,61 @@ def test_generated_schemas_always_validate(embedded_llm, schema, seed):
     assert finished, [s.text for s in samples]
     for sample in finished:
         valid_json(sample.text, schema)
+
+
+# ---- objects that list properties are closed (llama.cpp's and xgrammar's reading) ----
+
+
+def allows(llm, constraint: Constraint, text: str) -> bool:
+    """Whether the constraint lets the model write `text` and then stop."""
+    matcher = llm.engine.grammars.start(constraint).matcher
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_an_object_with_properties_takes_no_other_keys_unless_it_says_so(embedded_llm):
+    """What pydantic emits (no additionalProperties) means these keys: a model must not add keys until max_tokens."""
+    open_ = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert allows(embedded_llm, Constraint.json_schema(open_), '{"name": "Ada"}')
+    assert not allows(embedded_llm, Constraint.json_schema(open_), '{"name": "Ada", "age": 36}')
+    said = {**open_, "additionalProperties": True}
+    assert allows(embedded_llm, Constraint.json_schema(said), '{"name": "Ada", "age": 36}')
+    typed = {**open_, "additionalProperties": {"type": "integer"}}
+    assert allows(embedded_llm, Constraint.json_schema(typed), '{"name": "Ada", "age": 36}')
+    assert not allows(embedded_llm, Constraint.json_schema(typed), '{"name": "Ada", "age": "old"}')
+    no_properties = {"type": "object"}  # any object: nothing listed, nothing closed
+    assert allows(embedded_llm, Constraint.json_schema(no_properties), '{"age": 36}')
+
+
+def test_closed_objects_walks_a_pydantic_schema():
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+        past: list[Address]
+        work: Address | None = None
+
+    schema = Person.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema)
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["Address"]["additionalProperties"] is False
+    assert closed["properties"] == schema["properties"]  # refs and unions kept as they are
+    jsonschema.validate({"name": "a", "home": {"city": "b"}, "past": []}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "a", "home": {"city": "b", "zip": 1}, "past": []}, closed)
+    inline = {"type": "array", "items": {"properties": {"a": {"anyOf": [{"properties": {"b": {}}}, {"type": "null"}]}}},
+              "prefixItems": [{"properties": {"c": {}}}]}
+    closed = closed_objects(inline)
+    assert closed["items"]["additionalProperties"] is False
+    assert closed["items"]["properties"]["a"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["prefixItems"][0]["additionalProperties"] is False
+    # an allOf's members each list part of one object's keys; an object that says what else it takes keeps it
+    merged = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(merged) == merged
+    patterned = {"properties": {"a": {}}, "patternProperties": {"^x": {}}}
+    assert closed_objects(patterned) == patterned

@@ -367,6 +367,7 @@ def test_the_grammar_refuses_bad_calls(tokenizers, syntax):
     grammar = call_grammar(syntax, TOOLS, "required", parallel=False)
     for call in (("get_weather", {"city": 7}), ("get_weather", {"unit": "celsius"}),
                  ("get_weather", {"city": "Paris", "unit": "kelvin"}), ("get_time", {"tz": "UTC", "seconds": "no"}),
+                 ("get_weather", {"city": "Paris", "country": "FR"}),  # no additionalProperties: closed
                  ("launch_rockets", {})):
         assert not accepts(tokenizers, grammar, call_text(syntax, [call])), call
     assert not accepts(tokenizers, grammar, "The weather is sunny.")
