@@ -22,6 +22,7 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob] | None = None  # params.prompt_logprobs: prompt token i + 1's at [i]
 
 
 class LLM:
@@ -53,15 +54,19 @@ class LLM:
             raise
         final: dict[tuple[str, int], RequestOutput] = {}
         logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
+        prompt_logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[(out.request_id, out.index)] = out.prompt_logprobs
                 if out.delta_logprobs:
                     logprobs.setdefault((out.request_id, out.index), []).extend(out.delta_logprobs)
                 if out.finished:
                     final[(out.request_id, out.index)] = out
         results = []
         for request_id, p in zip(ids, params_list):
-            samples = [_completion(final[(request_id, i)], logprobs.get((request_id, i)), p) for i in range(p.n)]
+            samples = [_completion(final[(request_id, i)], logprobs.get((request_id, i)), p,
+                                   prompt_logprobs.get((request_id, i))) for i in range(p.n)]
             results.append(samples[0] if p.n == 1 else samples)
         return results
 
@@ -92,7 +97,8 @@ class LLM:
         return self.generate(prompts, params)
 
 
-def _completion(out: RequestOutput, logprobs: list[TokenLogprob] | None, params: SamplingParams) -> CompletionOutput:
+def _completion(out: RequestOutput, logprobs: list[TokenLogprob] | None, params: SamplingParams,
+                prompt_logprobs: list[TokenLogprob] | None) -> CompletionOutput:
     return CompletionOutput(out.prompt_token_ids, out.token_ids, out.text, out.finish_reason, out.index,
                             out.num_cached_tokens, (logprobs or []) if params.logprobs is not None else None,
-                            out.metrics or {})
+                            out.metrics or {}, prompt_logprobs)

@@ -42,6 +42,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, Any] | None = None  # set on the final output
     embedding: list[float] | None = None  # an embedding request's (core/pooling.py), on its final output
+    # params.prompt_logprobs: on the sample's first output, prompt token i + 1's logprob at [i] (the first token,
+    # with nothing before it, has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -53,6 +56,7 @@ class OutputState:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)
     stop_string: str | None = None  # the stop string found, once one is
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.detokenizer = self.tokenizer.detokenizer(self.params.skip_special_tokens)
@@ -103,4 +107,6 @@ class OutputState:
                             self.pending_logprobs if seq.params.logprobs is not None else None,
                             finished=finished, num_cached_tokens=seq.num_cached_tokens or 0, **final)
         self.pending_tokens, self.pending_logprobs = [], []
+        if getattr(seq.params, "prompt_logprobs", None) is not None and not self.prompt_logprobs_sent:
+            out.prompt_logprobs, self.prompt_logprobs_sent = list(seq.prompt_logprobs), True
         return out

@@ -15,7 +15,7 @@ from kvforge.core.repetition import RepetitionGuard
 from kvforge.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from kvforge.core.output import OutputState
+    from kvforge.core.output import OutputState, TokenLogprob
 
 
 class Status(Enum):
@@ -54,6 +54,8 @@ class Sequence:
     num_verify_steps: int = 0  # steps that verified at least one draft
     pooled: PooledHidden | None = None  # an embedding request's hidden states of its computed positions
     repetition: RepetitionGuard | None = None  # its loop detector, when params.repetition_guard asks for one
+    # params.prompt_logprobs: prompt token i + 1's logprob at [i], recorded as its prefill computes it
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | "abort"
     # timings (time.monotonic)

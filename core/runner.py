@@ -46,6 +46,8 @@ class StepInputs:
     prefills: list[tuple[int, int, int, list[int]]]
     logits_rows: list[int]  # rows whose logits the step returns
     pool_rows: list[tuple[int, int]] = field(default_factory=list)  # rows [first, last) of each embedding request
+    # rows [first, last) whose next prompt tokens' logprobs are asked for, those tokens, and how many top ones
+    prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
 
 
     def decode_rows(self) -> tuple[list[list[int]], list[int]]:
@@ -61,6 +63,18 @@ class StepOutput:
 
     logits: torch.Tensor
     pooled: list[PooledHidden] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # of `StepInputs.prompt_rows`, in order
+
+
+@dataclass
+class PromptLogprobs:
+    """The logprobs of a run of prompt tokens (each given the tokens before it) and each position's top ones."""
+
+    chosen: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+PROMPT_LOGITS_ROWS = 64  # rows turned into logits at once: a 128k vocabulary's fp32 logits of 64 rows are 32 MiB
 
 
 def check_device(device: torch.device) -> torch.device:
@@ -201,6 +215,11 @@ class ModelRunner:
             last_row[id(item)] = row
         for item in batch:
             end = last_row[id(item)]
+            first, last = item.prompt_logprob_span
+            if last > first:
+                row, start = end - item.num_new_tokens, item.seq.num_computed_tokens
+                targets = item.seq.prompt_token_ids[start + first + 1:start + last + 1]
+                inputs.prompt_rows.append((row + first, row + last, targets, item.seq.params.prompt_logprobs))
             if item.samples:
                 inputs.logits_rows.extend(range(end - item.num_logits_rows, end))
             elif item.seq.pools:
@@ -280,7 +299,23 @@ class ModelRunner:
     def _output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
         rows = inputs.logits_rows
         logits = self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
-        return StepOutput(logits, [PooledHidden.of_rows(hidden[first:last]) for first, last in inputs.pool_rows])
+        return StepOutput(logits, [PooledHidden.of_rows(hidden[first:last]) for first, last in inputs.pool_rows],
+                          [self._prompt_logprobs(hidden[first:last], targets, top)
+                           for first, last, targets, top in inputs.prompt_rows])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> PromptLogprobs:
+        """The raw model logprobs (as the sampler's) of `targets`, each after its row, and the `top` best."""
+        result = PromptLogprobs([], [])
+        for first in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            block = torch.log_softmax(self.model.compute_logits(hidden[first:first + PROMPT_LOGITS_ROWS]).float(), -1)
+            wanted = torch.tensor(targets[first:first + PROMPT_LOGITS_ROWS], device=block.device).view(-1, 1)
+            result.chosen.extend(block.gather(1, wanted).view(-1).tolist())
+            if top:
+                values, ids = block.topk(top)
+                result.top.extend([list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())])
+            else:
+                result.top.extend([] for _ in range(len(wanted)))
+        return result
 
     def execute(self, batch: list[ScheduledSeq]) -> StepOutput:
         """Run one step: the logits rows of the items that sample, in batch order (see `layout`), and the

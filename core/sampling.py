@@ -73,8 +73,9 @@ BOUNDS = {
     "max_tokens": Bounds(True, ge=1),
     "min_tokens": Bounds(True, ge=0, expected="an integer in [0, max_tokens]"),  # and <= max_tokens
     "logprobs": Bounds(True, ge=0, le=MAX_LOGPROBS),
+    "prompt_logprobs": Bounds(True, ge=0, le=MAX_LOGPROBS),
 }
-OPTIONAL = ("seed", "logprobs")  # None: not set
+OPTIONAL = ("seed", "logprobs", "prompt_logprobs")  # None: not set
 
 
 @dataclass
@@ -94,6 +95,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N: the sampled token's logprob and the top N
+    # None: none; N: each prompt token's logprob given the tokens before it (the first has none) and the top N,
+    # computed in the prompt's own prefill; such a request takes nothing from the prefix cache (no logits there)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (after penalties)
     constraint: Constraint | None = None  # the output must match it (core/constraint.py)
@@ -101,7 +105,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:  # the numeric fields' bounds: BOUNDS
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        first = [self._bounded(name) for name in BOUNDS if name != "logprobs"]  # n ... min_tokens
+        first = [self._bounded(name) for name in BOUNDS if "logprobs" not in name]  # n ... min_tokens
         checks = first + [
             ("min_tokens", not _is_int(self.max_tokens) or self.min_tokens <= self.max_tokens,
              BOUNDS["min_tokens"].describe()),
@@ -112,6 +116,7 @@ class SamplingParams:
             ("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of non-negative integers"),
             self._bounded("logprobs"),
+            self._bounded("prompt_logprobs"),
             ("logit_bias", self.logit_bias is None or (
                 isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS
                 and all(_is_int(t) and t >= 0 and _is_number(b) and LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1]

@@ -245,7 +245,8 @@ class Scheduler:
             limit = min(budget, shares[None])
             if limit <= 0:
                 break
-            if seq.pools:  # every position's hidden state is pooled: nothing is taken from the cache
+            if seq.pools or seq.params.prompt_logprobs is not None:
+                # every position's hidden state is pooled, or its logits are asked for: nothing is taken from the cache
                 n = self.kv.admit(seq, [], limit)
             else:
                 hits = self.kv.match_prefix(seq)
@@ -350,6 +351,7 @@ class Scheduler:
 
     def _fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         child.num_cached_tokens = parent.num_cached_tokens
+        child.prompt_logprobs = parent.prompt_logprobs  # one prompt, one prefill
         child.first_scheduled_time = parent.first_scheduled_time
         copies = self.kv.fork(parent, child)
         if copies is None:  # no block for its copy of the partial block: recompute it later

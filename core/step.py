@@ -28,6 +28,19 @@ class ScheduledSeq:
     def num_logits_rows(self) -> int:
         return 1 + len(self.seq.spec_token_ids) if self.samples else 0
 
+    @property
+    def prompt_logprob_span(self) -> tuple[int, int]:
+        """[first, last) of the chunk's positions (0 = its first) whose logits give the next prompt token's
+        logprob still to record (params.prompt_logprobs; a recomputed chunk after preemption records nothing
+        twice); (0, 0) when none."""
+        seq = self.seq
+        if getattr(seq.params, "prompt_logprobs", None) is None:
+            return 0, 0
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs))
+        last = min(start + self.num_new_tokens, len(seq.prompt_token_ids) - 1)
+        return (first - start, last - start) if last > first else (0, 0)
+
 
 @dataclass
 class StepPlan:

@@ -19,9 +19,17 @@ RETRY_AFTER_S = 1
 
 
 class Ticket:
-    def __init__(self, admission: Admission, lease: Lease) -> None:
+    def __init__(self, admission: Admission, lease: Lease, holders: list[int] | None = None) -> None:
         self.admission, self.lease = admission, lease
         self._held = True
+        self._holders = holders if holders is not None else [1]  # the tickets sharing this place, still held
+
+    def split(self, count: int) -> list[Ticket]:
+        """This ticket as `count` tickets, one per part of one request (completions' batch of prompts): one place,
+        released with the model when the last part's ticket is. This one is then spent."""
+        self._held = False
+        holders = [count]
+        return [Ticket(self.admission, self.lease, holders) for _ in range(count)]
 
     @property
     def engine(self) -> AsyncEngine:
@@ -35,8 +43,10 @@ class Ticket:
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.admission.host.release(self.lease)
-            self.admission.pending -= 1
+            self._holders[0] -= 1
+            if self._holders[0] == 0:
+                self.admission.host.release(self.lease)
+                self.admission.pending -= 1
 
 
 class Admission:

@@ -7,6 +7,7 @@ app/generate/stream.py, which each dialect writes in its own shape."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -55,47 +56,76 @@ class Admitted:
         (app/generate/stream.py's drive)."""
         return drive(self.stream, self.plan, self.context.request_timeout_s, self.context.metrics, read)
 
-    async def collect(self) -> tuple[dict[int, RequestOutput], dict[int, list[TokenLogprob]]]:
-        """A whole (not streamed) response's outputs: each sample's final output and its token logprobs, by sample
-        index. The request is closed however this ends; past the request timeout it is aborted and APIError 504
-        raised."""
-        finals: dict[int, RequestOutput] = {}
-        logprobs: dict[int, list[TokenLogprob]] = {}
+    async def collect(self) -> Collected:
+        """A whole (not streamed) response's outputs. The request is closed however this ends; past the request
+        timeout it is aborted and APIError 504 raised."""
+        collected = Collected({}, {}, {})
         try:
             async for item in self.outputs(read=False):
                 if isinstance(item, Failed):  # no headers sent yet: 504 past the timeout, the engine's failure 503
                     raise item.error.api_error() if isinstance(item.error, RequestTimedOut) else item.error
                 out = item.out
                 if out.delta_logprobs:
-                    logprobs.setdefault(out.index, []).extend(out.delta_logprobs)
+                    collected.logprobs.setdefault(out.index, []).extend(out.delta_logprobs)
+                if out.prompt_logprobs is not None:
+                    collected.prompt_logprobs[out.index] = out.prompt_logprobs
                 if out.finished:
-                    finals[out.index] = out
+                    collected.finals[out.index] = out
         finally:
             self.close()
-        return finals, logprobs
+        return collected
+
+
+@dataclass
+class Collected:
+    """A whole response's outputs, by sample index: each sample's final output, its token logprobs, and (asked for)
+    its prompt's token logprobs."""
+
+    finals: dict[int, RequestOutput]
+    logprobs: dict[int, list[TokenLogprob]]
+    prompt_logprobs: dict[int, list[TokenLogprob]]
 
 
 async def admit(context: ServerContext, request: GenerateRequest) -> Admitted:
     """Admit the request (its model loaded on demand), render its prompt off the event loop, queue it; APIError
     naming the field for a prompt too long or empty, bad sampling values, a constraint that cannot be enforced."""
-    prompt_field = request.prompt.field
-    ticket = await context.admission.enter(request.model, request.keep_alive_s)
+    return (await admit_all(context, [request]))[0]
+
+
+async def admit_all(context: ServerContext, requests: list[GenerateRequest]) -> list[Admitted]:
+    """admit() for a request made of several (completions' batch of prompts, one model): one admission place for
+    them all, each queued as its own engine request, all in one group that shares the engine as one client's
+    request does (core/scheduler.py). All or none: a part refused closes those queued before it."""
+    ticket = await context.admission.enter(requests[0].model, requests[0].keep_alive_s)
+    tickets = ticket.split(len(requests)) if len(requests) > 1 else [ticket]
+    group = uuid.uuid4().hex if len(requests) > 1 else None
+    admitted: list[Admitted] = []
     try:
-        engine = ticket.engine
-        check_prompt_chars(engine, request.prompt.chars(), prompt_field)
-        # before the request is queued: a client gone during this await leaves nothing running
-        rendered = await off_loop(request.prompt.render, engine, ticket.model)
-        if not rendered.prompt:
-            raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
-        stream, params = submit(engine, request, rendered, context.default_max_tokens)
+        for request, part in zip(requests, tickets, strict=True):
+            admitted.append(await _queue(context, request, part, group))
     except BaseException:
-        ticket.release()
+        for queued in admitted:
+            queued.close()
+        for part in tickets[len(admitted):]:
+            part.release()
         raise
+    return admitted
+
+
+async def _queue(context: ServerContext, request: GenerateRequest, ticket: Ticket, group: str | None) -> Admitted:
+    prompt_field = request.prompt.field
+    engine = ticket.engine
+    check_prompt_chars(engine, request.prompt.chars(), prompt_field)
+    # before the request is queued: a client gone during this await leaves nothing running
+    rendered = await off_loop(request.prompt.render, engine, ticket.model)
+    if not rendered.prompt:
+        raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
+    stream, params = submit(engine, request, rendered, context.default_max_tokens, group)
     return Admitted(context, ticket, stream, params, rendered.prompt, rendered.plan, rendered.echoed)
 
 
 def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,
-           default_max_tokens: int) -> tuple[RequestStream, SamplingParams]:
+           default_max_tokens: int, group: str | None = None) -> tuple[RequestStream, SamplingParams]:
     """Queue the rendered request (held to its constraint, compiled beforehand off the event loop); APIError 400
     naming the field for bad sampling values or a prompt that cannot fit."""
     prompt, prompt_field, window = rendered.prompt, request.prompt.field, request.window
@@ -107,6 +137,7 @@ def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split()[0]) from None
     params.constraint, params.skip_special_tokens = rendered.constraint, rendered.skip_special_tokens
+    params.prompt_logprobs = request.prompt_logprobs
     context = engine.engine.max_model_len
     if window is not None:
         context = min(context, window.tokens)
@@ -118,7 +149,7 @@ def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,
         # no explicit limit: fit what is left of the context instead of rejecting the request
         params.max_tokens = max(1, min(params.max_tokens, context - len(prompt)))
     try:
-        stream = engine.add_request(prompt, params)
+        stream = engine.add_request(prompt, params, group=group)
     except RequestRejected as exc:
         raise APIError(400, str(exc), prompt_field, code="context_length_exceeded") from None
     except ValueError as exc:  # the prompt's token ids, or logit_bias's, outside the vocabulary

@@ -121,6 +121,7 @@ class GenerateRequest:
     prompt: ChatPrompt | TextPrompt
     sampling: SamplingFields  # the sampling values, OpenAI's names (a dialect maps its own, naming them in errors)
     logprobs: int | None = None  # the top logprobs per token to return (None: none)
+    prompt_logprobs: int | None = None  # the prompt's token logprobs too, with this many top ones (None: none)
     model: str | None = None  # the model it names (None: the server's own), loaded on demand
     keep_alive_s: float | None = None  # how long a model loaded for it stays after (Ollama's keep_alive)
     window: ContextWindow | None = None  # a context it asks for, smaller than the model's (Ollama's num_ctx)

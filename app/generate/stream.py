@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -22,6 +23,8 @@ from kvforge.app.http.metrics import ServerMetrics
 from kvforge.core.async_engine import RequestStream
 from kvforge.core.engine import RequestsFailed
 from kvforge.core.output import RequestOutput
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,36 @@ async def drive(stream: RequestStream, plan: ChatPlan | None, timeout_s: float |
             yield Read(out, parts, first, reader is not None and reader.num_tool_calls > 0)
     except (RequestsFailed, RequestTimedOut) as exc:
         yield failed(exc)
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's position (a completions batch's
+    prompts streamed together); leaving early stops reading them all."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(position: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((position, item))
+            await queue.put((position, done))
+        except Exception as exc:  # handed to the reader, raised there
+            await queue.put((position, exc))
+
+    tasks = [asyncio.create_task(pump(position, stream)) for position, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            position, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class StreamResponse(StreamingResponse):

@@ -41,3 +41,34 @@ def test_greedy_batch_matches_hf(embedded_llm, hf_model):
     print(report)
     assert report.exact >= len(PROMPTS) - 1, report
     assert embedded_llm.engine.block_pool.num_used == 0
+
+
+def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(prompt[1:]).view(-1, 1)).view(-1)
+
+
+def test_prompt_logprobs_equal_hf_across_chunks_samples_and_cache_hits(embedded_path, hf_model):
+    """Each prompt token's logprob given the ones before it (what lm-eval's loglikelihood reads through echo +
+    logprobs), computed in the prompt's own chunked prefill: HF's fp32 values within 1e-4, for every sample of
+    an n > 1 request, and again when the prefix cache holds the prompt (such a request computes it anew)."""
+    from kvforge.core import LLM
+
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32",
+              max_num_batched_tokens=96)  # a 300-token prompt runs in 4 chunks, batched with the others
+    tok = llm.tokenizer
+    prompts = [tok.encode(text) for text in (f"Notes:\n{LONG}", PROMPTS[1], PROMPTS[3])]
+    expected = [hf_prompt_logprobs(hf_model, p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3, n=2)
+    for _ in range(2):  # the second time, every full block of each prompt is in the prefix cache
+        for prompt, samples, want in zip(prompts, llm.generate(prompts, params), expected, strict=True):
+            for sample in samples:
+                got = sample.prompt_logprobs
+                assert [t.token_id for t in got] == prompt[1:]
+                assert torch.allclose(torch.tensor([t.logprob for t in got]), want, atol=1e-4)
+                assert all(len(t.top) == 3 and t.top[0][1] >= t.logprob - 1e-5 for t in got)
+                assert sample.num_cached_tokens == 0
+    plain = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # the blocks were cached for others
+    assert llm.engine.block_pool.num_used == 0

@@ -119,7 +119,7 @@ def anthropic_router(context: ServerContext) -> APIRouter:
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
             return StreamResponse(events(admitted, message_id), admitted.close)
-        final = (await admitted.collect())[0][0]
+        final = (await admitted.collect()).finals[0]
         reply = read_whole(admitted.plan, final.text)
         return {"id": message_id, "type": "message", "role": "assistant", "model": admitted.model,
                 "content": content_blocks(reply), **stop_fields(final, bool(reply.calls)),

@@ -45,7 +45,7 @@ from kvforge.app.dialects.ollama.protocol import (
     OllamaPullRequest,
     OllamaRequest,
 )
-from kvforge.app.dialects.openai.format import format_logprobs
+from kvforge.app.dialects.openai.format import chat_logprobs
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
@@ -147,7 +147,7 @@ def ollama_logprobs(items, tokenizer) -> list[dict[str, Any]]:
         return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
 
     return [entry(e) | {"top_logprobs": [entry(t) for t in e["top_logprobs"]]}
-            for e in format_logprobs(items, True, tokenizer)["content"]]
+            for e in chat_logprobs(items, tokenizer)["content"]]
 
 
 def ollama_router(context: ServerContext) -> APIRouter:
@@ -212,8 +212,8 @@ def ollama_router(context: ServerContext) -> APIRouter:
         """`chat`: /api/chat's shape (a message); else /api/generate's (a response text, and the context)."""
         if stream:
             return StreamResponse(lines(admitted, name, chat), admitted.close, NDJSON)
-        finals, token_logprobs = await admitted.collect()
-        final = finals[0]
+        collected = await admitted.collect()
+        final, token_logprobs = collected.finals[0], collected.logprobs
         if admitted.plan is None:  # a raw prompt: the text as it came
             message = {"role": "assistant", "content": final.text}
         else:

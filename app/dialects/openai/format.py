@@ -62,16 +62,34 @@ def timings(out: RequestOutput) -> dict:
             "queue_ms": None if m.get("queue_time") is None else round(m["queue_time"] * 1000, 2)}
 
 
-def format_logprobs(items: list[TokenLogprob], chat: bool, tokenizer) -> dict:
-    """OpenAI's logprobs objects: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
+def chat_logprobs(items: list[TokenLogprob], tokenizer) -> dict:
+    """OpenAI's chat logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}."""
+    return {"content": [_entry(tokenizer, i.token_id, i.logprob)
+                        | {"top_logprobs": [_entry(tokenizer, t, lp) for t, lp in i.top]} for i in items]}
 
-    def entry(token_id: int, logprob: float) -> dict:
-        piece = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "id": token_id}
 
-    if chat:
-        return {"content": [entry(i.token_id, i.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in i.top]}
-                            for i in items]}
-    return {"tokens": [entry(i.token_id, i.logprob)["token"] for i in items],
-            "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{entry(t, lp)["token"]: lp for t, lp in i.top} for i in items]}
+def completion_logprobs(items: list[TokenLogprob], tokenizer, prompt: list[int] | None = None,
+                        prompt_logprobs: list[TokenLogprob] | None = None) -> dict:
+    """OpenAI's completions logprobs object: {"tokens", "token_logprobs", "top_logprobs"}. With the prompt's
+    (echo): its tokens first, the first one's logprob and top null (nothing comes before it)."""
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if prompt_logprobs is not None and prompt:
+        tokens.append(_piece(tokenizer, prompt[0]))
+        logprobs.append(None)
+        tops.append(None)
+    for item in (prompt_logprobs or []) + items:
+        tokens.append(_piece(tokenizer, item.token_id))
+        logprobs.append(item.logprob)
+        tops.append({_piece(tokenizer, t): lp for t, lp in item.top})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops}
+
+
+def _piece(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _entry(tokenizer, token_id: int, logprob: float) -> dict:
+    piece = _piece(tokenizer, token_id)
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "id": token_id}

@@ -40,8 +40,10 @@ generation_config.json, its family's recommendation, or the settings file's), el
 
 POST /v1/completions (openai's completion_create_params):
 
-    prompt                      a string or a list of token ids; a batch of prompts is refused
-    echo                        honoured (the prompt's text starts each choice); with logprobs refused
+    prompt                      a string, a list of token ids, or a batch of either (at most 256 prompts;
+                                choice i * n + j is prompt i's sample j, as OpenAI's and vLLM's)
+    echo                        honoured (the prompt's text starts each choice); with logprobs, the prompt's
+                                tokens lead the logprobs (the first one's null), computed in its prefill
     best_of                     accepted when 1 or equal to n (that is what runs), else refused
     suffix                      refused: no fill-in-the-middle
     logit_bias, logprobs, user  honoured / accepted as above; the sampling fields and extras as for chat
@@ -58,6 +60,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from kvforge.app.dialects.openai.fields import (
     FORBID,
+    MAX_COMPLETION_PROMPTS,
     MAX_MESSAGES,
     STRICT_NUMBERS,
     refuse_given,
@@ -233,7 +236,9 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] = Field(min_length=1)
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
+        list[str], Field(min_length=1, max_length=MAX_COMPLETION_PROMPTS)] | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_COMPLETION_PROMPTS)]
     logprobs: int | None = sampling_field("logprobs")
     echo: bool = False
     best_of: int | None = None
@@ -247,20 +252,11 @@ class CompletionRequest(SamplingFields):
         refuse_given(value, info, cls)
         return value
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
-            raise ValueError("a batch of prompts is not supported: send one prompt (a string or a list of token ids) "
-                             "per request")
-        return prompt
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
-        if echo and info.data.get("logprobs") is not None:
-            raise ValueError("not supported together with logprobs (the prompt's logprobs are not computed)")
-        return echo
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a batch: one text, or one token-id list, is a batch of one."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @field_validator("best_of")
     @classmethod

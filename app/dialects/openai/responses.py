@@ -153,7 +153,7 @@ def responses_router(context: ServerContext) -> APIRouter:
         response_id, created = new_id("resp"), time.time()
         if body.stream:
             return StreamResponse(events(body, admitted, response_id, created), admitted.close)
-        out = (await admitted.collect())[0][0]
+        out = (await admitted.collect()).finals[0]
         reader, items = ChoiceReader(admitted.plan), OutputItems()
         for part in reader.read_all(out.text):
             items.add(part)

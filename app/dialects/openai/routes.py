@@ -5,6 +5,7 @@ server-sent events, in OpenAI's shape (app/dialects/openai/format.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -13,12 +14,20 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 
 from kvforge.app.context import ServerContext
-from kvforge.app.dialects.openai.format import delta, finish_reason, format_logprobs, message, timings, usage
+from kvforge.app.dialects.openai.format import (
+    chat_logprobs,
+    completion_logprobs,
+    delta,
+    finish_reason,
+    message,
+    timings,
+    usage,
+)
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
-from kvforge.app.generate.admit import Admitted, admit
+from kvforge.app.generate.admit import Admitted, admit_all
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.request import ChatPrompt, GenerateRequest, TextPrompt
-from kvforge.app.generate.stream import Failed, StreamResponse
+from kvforge.app.generate.stream import Failed, StreamResponse, merged
 from kvforge.core.output import RequestOutput
 
 
@@ -30,84 +39,109 @@ def openai_router(context: ServerContext) -> APIRouter:
         context.admission.check_model(body.model)
         request = GenerateRequest(prompt=ChatPrompt.of(body), sampling=body, logprobs=body.logprobs_count(),
                                   model=body.model)
-        return await respond(body, request, chat=True)
+        return await respond(body, [request], chat=True)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
         context.admission.check_model(body.model)
         constraint = body.structured_outputs.constraint() if body.structured_outputs else None
-        request = GenerateRequest(prompt=TextPrompt(text=body.prompt, echo=body.echo, constraint=constraint),
-                                  sampling=body, logprobs=body.logprobs, model=body.model)
-        return await respond(body, request, chat=False)
+        # echo with logprobs: the prompt's own token logprobs lead each choice's (lm-eval's loglikelihood)
+        prompt_logprobs = body.logprobs if body.echo else None
+        requests = [GenerateRequest(prompt=TextPrompt(text=prompt, echo=body.echo, constraint=constraint),
+                                    sampling=body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
+                                    model=body.model) for prompt in body.prompts()]
+        return await respond(body, requests, chat=False)
 
-    async def respond(body: ChatCompletionRequest | CompletionRequest, request: GenerateRequest, chat: bool):
-        """Admit and queue the request, answer in OpenAI's shape: a whole response, or its server-sent events."""
-        admitted = await admit(context, request)
-        engine, params, plan = admitted.engine, admitted.params, admitted.plan
+    async def respond(body: ChatCompletionRequest | CompletionRequest, requests: list[GenerateRequest], chat: bool):
+        """Admit and queue the request (a completions batch: each prompt, choice i * n + j its prompt i's sample j),
+        answer in OpenAI's shape: a whole response, or its server-sent events."""
+        batch = await admit_all(context, requests)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamResponse(sse(admitted, request_id, created, include_usage), admitted.close)
-        finals, token_logprobs = await admitted.collect()
-        choices = []
-        for i in range(params.n):
-            out = finals[i]
-            lp = None if request.logprobs is None else format_logprobs(token_logprobs.get(i, []), chat,
-                                                                        engine.tokenizer)
-            if chat:
-                reply = read_whole(plan, out.text)
-                choices.append({"index": i, "message": message(reply), "logprobs": lp,
-                                "finish_reason": finish_reason(out, bool(reply.calls))})
-            else:
-                choices.append({"index": i, "text": admitted.echoed + out.text, "logprobs": lp,
-                                "finish_reason": finish_reason(out)})
+
+            def close_all() -> None:
+                for admitted in batch:
+                    admitted.close()
+
+            return StreamResponse(sse(batch, request_id, created, include_usage), close_all)
+        try:
+            collected = await asyncio.gather(*(admitted.collect() for admitted in batch))
+        finally:
+            for admitted in batch:  # one part failed: the others go too
+                admitted.close()
+        choices, finals = [], []
+        for position, (admitted, whole) in enumerate(zip(batch, collected)):
+            n, tokenizer = admitted.params.n, admitted.engine.tokenizer
+            for i in range(n):
+                out = whole.finals[i]
+                finals.append(out)
+                index = position * n + i
+                if chat:
+                    lp = None if admitted.params.logprobs is None else chat_logprobs(whole.logprobs.get(i, []),
+                                                                                     tokenizer)
+                    reply = read_whole(admitted.plan, out.text)
+                    choices.append({"index": index, "message": message(reply), "logprobs": lp,
+                                    "finish_reason": finish_reason(out, bool(reply.calls))})
+                else:
+                    lp = None if admitted.params.logprobs is None else completion_logprobs(
+                        whole.logprobs.get(i, []), tokenizer, admitted.prompt, whole.prompt_logprobs.get(i))
+                    choices.append({"index": index, "text": admitted.echoed + out.text, "logprobs": lp,
+                                    "finish_reason": finish_reason(out)})
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": admitted.model, "choices": choices, "usage": usage(finals.values(), len(admitted.prompt)),
+                "model": batch[0].model, "choices": choices,
+                "usage": usage(finals, sum(len(admitted.prompt) for admitted in batch)),
                 "timings": timings(finals[0])}
 
-    async def sse(admitted: Admitted, request_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
-        """A chat's choices as content, reasoning and tool-call deltas; a completion's as text."""
-        chat, engine, echo = admitted.plan is not None, admitted.engine, admitted.echoed
+    async def sse(batch: list[Admitted], request_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        """A chat's choices as content, reasoning and tool-call deltas; a completion's as text (a batch's prompts
+        interleaved as their tokens come)."""
+        first = batch[0]
+        chat, tokenizer = first.plan is not None, first.engine.tokenizer
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, **extra) -> str:
-            payload = {"id": request_id, "object": kind, "created": created, "model": admitted.model,
+            payload = {"id": request_id, "object": kind, "created": created, "model": first.model,
                        "choices": choices, **extra}
             return f"data: {json.dumps(payload)}\n\n"
 
-        finals: dict[int, RequestOutput] = {}
-        started: set[int] = set()  # completions: samples whose first chunk (with the echoed prompt) is sent
-        async for item in admitted.outputs():
+        finals: list[RequestOutput] = []
+        started: set[int] = set()  # completions: choices whose first chunk (with the echoed prompt) is sent
+        async for position, item in merged([admitted.outputs() for admitted in batch]):
             if isinstance(item, Failed):  # headers are sent: say it in the stream, as OpenAI does
                 error = {"message": item.message, "type": item.kind, "param": None, "code": item.code}
                 yield f"data: {json.dumps({'error': error})}\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            out = item.out
-            lp = format_logprobs(out.delta_logprobs, chat, engine.tokenizer) if out.delta_logprobs else None
+            admitted, out = batch[position], item.out
+            index = position * admitted.params.n + out.index
             if chat:
+                lp = chat_logprobs(out.delta_logprobs, tokenizer) if out.delta_logprobs else None
                 deltas = [delta(part) for part in item.parts]
                 if item.first:  # the role goes out with the first token (a true TTFT), not before prefill
                     deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
                 elif lp and not deltas:
                     deltas = [{"content": ""}]
                 for j, shaped in enumerate(deltas):
-                    yield chunk([{"index": out.index, "delta": shaped, "logprobs": lp if j == 0 else None,
+                    yield chunk([{"index": index, "delta": shaped, "logprobs": lp if j == 0 else None,
                                   "finish_reason": None}])
             else:
-                echo_now = echo if out.index not in started else ""  # opens each choice's text
+                lp = None
+                if out.delta_logprobs or out.prompt_logprobs is not None:
+                    lp = completion_logprobs(out.delta_logprobs or [], tokenizer, admitted.prompt, out.prompt_logprobs)
+                echo_now = admitted.echoed if index not in started else ""  # opens each choice's text
                 if out.delta_text or lp or echo_now:
-                    started.add(out.index)
-                    yield chunk([{"index": out.index, "text": echo_now + out.delta_text, "logprobs": lp,
+                    started.add(index)
+                    yield chunk([{"index": index, "text": echo_now + out.delta_text, "logprobs": lp,
                                   "finish_reason": None}])
             if out.finished:
-                finals[out.index] = out
-                last = {"index": out.index, "logprobs": None, "finish_reason": finish_reason(out, item.called_tools)}
+                finals.append(out)
+                last = {"index": index, "logprobs": None, "finish_reason": finish_reason(out, item.called_tools)}
                 last.update({"delta": {}} if chat else {"text": ""})
                 yield chunk([last], timings=timings(out))
         if include_usage:
-            yield chunk([], usage=usage(finals.values(), len(admitted.prompt)))
+            yield chunk([], usage=usage(finals, sum(len(admitted.prompt) for admitted in batch)))
         yield "data: [DONE]\n\n"
 
     return router

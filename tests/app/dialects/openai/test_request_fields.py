@@ -134,7 +134,6 @@ def test_bad_messages_are_400_naming_messages(client, messages, why):
 @pytest.mark.parametrize("fields, param, why", [
     ({"suffix": " and that is all."}, "suffix", "fill-in-the-middle"),
     ({"best_of": 3}, "best_of", "equal to n"),
-    ({"echo": True, "logprobs": 1}, "echo", "logprobs"),
     ({"extra_body": {"metadata": {"a": "b"}}}, "metadata", "unknown field"),
     ({"logit_bias": {str(10**6): 5}}, "logit_bias", "logit_bias"),  # beyond the vocabulary: the engine says so
 ])
@@ -143,60 +142,65 @@ def test_refused_completion_fields(client, fields, param, why):
     assert error["param"] == param and why in error["message"], error
 
 
-def test_batched_prompts_are_refused(client):
-    error = refusal(lambda: client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=1))
-    assert error["param"] == "prompt" and "batch" in error["message"]
+# --- a batch of prompts, echo with logprobs (what lm-eval's local-completions sends) -------------------------
 
 
-# --- accepted ------------------------------------------------------------------------------------------
-
-
-def test_metadata_fields_are_accepted(client, server):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=2, user="user-1", metadata={"run": "test"}, store=False,
-        service_tier="auto", prompt_cache_key="greeting", safety_identifier="hash-1", modalities=["text"],
-        parallel_tool_calls=True, stream_options=None, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert reply.choices[0].message.content
-    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, user="user-1", best_of=1).choices
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gives_each_prompts_choices_in_order(client, tokenizer, server, stream):
+    """Choice i * n + j is prompt i's sample j (OpenAI's and vLLM's order), each what the prompt alone gives."""
+    texts = [PROMPT, "Once upon a time", "1, 2, 3,"]
+    alone = [client.completions.create(model=MODEL, prompt=t, max_tokens=3, temperature=0).choices[0].text
+             for t in texts]
+    for batch in (texts, [tokenizer.encode(t) for t in texts]):
+        request = dict(model=MODEL, prompt=batch, max_tokens=3, temperature=0, n=2)
+        if stream:
+            texts_by_index: dict[int, str] = {}
+            for chunk in client.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+                for choice in chunk.choices:
+                    texts_by_index[choice.index] = texts_by_index.get(choice.index, "") + choice.text
+                usage = chunk.usage
+            got = [texts_by_index[i] for i in range(6)]
+        else:
+            reply = client.completions.create(**request)
+            assert [c.index for c in reply.choices] == list(range(6))
+            got, usage = [c.text for c in reply.choices], reply.usage
+        assert got == [text for text in alone for _ in range(2)]
+        assert usage.completion_tokens == 18
+        assert usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
     assert wait_idle(server[1])
 
 
-def test_tool_history_and_named_tool_choice_are_accepted(server):
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "reasoning_content": "The user wants the weather.",
-                 "tool_calls": [{"id": "call_1", "type": "function",
-                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "tools": [TOOL],
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "weather", "schema": {"type": "object"}, "strict": True}}}
-    r = httpx.post(f"{server[0]}/v1/chat/completions", json=body, headers=HEADERS, timeout=60)
-    assert r.status_code == 200, r.text
+def test_a_batch_too_large_or_mixed_is_400_naming_the_prompt(client):
+    for prompt in (["a"] * 257, [[1, 2], "b"], [], [[]]):
+        assert refusal(lambda p=prompt: client.completions.create(model=MODEL, prompt=p, max_tokens=1))["param"] == \
+            "prompt"
 
 
-# --- logit_bias -----------------------------------------------------------------------------------------
-
-
-def test_logit_bias_forces_a_token(client, tokenizer):
-    zebra = tokenizer.encode(" zebra")[0]
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
-                                    logit_bias={str(zebra): 100})
-    assert out.choices[0].text == tokenizer.decode([zebra])
-    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, temperature=0,
-                                          logit_bias={str(zebra): 100})
-    assert chat.choices[0].message.content == tokenizer.decode([zebra])
-
-
-def test_logit_bias_bans_the_greedy_token(client):
-    def first_token_id(**fields) -> int:
-        reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, temperature=0,
-                                               logprobs=True, **fields)
-        return reply.choices[0].logprobs.content[0].model_extra["id"]
-
-    greedy = first_token_id()
-    assert first_token_id(logit_bias={str(greedy + 1): -100}) == greedy  # another token's ban changes nothing
-    assert first_token_id(logit_bias={str(greedy): -100}) != greedy
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer, server):
+    """lm-eval's loglikelihood: the prompt's tokens lead the logprobs, the first one's null (nothing before it),
+    each position's the model's distribution after the tokens before it -- the same top logprobs as generating
+    from that prefix gives."""
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    for prompt in (tokenizer.decode(ids), ids):
+        for _ in range(2):  # the second time the prefix cache holds the prompt: the logprobs are computed anyway
+            scored = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0,
+                                               logprobs=2, echo=True).choices[0]
+            lp = scored.logprobs
+            assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert "".join(lp.tokens) == scored.text
+            assert all(len(top) == 2 and max(top.values()) >= value - 1e-5
+                       for top, value in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    for k in (1, 5, len(ids) - 1):
+        after = client.completions.create(model=MODEL, prompt=ids[:k], max_tokens=1, temperature=0, logprobs=2)
+        expected = after.choices[0].logprobs.top_logprobs[0]
+        assert lp.top_logprobs[k].keys() == expected.keys()
+        assert list(lp.top_logprobs[k].values()) == pytest.approx(list(expected.values()), abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    assert wait_idle(server[1])
 
 
 # --- echo -----------------------------------------------------------------------------------------------
