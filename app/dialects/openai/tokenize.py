@@ -3,6 +3,10 @@ can count tokens, check that a conversation fits, or build a token-id prompt exa
 
     POST /v1/tokenize    {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /v1/detokenize  {"tokens"} -> {"prompt"}
+    GET  /tokenizer_info -> {"tokenizer_class", "eos_token", "bos_token", "pad_token", "chat_template", ...}
+
+/tokenize and /detokenize (no /v1) are the same routes under vLLM's paths: lm-eval's remote tokenizer asks
+/tokenizer_info, /tokenize and /detokenize at the server's root.
 
 Each passes admission as a generation does (its ticket keeps the model from being swapped while the
 tokenizer runs) and tokenizes off the event loop; a prompt is size-checked first, as for /v1/completions.
@@ -85,6 +89,7 @@ def tokenize_router(context: ServerContext) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/tokenize")
+    @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         admission.check_model(body.model)
         if body.prompt is None and body.messages is None:
@@ -101,6 +106,7 @@ def tokenize_router(context: ServerContext) -> APIRouter:
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
 
     @router.post("/v1/detokenize")
+    @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         admission.check_model(body.model)
         ticket = await admission.enter(body.model)
@@ -110,7 +116,26 @@ def tokenize_router(context: ServerContext) -> APIRouter:
             ticket.release()
         return {"prompt": text}
 
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = None) -> dict:
+        """The served model's tokenizer, as vLLM's: its class, special tokens and chat template, and the context."""
+        admission.check_model(model)
+        ticket = await admission.enter(model)
+        try:
+            engine = ticket.engine
+            return tokenizer_description(engine.tokenizer, engine.engine.max_model_len)
+        finally:
+            ticket.release()
+
     return router
+
+
+def tokenizer_description(tokenizer: Tokenizer, max_model_len: int) -> dict[str, Any]:
+    hf = tokenizer.hf
+    return {"tokenizer_class": type(hf).__name__, "eos_token": hf.eos_token, "bos_token": hf.bos_token,
+            "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": hf.chat_template,
+            "model_max_length": max_model_len, "vocab_size": tokenizer.vocab_size,
+            "add_bos_token": getattr(hf, "add_bos_token", None)}
 
 
 def tokenize_body(tokenizer: Tokenizer, body: TokenizeRequest) -> tuple[list[int], list[str] | None]:

@@ -109,11 +109,32 @@ def test_unknown_model_is_404(http, path, body):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-@pytest.mark.parametrize("path, body", [("/v1/tokenize", {"prompt": "hi"}), ("/v1/detokenize", {"tokens": [1]})])
+@pytest.mark.parametrize("path, body", [("/v1/tokenize", {"prompt": "hi"}), ("/v1/detokenize", {"tokens": [1]}),
+                                        ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}),
+                                        ("/tokenizer_info", None)])
 def test_the_api_key_is_required(server, path, body):
+    if body is None:  # a GET
+        assert httpx.get(f"{server}{path}").status_code == 401
+        assert httpx.get(f"{server}{path}", headers=HEADERS).status_code == 200
+        return
     keyless = httpx.post(f"{server}{path}", json=body)
     assert keyless.status_code == 401
     assert_openai_error(keyless)
     wrong = httpx.post(f"{server}{path}", json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
     assert httpx.post(f"{server}{path}", json=body, headers=HEADERS).status_code == 200
+
+
+def test_lm_evals_remote_tokenizer_finds_what_it_asks_for(http, tokenizer):
+    """lm-eval's `tokenizer_backend=remote` (its RemoteTokenizer): GET /tokenizer_info with an eos_token and the chat
+    template, then POST /tokenize {"prompt", "add_special_tokens": false} -> tokens and /detokenize -> prompt, all at
+    the server's root (vLLM's paths)."""
+    info = http.get("/tokenizer_info").json()
+    hf = tokenizer.hf
+    assert info["eos_token"] == hf.eos_token and info["bos_token"] == hf.bos_token
+    assert info["chat_template"] == hf.chat_template and info["model_max_length"] > 0
+    ids = http.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()["tokens"]
+    assert ids == tokenizer.encode(TEXT, add_special_tokens=False)
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == TEXT
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos[0] in tokenizer.eos_token_ids
