@@ -269,16 +269,23 @@ def ollama_router(context: ServerContext) -> APIRouter:
         if entry is not None and entry.error is not None and not loaded:
             raise APIError(400, f"model {body.model!r} cannot be read: {entry.error}", "model")
         engine = host.engine if loaded else None
-        info: dict[str, Any] = {}
+        family = details(entry).get("family") or (engine.engine.hf_config.model_type if engine is not None else None)
+        info: dict[str, Any] = {"general.architecture": family}
         if entry is not None:
-            info |= {"general.architecture": entry.architecture, "general.parameter_count": entry.parameters}
-        # tools: a template without tool syntax gets the default rendering; embedding: /api/embed pools its states
-        capabilities = ["completion", "tools", "embedding"]
+            info["general.parameter_count"] = entry.parameters
+        # as Ollama's: a generative model's (its /api/embed pools states, but it is no trained sentence encoder);
+        # tools: a template without tool syntax gets the default rendering. Copilot hides a model without tools.
+        capabilities = ["completion", "tools"]
         result: dict[str, Any] = {"details": details(entry), "model_info": info, "capabilities": capabilities,
                                   "modified_at": modified_at(entry)}
         if engine is not None:
-            info["kvforge.context_length"] = engine.engine.max_model_len
+            # where clients (VS Code Copilot) read the context: the one served, which is what a prompt must fit
+            info[f"{family}.context_length"] = engine.engine.max_model_len
+            trained = getattr(engine.engine.hf_config, "max_position_embeddings", None)
+            if trained:
+                info["kvforge.trained_context_length"] = trained
             result["template"] = engine.tokenizer.hf.chat_template
+            result["parameters"] = f"num_ctx {engine.engine.max_model_len}"
             if reasoning_syntax(engine.tokenizer) is not None:
                 capabilities.append("thinking")
         return result
@@ -342,7 +349,7 @@ def ollama_router(context: ServerContext) -> APIRouter:
             entry = catalogued.get(resident.name if resident is not None else host.default_entry)
             # the server's own model stays loaded: Ollama's "forever" (a timestamp ~292 years on), as for keep_alive -1
             expires = resident.expires_at() if resident is not None else forever_from_now()
-            models.append({"name": name, "model": name, "size": size,
+            models.append({"name": tagged(name), "model": tagged(name), "size": size,
                            "size_vram": size if engine.engine.runtime().device.startswith("cuda") else 0,
                            "digest": digest(entry), "details": details(entry),
                            "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z"),
@@ -353,8 +360,15 @@ def ollama_router(context: ServerContext) -> APIRouter:
 
 
 def tag(entry: ModelEntry) -> dict[str, Any]:
-    return {"name": entry.name, "model": entry.name, "modified_at": modified_at(entry), "size": entry.size_bytes,
-            "digest": digest(entry), "details": details(entry)}
+    return {"name": tagged(entry.name), "model": tagged(entry.name), "modified_at": modified_at(entry),
+            "size": entry.size_bytes, "digest": digest(entry), "details": details(entry)}
+
+
+def tagged(name: str) -> str:
+    """A model's name as Ollama lists it, with a tag (":latest" where it has none): Open WebUI keeps the Ollama and
+    the OpenAI connection's models apart by their ids, and the OpenAI side lists the bare name. Requests take
+    either (app/models/host.py drops ":latest")."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
 def details(entry: ModelEntry | None) -> dict[str, Any]:

@@ -66,14 +66,15 @@ def timed_get(url: str) -> tuple[httpx.Response, float]:
 def test_the_listing_answers_in_seconds_without_the_bad_entries_then_from_the_cache(server):
     tags, took = timed_get(f"{server.url}/api/tags")
     assert tags.status_code == 200 and took < ROUTE_S, took
-    listed = {m["name"]: m for m in tags.json()["models"]}
+    listed = {m["name"].removesuffix(":latest"): m for m in tags.json()["models"]}  # Ollama's tag on each name
     assert set(listed) == {EMBEDDED_MODEL, GOOD}  # the unreadable skipped; the FIFO and the symlink never listed
     assert listed[GOOD]["details"]["family"] == "llama" and listed[GOOD]["details"]["format"] == "gguf"
     again, took_again = timed_get(f"{server.url}/api/tags")
     assert again.json() == tags.json() and took_again < 1.0, took_again  # errors were cached: nothing re-read
     names = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
     assert FIFO not in names and OUTSIDE not in names and GOOD in names
-    assert [m.model for m in ollama.Client(host=server.url, timeout=ROUTE_S).list().models] == list(listed)
+    assert [m.model.removesuffix(":latest") for m in ollama.Client(host=server.url, timeout=ROUTE_S).list().models
+            ] == list(listed)
 
 
 def test_show_and_ps_answer_in_seconds(server):
@@ -86,7 +87,7 @@ def test_show_and_ps_answer_in_seconds(server):
         assert refused.value.status_code == status and "model" in refused.value.error, (name, refused.value)
     assert "passwd" not in json.dumps(httpx.post(f"{server.url}/api/show", json={"model": OUTSIDE}, timeout=30).json()
                                       ).replace(OUTSIDE, "")  # nothing of the file it points at
-    assert [m.model for m in client.ps().models] == [EMBEDDED_MODEL]
+    assert [m.model for m in client.ps().models] == [f"{EMBEDDED_MODEL}:latest"]
     assert time.monotonic() - start < 2 * ROUTE_S
 
 

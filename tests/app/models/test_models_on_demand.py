@@ -33,7 +33,8 @@ def server(models_server):  # tests/app/conftest.py
 
 
 def loaded(server) -> dict[str, dict]:
-    return {m["name"]: m for m in httpx.get(f"{server.url}/api/ps", timeout=30).json()["models"]}
+    models = httpx.get(f"{server.url}/api/ps", timeout=30).json()["models"]
+    return {m["name"].removesuffix(":latest"): m for m in models}  # Ollama lists names with a tag
 
 
 def complete(server, model: str, **body) -> dict:
@@ -61,7 +62,7 @@ def test_a_request_naming_a_model_loads_it_and_the_lists_say_so(server):
     chat = client.chat.completions.create(model="tiny-b", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     assert chat.model == "tiny-b" and chat.usage.completion_tokens == 3
     assert len(client.embeddings.create(model="tiny-a", input="Hi").data[0].embedding) == 64
-    tags = [m.model for m in ollama.Client(host=server.url).list().models]
+    tags = [m.model.removesuffix(":latest") for m in ollama.Client(host=server.url).list().models]
     assert set(tags) >= {MODEL, *TINY_MODELS}
 
 
@@ -265,7 +266,7 @@ def test_keep_alive_is_bounded_and_parsed_as_ollama_parses_it(server):
 
     def expires_in(name: str, keep_alive) -> float:
         assert client.generate(model=name, prompt="", keep_alive=keep_alive).done_reason == "load"
-        running = {m.model: m for m in client.ps().models}  # the official client parses every expires_at
+        running = {m.model.removesuffix(":latest"): m for m in client.ps().models}  # it parses every expires_at
         return (running[name].expires_at - datetime.now(UTC)).total_seconds()
 
     forever = 292 * 365.25 * 86400
@@ -273,7 +274,7 @@ def test_keep_alive_is_bounded_and_parsed_as_ollama_parses_it(server):
     assert expires_in("tiny-b", 9e9) == pytest.approx(9e9, rel=1e-6)  # just under Go's longest duration
     assert expires_in("tiny-b", "1h30m") == pytest.approx(5400, abs=60)
     assert expires_in("tiny-b", "1.5h") == pytest.approx(5400, abs=60)  # Go's fractions
-    running = {m.model: m for m in client.ps().models}
+    running = {m.model.removesuffix(":latest"): m for m in client.ps().models}
     assert (running[MODEL].expires_at - datetime.now(UTC)).total_seconds() == pytest.approx(forever, rel=1e-3)
     assert expires_in("tiny-b", "+1500ms") < 2  # Go's sign and units: unloaded once idle for 1.5 s
     deadline = time.monotonic() + 30

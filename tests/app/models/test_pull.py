@@ -32,7 +32,7 @@ def test_pull_streams_progress_then_the_checkpoint_is_listed_and_loads(server):
     assert "model.safetensors" in fetched and "config.json" in fetched and "tokenizer.json" in fetched
     assert "pytorch_model.bin" not in fetched and "onnx" not in fetched  # no pickle, no subfolders
     assert not [p for p in server.models.iterdir() if p.name.startswith(".pull")]  # the staging folder is gone
-    assert "tiny-llama" in [m.model for m in client.list().models]
+    assert "tiny-llama:latest" in [m.model for m in client.list().models]
     # served by name at once (loaded on demand; unloaded again when idle: keep_alive 0)
     reply = client.generate(model="tiny-llama", prompt="Hi", raw=True, options={"num_predict": 3}, keep_alive=0)
     assert reply.eval_count == 3

@@ -140,17 +140,23 @@ def test_logprobs(client):
 
 def test_tags_show_ps_version(client, server):
     names = [m.model for m in client.list().models]
-    assert MODEL in names
+    assert f"{MODEL}:latest" in names  # as Ollama lists names: with a tag (Open WebUI tells the connections apart)
     shown = client.show(MODEL)
     assert shown.details.family == "llama" and shown.details.format == "gguf"
     assert shown.details.parameter_size == "135M" and shown.details.quantization_level == "Q4_1"
-    assert {"completion", "tools"} <= set(shown.capabilities) and "thinking" not in shown.capabilities
+    assert shown.capabilities == ["completion", "tools"]  # a generative model's, as Ollama's; Copilot needs tools
+    # VS Code Copilot reads the context at model_info["<general.architecture>.context_length"]
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == client.ps().models[0].context_length
+    assert shown.modelinfo["kvforge.trained_context_length"] >= shown.modelinfo["llama.context_length"]
+    assert client.show(f"{MODEL}:latest").details == shown.details
     assert "<|im_start|>" in shown.template
     running = client.ps().models
-    assert [m.model for m in running] == [MODEL] and running[0].size > 0 and running[0].context_length > 0
-    listed = next(m for m in client.list().models if m.model == MODEL)
+    assert [m.model for m in running] == [f"{MODEL}:latest"] and running[0].size > 0 and running[0].context_length > 0
+    listed = next(m for m in client.list().models if m.model == f"{MODEL}:latest")
     assert running[0].digest == listed.digest and running[0].details == listed.details == shown.details
-    assert httpx.get(f"{server.url}/api/version", timeout=30).json()["version"]
+    version = httpx.get(f"{server.url}/api/version", timeout=30).json()["version"]
+    assert tuple(map(int, version.split("."))) >= (0, 6, 4)  # VS Code Copilot's Ollama provider needs 0.6.4
     # the model under its older name, `name` (litellm's get_model_info sends it), as Ollama still takes it
     by_name = httpx.post(f"{server.url}/api/show", json={"name": MODEL}, timeout=30)
     assert by_name.status_code == 200, by_name.text
