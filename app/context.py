@@ -15,7 +15,7 @@ class ServerContext:
     host: ModelHost
     admission: Admission
     metrics: ServerMetrics
-    default_max_tokens: int  # a request that names no max_tokens gets this (bounded by the context window)
+    default_max_tokens: int  # a request that names no max_tokens gets this (bounded by the context window; 0: none)
     request_timeout_s: float | None  # a request still generating after this is aborted (None: never)
 
     @classmethod

@@ -155,7 +155,8 @@ class ServeSettings:
                                     "closed (default: {default})", float, check=seconds)
     served_model_name: str | None = setting(None, "the model id clients use")
     max_pending: int = setting(256, "requests in flight before 503 ({default})", int, check=at_least(1))
-    default_max_tokens: int = setting(512, "when a request sets none ({default})", int)
+    default_max_tokens: int = setting(0, "when a request sets none; 0: what is left of the context, as OpenAI, vLLM "
+                                      "and Ollama ({default})", int, check=at_least(0))
     log_level: str = setting("info", "uvicorn log level ({default})")
     models_dir: str | None = setting(None, "models the admin API, the UI and requests naming them may load (paths "
                                      "stay inside it)")

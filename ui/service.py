@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 # the browser's replies end a loop (core/repetition.py) unless the conversation turns it off; the API's do not
 UI_REPETITION_GUARD = True
+UI_MAX_TOKENS = 1024  # a reply's length when neither the server (--default-max-tokens) nor the model sets one
 
 
 class UIService:
@@ -130,7 +131,8 @@ class UIService:
         engine = self._host.engine
         model = engine.engine.generation_defaults.values if engine is not None else {}
         base = {name: SamplingParams.default(name) for name in ("temperature", "top_p")}
-        base |= {"max_tokens": self._chat.context.default_max_tokens, "repetition_guard": UI_REPETITION_GUARD}
+        max_tokens = self._chat.context.default_max_tokens or UI_MAX_TOKENS
+        base |= {"max_tokens": max_tokens, "repetition_guard": UI_REPETITION_GUARD}
         return base | {k: v for k, v in model.items() if k in base}
 
     def model_defaults_note(self) -> str:

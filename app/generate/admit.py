@@ -131,14 +131,15 @@ def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,
     prompt, prompt_field, window = rendered.prompt, request.prompt.field, request.window
     defaults = engine.engine.generation_defaults.values
     body = request.sampling.over_defaults(defaults)
-    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
+    context = engine.engine.max_model_len
+    # no default (0): what is left of the context, cut below
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens) or context
     try:
         params = body.sampling_params(default_max_tokens, request.logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split()[0]) from None
     params.constraint, params.skip_special_tokens = rendered.constraint, rendered.skip_special_tokens
     params.prompt_logprobs = request.prompt_logprobs
-    context = engine.engine.max_model_len
     if window is not None:
         context = min(context, window.tokens)
         if len(prompt) >= context:

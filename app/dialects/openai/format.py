@@ -54,12 +54,31 @@ def usage(finals, prompt_tokens: int) -> dict:
 
 
 def timings(out: RequestOutput) -> dict:
+    """A finished sample's timings: ours (ttft_ms, tpot_ms, tokens_per_second, queue_ms) and llama.cpp server's
+    names, which Open WebUI reads to show a reply's speed: prompt_n (tokens prefilled, the cached ones apart in
+    cache_n), prompt_ms (queue to first token), predicted_n / predicted_ms (the generated tokens, first token to
+    finish) and their per-token and per-second figures."""
     m = out.metrics or {}
-    tpot = m.get("tpot")
-    return {"ttft_ms": None if m.get("ttft") is None else round(m["ttft"] * 1000, 2),
-            "tpot_ms": None if tpot is None else round(tpot * 1000, 2),
-            "tokens_per_second": None if not tpot else round(1 / tpot, 2),
-            "queue_ms": None if m.get("queue_time") is None else round(m["queue_time"] * 1000, 2)}
+    tpot, ttft, queue = m.get("tpot"), m.get("ttft"), m.get("queue_time")
+    prompt_n = (m.get("prompt_tokens") or 0) - (m.get("cached_tokens") or 0)
+    predicted_n = m.get("generated_tokens") or 0
+    prompt_ms = ttft * 1000 if ttft is not None else None
+    predicted_ms = tpot * (predicted_n - 1) * 1000 if tpot else 0.0
+    return {"ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "tokens_per_second": None if not tpot else round(1 / tpot, 2),
+            "queue_ms": _ms(queue),
+            "cache_n": m.get("cached_tokens") or 0, "prompt_n": prompt_n, "prompt_ms": _round(prompt_ms),
+            "prompt_per_token_ms": _round(prompt_ms / prompt_n) if prompt_ms and prompt_n else None,
+            "prompt_per_second": _round(prompt_n / prompt_ms * 1000) if prompt_ms and prompt_n else None,
+            "predicted_n": predicted_n, "predicted_ms": _round(predicted_ms),
+            "predicted_per_token_ms": _ms(tpot), "predicted_per_second": None if not tpot else round(1 / tpot, 2)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def chat_logprobs(items: list[TokenLogprob], tokenizer) -> dict:

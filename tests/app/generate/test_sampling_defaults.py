@@ -6,6 +6,8 @@ defaults (--model-sampling) reaching the engine's configuration."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -91,3 +93,19 @@ def test_the_settings_files_defaults_per_model(tmp_path):
         resolve(type("Args", (), {"config": str(config)})(), environ={})
     with pytest.raises(ValueError, match="unknown fields seed"):
         resolve(type("Args", (), {"config": None})(), environ={"KVFORGE_MODEL_SAMPLING": '{"m": {"seed": 1}}'})
+
+
+def test_a_reply_without_max_tokens_may_use_the_rest_of_the_context(server):
+    """As OpenAI, vLLM and Ollama: no max_tokens (aider sends none for its long edits) and no --default-max-tokens
+    (README command 1) lets a reply run until the model or the context ends it -- here past 512 tokens, the cap
+    there was; the stream is left early (the request is aborted)."""
+    body = {"model": MODEL, "prompt": "1, 2, 3,", "ignore_eos": True, "stream": True, "logprobs": 0}
+    generated = 0
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                generated += len(logprobs["token_logprobs"]) if logprobs else 0
+            if generated > 600:
+                break
+    assert generated > 600

@@ -36,6 +36,14 @@ def test_chat_completion_with_openai_client(client, server):
     again = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
     assert again.choices[0].message.content == reply.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prefix cache served the repeat
+    # llama.cpp server's timing names, which Open WebUI reads for a reply's speed
+    timings, usage = again.model_extra["timings"], again.usage
+    assert timings["cache_n"] == usage.prompt_tokens_details.cached_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == usage.prompt_tokens
+    assert timings["predicted_n"] == usage.completion_tokens and timings["predicted_per_second"] > 0
+    assert timings["predicted_ms"] == pytest.approx(timings["predicted_per_token_ms"] * (timings["predicted_n"] - 1),
+                                                    rel=0.01)
+    assert timings["prompt_ms"] > 0 and timings["prompt_per_second"] > 0
     assert wait_idle(server[1])
 
 
