@@ -17,10 +17,11 @@ def tool_call(call: ToolCall, streamed: bool = False) -> dict[str, Any]:
     return {"index": call.index, **shaped} if streamed else shaped
 
 
-def delta(part: Part) -> dict[str, Any]:
-    """One part of a streamed reply as OpenAI's delta fields."""
+def delta(part: Part, both_reasoning_names: bool = False) -> dict[str, Any]:
+    """One part of a streamed reply as OpenAI's delta fields; thinking as reasoning_content, and with
+    `both_reasoning_names` also as reasoning (the chat route's, for every client family: see message())."""
     if isinstance(part, Thinking):
-        return {"reasoning_content": part.text}
+        return {"reasoning_content": part.text} | ({"reasoning": part.text} if both_reasoning_names else {})
     if isinstance(part, Text):
         return {"content": part.text}
     return {"tool_calls": [tool_call(part, streamed=True)]}
@@ -31,7 +32,9 @@ def message(reply: WholeReply) -> dict[str, Any]:
     closed); reasoning_content for a reasoning model (null: it did not think) or thinking a declared format read."""
     shaped: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.no_answer else "")}
     if reply.reasoning_model or reply.thinking:
-        shaped["reasoning_content"] = reply.thinking or None
+        # both names: LibreChat and the DeepSeek-style clients read reasoning_content, vLLM's and SGLang's newer
+        # clients reasoning; Open WebUI either
+        shaped["reasoning_content"] = shaped["reasoning"] = reply.thinking or None
     if reply.calls:
         shaped["tool_calls"] = [tool_call(call) for call in reply.calls]
     return shaped

@@ -70,6 +70,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[ChatCompletionMessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # assistant
     tool_call_id: str | None = None  # tool: which call this is the result of
     reasoning_content: str | None = None  # assistant: its thinking, for templates that render it
+    reasoning: str | None = None  # the same under vLLM's and SGLang's newer name (replayed by their clients)
     refusal: str | None = None  # assistant: an earlier refusal
     audio: None = refused("this server serves a text-only model")
     function_call: None = refused("deprecated, use tool_calls")
@@ -94,7 +95,8 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _fields_of_its_role(self) -> ChatMessage:
-        assistant_only = [f for f in ("tool_calls", "reasoning_content", "refusal") if getattr(self, f) is not None]
+        assistant_only = [f for f in ("tool_calls", "reasoning_content", "reasoning", "refusal")
+                          if getattr(self, f) is not None]
         if self.role != "assistant" and assistant_only:
             raise ValueError(f"{', '.join(assistant_only)}: only on assistant messages, not on a {self.role} message")
         if self.role != "assistant" and any(p.type == "refusal" for p in self.parts()):
@@ -132,6 +134,7 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            message["reasoning_content"] = thinking
         return message

@@ -118,7 +118,7 @@ def openai_router(context: ServerContext) -> APIRouter:
             index = position * admitted.params.n + out.index
             if chat:
                 lp = chat_logprobs(out.delta_logprobs, tokenizer) if out.delta_logprobs else None
-                deltas = [delta(part) for part in item.parts]
+                deltas = [delta(part, both_reasoning_names=True) for part in item.parts]
                 if item.first:  # the role goes out with the first token (a true TTFT), not before prefill
                     deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
                 elif lp and not deltas:

@@ -61,8 +61,22 @@ def client(server):
 
 
 def reasoning_of(message_or_delta) -> str | None:
-    """The SDK has no reasoning_content field: it lands in the pydantic model's extras."""
-    return (message_or_delta.model_extra or {}).get("reasoning_content")
+    """The SDK has no reasoning_content field: it lands in the pydantic model's extras. The chat route sends the
+    thinking under both names clients read (reasoning_content: LibreChat, DeepSeek-style; reasoning: vLLM's and
+    SGLang's newer clients), always alike."""
+    extras = message_or_delta.model_extra or {}
+    assert extras.get("reasoning") == extras.get("reasoning_content")
+    return extras.get("reasoning_content")
+
+
+def test_a_replayed_thinking_is_taken_under_either_name():
+    from kvforge.app.dialects.openai.messages import ChatMessage
+
+    for name in ("reasoning_content", "reasoning"):
+        message = ChatMessage.model_validate({"role": "assistant", "content": "4", name: "2 + 2 is 4"})
+        assert message.template_dict()["reasoning_content"] == "2 + 2 is 4"
+    with pytest.raises(ValueError, match="reasoning: only on assistant messages"):
+        ChatMessage.model_validate({"role": "user", "content": "hi", "reasoning": "no"})
 
 
 def chat(client, **fields):
