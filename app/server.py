@@ -67,7 +67,8 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
     app.state.host, app.state.metrics, app.state.admission = host, context.metrics, context.admission
     add_error_handlers(app)
-    app.include_router(status_router(context.metrics))
+    with_ui = store is not None and ui is not None
+    app.include_router(status_router(context.metrics, root_page=not with_ui))
     app.include_router(models_router(context))
     app.include_router(openai_router(context))
     if store is not None:
@@ -80,7 +81,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     app.include_router(responses_router(context))
     app.include_router(embeddings_router(context))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
-    if store is not None and ui is not None:  # last: the UI mounted at / would shadow later routes
+    if with_ui:  # last: the UI mounted at / would shadow later routes
         app = ui(app, app.state.chat)
     # outermost first: Host / Origin / key, then the body cap, then the disconnect watch (add_middleware puts each
     # new one outside)

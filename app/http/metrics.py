@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvforge.core.output import RequestOutput
@@ -88,13 +88,24 @@ class ServerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def status_router(metrics: ServerMetrics) -> APIRouter:
-    """GET /health (the served model's name) and GET /metrics (Prometheus' text format)."""
+def status_router(metrics: ServerMetrics, root_page: bool) -> APIRouter:
+    """GET /health (the served model's name) and GET /metrics (Prometheus' text format); HEAD / and /health, the
+    probes clients send before they talk (Claude Code's HEAD /); without the browser UI at /, GET / says the server
+    runs, as Ollama's "Ollama is running" (clients that find an Ollama server by it)."""
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": metrics.host.name}
+
+    @router.head("/")
+    async def probe():
+        return Response()
+
+    if root_page:
+        @router.get("/")
+        async def running():
+            return PlainTextResponse("kvforge is running")
 
     @router.get("/metrics")
     async def prometheus_metrics():

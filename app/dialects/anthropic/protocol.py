@@ -15,12 +15,14 @@ No field is silently ignored:
     output_config.format (json_schema)                                   honoured (constrained decoding)
     metadata, service_tier, cache_control (top level and on blocks)      accepted, no effect (the prefix cache here is
                                                                            automatic)
+    context_management (clear_thinking_20251015, clear_tool_uses_...)    honoured (app/dialects/anthropic/
+                                                                           context_edits.py)
     content blocks: text, tool_use, tool_result (is_error), thinking     honoured
     content blocks: image, document, search_result, redacted_thinking,   refused (a text-only model; nothing here
       server tool blocks                                                   makes or reads them)
     a last assistant message (prefill)                                   refused, as for Anthropic's models without it
     output_config.effort, thinking between_tools / display, container,   refused
-      mcp_servers, context_management, inference_geo, speed, diagnostics
+      mcp_servers, inference_geo, speed, diagnostics
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvforge.app.dialects.anthropic.context_edits import ContextManagement
 from kvforge.app.dialects.openai.fields import FORBID, TEXT_ONLY, refuse_kinds
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.http.errors import validated
@@ -183,6 +186,7 @@ class ConversationFields(BaseModel):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None  # accepted, no effect: the prefix cache here is automatic
+    context_management: ContextManagement | None = None  # edits of the history (context_edits.py)
 
     @model_validator(mode="after")
     def _no_prefill(self) -> ConversationFields:
@@ -191,9 +195,13 @@ class ConversationFields(BaseModel):
                              "continue: end with a user message")
         return self
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The same request in OpenAI's shape."""
-        data = {"model": self.model, "messages": openai_messages(self), **self.generation_fields()}
+    @property
+    def thinking_on(self) -> bool:
+        return self.thinking is not None and self.thinking.type != "disabled"
+
+    def chat_request(self, messages: list[AnthropicMessage] | None = None) -> ChatCompletionRequest:
+        """The same request in OpenAI's shape (with `messages`: the conversation as context editing left it)."""
+        data = {"model": self.model, "messages": openai_messages(self, messages), **self.generation_fields()}
         if self.tools:
             data["tools"] = [t.openai() for t in self.tools]
         if self.tool_choice is not None:
@@ -225,14 +233,14 @@ class MessagesRequest(ConversationFields):
                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences or None}
 
 
-def openai_messages(body: ConversationFields) -> list[dict[str, Any]]:
+def openai_messages(body: ConversationFields, messages: list[AnthropicMessage] | None = None) -> list[dict[str, Any]]:
     """Anthropic's conversation as OpenAI's messages: the system prompt first; an assistant's text, thinking and
     tool_use blocks one message; a user message's tool_result blocks each a tool message, before its text."""
     out: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
         out.append({"role": "system", "content": system})
-    for message in body.messages:
+    for message in body.messages if messages is None else messages:
         blocks = message.blocks()
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
         if message.role == "assistant":

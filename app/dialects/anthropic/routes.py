@@ -27,7 +27,9 @@ from typing import Any
 from fastapi import APIRouter
 
 from kvforge.app.context import ServerContext
+from kvforge.app.dialects.anthropic.context_edits import apply_edits
 from kvforge.app.dialects.anthropic.protocol import ANTHROPIC_NAMES, ConversationFields, MessagesRequest
+from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.off_loop import off_loop
@@ -110,23 +112,44 @@ class BlockStream:
 def anthropic_router(context: ServerContext) -> APIRouter:
     router = APIRouter(route_class=renaming_route(ANTHROPIC_NAMES))  # errors name Anthropic's fields
 
+    async def edited(body: ConversationFields) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+        """The request in OpenAI's shape, its conversation as context editing leaves it
+        (app/dialects/anthropic/context_edits.py), and what the response says of the edits (nothing when the request
+        asked for none). Edits that count tokens render the conversation off the event loop, under a ticket."""
+        if body.context_management is None:
+            messages, _ = apply_edits(body.messages, None, body.thinking_on, count=None)
+            return body.chat_request(messages), {}
+        ticket = await context.admission.enter(body.model)
+        try:
+            tokenizer = ticket.engine.tokenizer
+            check_prompt_chars(ticket.engine, ChatPrompt.of(body.chat_request()).chars(), "messages")
+
+            def count(messages: list) -> int:
+                return len(ChatPrompt.of(body.chat_request(messages)).plan(tokenizer).prompt)
+
+            messages, applied = await off_loop(apply_edits, body.messages, body.context_management,
+                                               body.thinking_on, count)
+        finally:
+            ticket.release()
+        return body.chat_request(messages), {"context_management": {"applied_edits": applied}}
+
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest):
         context.admission.check_model(body.model)
-        request = body.chat_request()
+        request, edits = await edited(body)
         admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request), sampling=request,
                                                         model=body.model))
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
-            return StreamResponse(events(admitted, message_id), admitted.close)
+            return StreamResponse(events(admitted, message_id, edits), admitted.close)
         final = (await admitted.collect()).finals[0]
         reply = read_whole(admitted.plan, final.text)
         return {"id": message_id, "type": "message", "role": "assistant", "model": admitted.model,
                 "content": content_blocks(reply), **stop_fields(final, bool(reply.calls)),
                 "usage": input_usage(len(admitted.prompt), final.num_cached_tokens) | {
-                    "output_tokens": len(final.token_ids)}}
+                    "output_tokens": len(final.token_ids)}, **edits}
 
-    async def events(admitted: Admitted, message_id: str) -> AsyncIterator[str]:
+    async def events(admitted: Admitted, message_id: str, edits: dict[str, Any]) -> AsyncIterator[str]:
         blocks = BlockStream()
         async for item in admitted.outputs():
             if isinstance(item, Failed):  # the status is sent: say it in the stream
@@ -145,13 +168,14 @@ def anthropic_router(context: ServerContext) -> APIRouter:
                 for line in blocks.close():
                     yield line
                 yield event("message_delta", delta=stop_fields(out, item.called_tools),
-                            usage={"output_tokens": len(out.token_ids)})
+                            usage={"output_tokens": len(out.token_ids)}, **edits)
                 yield event("message_stop")
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: ConversationFields):
         context.admission.check_model(body.model)
-        prompt = ChatPrompt.of(body.chat_request())
+        request, _ = await edited(body)
+        prompt = ChatPrompt.of(request)
         ticket = await context.admission.enter(body.model)
         try:
             check_prompt_chars(ticket.engine, prompt.chars(), prompt.field)

@@ -135,3 +135,79 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server, fields, stat
     with pytest.raises(anthropic.APIStatusError) as raised:  # the client reads it as Anthropic's
         client.post("/v1/messages", body=body, cast_to=dict)
     assert raised.value.status_code == status and raised.value.body == error
+
+
+# ---- what Claude Code sends: the SDK's beta namespace, probes, token-count bursts, context editing ----------------
+
+CONTEXT_BETA = ["context-management-2025-06-27", "interleaved-thinking-2025-05-14"]
+
+
+def tool_history(turns: int) -> list[dict]:
+    """A conversation in which the assistant called get_weather `turns` times and got each result back."""
+    history: list[dict] = [{"role": "user", "content": "What is the weather in these cities?"}]
+    for i in range(turns):
+        history.append({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": f"I should look up city {i}.", "signature": ""},
+            {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather",
+             "input": {"city": f"City {i}", "unit": "celsius"}}]})
+        history.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                                     "content": f"City {i}: sunny, {20 + i} degrees, light wind "
+                                                                "from the west, no rain expected today."}]})
+    history[-1]["content"].append({"type": "text", "text": "Summarise."})
+    return history
+
+
+def test_claude_codes_probe_and_count_token_bursts(client, server):
+    """Claude Code probes the server with HEAD /, then counts tokens in bursts while it works."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert httpx.head(server.url, timeout=30).status_code == 200
+    assert httpx.get(server.url, timeout=30).text == "kvforge is running"  # no UI here: Ollama's "is running"
+
+    def count(_):
+        return client.messages.count_tokens(model=MODEL, messages=tool_history(2), tools=[WEATHER_TOOL]).input_tokens
+
+    with ThreadPoolExecutor(16) as pool:
+        counts = list(pool.map(count, range(32)))
+    assert len(set(counts)) == 1 and counts[0] > 50
+
+
+def test_context_editing_through_the_beta_namespace(client, server):
+    """The SDK's beta namespace (what Claude Code uses) posts to /v1/messages?beta=true with anthropic-beta headers and
+    context_management: edits that do not reach their trigger change nothing and say so; clearing tool uses past
+    a low trigger replaces the old results (fewer input tokens, reported as applied); count_tokens counts the
+    edited conversation too."""
+    history = tool_history(3)
+    plain = client.beta.messages.create(model=MODEL, max_tokens=4, messages=history, tools=[WEATHER_TOOL],
+                                        betas=CONTEXT_BETA, extra_body=GREEDY)
+    keep_all = client.beta.messages.create(
+        model=MODEL, max_tokens=4, messages=history, tools=[WEATHER_TOOL], betas=CONTEXT_BETA, extra_body=GREEDY,
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"},
+                                      {"type": "clear_tool_uses_20250919"}]})  # the default trigger: 100k tokens
+    assert keep_all.context_management.applied_edits == []
+    assert keep_all.usage.input_tokens + keep_all.usage.cache_read_input_tokens == \
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    clearing = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+                          {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
+                           "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": True}]}
+    cleared = client.beta.messages.create(model=MODEL, max_tokens=4, messages=history, tools=[WEATHER_TOOL],
+                                          betas=CONTEXT_BETA, extra_body=GREEDY, context_management=clearing)
+    thinking, tools = [edit.model_dump() for edit in cleared.context_management.applied_edits]
+    assert thinking["type"] == "clear_thinking_20251015" and thinking["cleared_thinking_turns"] == 2
+    assert tools["type"] == "clear_tool_uses_20250919" and tools["cleared_tool_uses"] == 2
+    total = cleared.usage.input_tokens + cleared.usage.cache_read_input_tokens
+    assert tools["cleared_input_tokens"] > 20
+    assert total == plain.usage.input_tokens + plain.usage.cache_read_input_tokens - tools["cleared_input_tokens"] \
+        - thinking["cleared_input_tokens"]
+    counted = client.beta.messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER_TOOL],
+                                                betas=CONTEXT_BETA, context_management=clearing)
+    assert counted.input_tokens == total
+    with client.beta.messages.stream(model=MODEL, max_tokens=4, messages=history, tools=[WEATHER_TOOL],
+                                     betas=CONTEXT_BETA, extra_body=GREEDY, context_management=clearing) as stream:
+        final = stream.get_final_message()
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total
+    bad = httpx.post(f"{server.url}/v1/messages?beta=true", timeout=30, json={
+        "model": MODEL, "max_tokens": 4, "messages": history,
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"},
+                                          {"type": "clear_thinking_20251015"}]}})
+    assert bad.status_code == 400 and "clear_thinking_20251015 comes first" in bad.json()["error"]["message"]
