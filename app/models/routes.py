@@ -54,7 +54,8 @@ def models_router(context: ServerContext) -> APIRouter:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge", "loaded": True,
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
-                "tp": core.config.tp_size, "max_model_len": core.max_model_len,
+                # the context served, under vLLM's name and the one LM Studio's and OpenRouter's clients read
+                "tp": core.config.tp_size, "max_model_len": core.max_model_len, "context_length": core.max_model_len,
                 # what a request leaving these fields out gets (core/generation_defaults.py), and from where
                 "sampling_defaults": core.generation_defaults.values,
                 "sampling_defaults_source": core.generation_defaults.source,

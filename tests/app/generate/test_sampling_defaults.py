@@ -40,6 +40,9 @@ def test_the_model_card_names_the_defaults(server):
     card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     assert card["sampling_defaults"] == EMBEDDED_DEFAULTS
     assert card["sampling_defaults_source"] == "kvforge bench defaults (embedded Q4_1)"
+    # the context served, where clients look for it (vLLM's max_model_len; context_length: LM Studio, OpenRouter)
+    served = httpx.get(f"{server.url}/api/ps", timeout=30).json()["models"][0]["context_length"]
+    assert card["max_model_len"] == card["context_length"] == served == 8192
 
 
 def test_left_out_fields_take_the_models_defaults(client, server):
