@@ -142,6 +142,27 @@ def test_forced_parallel_calls_end_without_a_repeat(client, stream):
     assert reply.usage.completion_tokens < 300
 
 
+def test_streamed_tool_call_deltas_carry_index_id_and_name(server):
+    """What Continue, Codex and litellm each broke on elsewhere: every tool-call delta has its index, the first one
+    of a call its id, type and function name; a reply's calls have distinct indexes."""
+    body = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "temperature": 0, "max_tokens": 300, "stream": True}
+    seen: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                for call in choice["delta"].get("tool_calls") or []:
+                    if call["index"] not in seen:
+                        assert call["id"].startswith("call_") and call["type"] == "function"
+                        assert call["function"]["name"] in ("get_weather", "get_time")
+                        seen[call["index"]] = call
+                    json.loads(call["function"]["arguments"])  # each call arrives whole
+    assert sorted(seen) == list(range(len(seen))) and seen
+    assert len({c["id"] for c in seen.values()}) == len(seen)
+
+
 def test_a_named_tool_choice_is_one_call(client):
     reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME],
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
