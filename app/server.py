@@ -29,6 +29,7 @@ from kvforge.app.dialects.openai.embeddings import embeddings_router
 from kvforge.app.dialects.openai.responses import responses_router
 from kvforge.app.dialects.openai.routes import openai_router
 from kvforge.app.dialects.openai.tokenize import tokenize_router
+from kvforge.app.dialects.rerank.routes import rerank_router
 from kvforge.app.http.access import AccessGuard, AccessPolicy
 from kvforge.app.http.disconnect import CancelOnDisconnect
 from kvforge.app.http.errors import add_error_handlers
@@ -80,6 +81,7 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
     app.include_router(anthropic_router(context))
     app.include_router(responses_router(context))
     app.include_router(embeddings_router(context))
+    app.include_router(rerank_router(context))
     add_api_fallbacks(app)  # after every API route, before the UI's mount, which would take every other request
     if with_ui:  # last: the UI mounted at / would shadow later routes
         app = ui(app, app.state.chat)

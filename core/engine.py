@@ -352,13 +352,15 @@ class LLMEngine:
     def _embedding_output(self, seq: Sequence, reason: str | None) -> RequestOutput:
         """An embedding request's one output: its embedding when its whole prompt was pooled (not when aborted)."""
         embedding = None
-        if seq.finish_reason == "stop":
+        if seq.finish_reason == "stop" and seq.params.score_token_ids:
+            embedding = seq.pooled.scores
+        elif seq.finish_reason == "stop":
             normalize = self.pooling.normalize if seq.params.normalize is None else seq.params.normalize
             embedding = seq.pooled.embedding(seq.num_tokens, self.pooling.mode, normalize)
         self._totals["requests_finished"] += 1
         return RequestOutput(seq.request_id, 0, seq.prompt_token_ids, [], "", "", [], finished=True,
                              finish_reason=seq.finish_reason or reason, metrics=request_metrics(seq),
-                             embedding=embedding)
+                             embedding=embedding, num_cached_tokens=seq.num_cached_tokens or 0)
 
     def _forget_if_done(self, request_id: str) -> None:
         samples = self._requests.get(request_id, [])

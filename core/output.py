@@ -41,7 +41,8 @@ class RequestOutput:
     stop_reason: str | None = None  # the stop string that ended it (None: an end-of-sequence token, or not "stop")
     num_cached_tokens: int = 0
     metrics: dict[str, Any] | None = None  # set on the final output
-    embedding: list[float] | None = None  # an embedding request's (core/pooling.py), on its final output
+    # an embedding request's (core/pooling.py), on its final output; a scoring request's: its score tokens' logits
+    embedding: list[float] | None = None
     # params.prompt_logprobs: on the sample's first output, prompt token i + 1's logprob at [i] (the first token,
     # with nothing before it, has none)
     prompt_logprobs: list[TokenLogprob] | None = None

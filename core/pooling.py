@@ -29,6 +29,9 @@ class PoolingParams:
     """An embedding request's settings. `n` and `max_tokens` keep the shape admission checks read."""
 
     normalize: bool | None = None  # L2-normalised (cosine similarity is then a dot product); None: as the model says
+    # a scoring request instead: the logits of these tokens after the prompt's last token (a yes / no reranker's
+    # answer, app/generate/rerank.py); only that position is needed, so it may start from the prefix cache
+    score_token_ids: tuple[int, ...] = ()
     n: ClassVar[int] = 1
     max_tokens: ClassVar[int] = 0  # nothing is generated: the prompt alone must fit the context
     logit_bias: ClassVar[None] = None
@@ -64,21 +67,23 @@ def model_pooling(model_path: Path) -> ModelPooling:
 
 @dataclass
 class PooledHidden:
-    """An embedding request's last hidden states so far: their fp32 sum, the first position's and the latest one's."""
+    """An embedding request's last hidden states so far: their fp32 sum, the first position's and the latest one's;
+    a scoring request's score tokens' logits after the latest position."""
 
     total: torch.Tensor
     first: torch.Tensor
     last: torch.Tensor
+    scores: list[float] | None = None
 
     @classmethod
-    def of_rows(cls, rows: torch.Tensor) -> PooledHidden:
+    def of_rows(cls, rows: torch.Tensor, scores: list[float] | None = None) -> PooledHidden:
         """One chunk's rows [tokens, hidden] (any dtype, any device), kept in fp32 on the CPU."""
         rows = rows.float()
-        return cls(rows.sum(0).cpu(), rows[0].cpu(), rows[-1].cpu())
+        return cls(rows.sum(0).cpu(), rows[0].cpu(), rows[-1].cpu(), scores)
 
     def then(self, chunk: PooledHidden) -> PooledHidden:
         """This prefill followed by its next chunk."""
-        return PooledHidden(self.total + chunk.total, self.first, chunk.last)
+        return PooledHidden(self.total + chunk.total, self.first, chunk.last, chunk.scores)
 
     def embedding(self, num_tokens: int, mode: str, normalize: bool) -> list[float]:
         vector = {"mean": lambda: self.total / num_tokens, "last": lambda: self.last, "cls": lambda: self.first}[mode]()

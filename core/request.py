@@ -81,6 +81,14 @@ class Sequence:
         """An embedding request: prefilled, never sampled (core/pooling.py)."""
         return isinstance(self.params, PoolingParams)
 
+    @property
+    def needs_every_position(self) -> bool:
+        """Its prefill must compute every position (none from the prefix cache): an embedding request pools them
+        all, prompt_logprobs asks for each one's logits; a scoring request needs the last one only."""
+        if isinstance(self.params, PoolingParams):
+            return not self.params.score_token_ids
+        return self.params.prompt_logprobs is not None
+
     def clear_drafts(self) -> None:
         self.spec_token_ids, self.spec_draft_probs = [], None
 

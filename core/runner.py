@@ -45,7 +45,8 @@ class StepInputs:
     # rows [first, last), context length, block table of the whole context
     prefills: list[tuple[int, int, int, list[int]]]
     logits_rows: list[int]  # rows whose logits the step returns
-    pool_rows: list[tuple[int, int]] = field(default_factory=list)  # rows [first, last) of each embedding request
+    # rows [first, last) of each embedding request, and the tokens whose logits a scoring request wants after them
+    pool_rows: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     # rows [first, last) whose next prompt tokens' logprobs are asked for, those tokens, and how many top ones
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
 
@@ -223,7 +224,7 @@ class ModelRunner:
             if item.samples:
                 inputs.logits_rows.extend(range(end - item.num_logits_rows, end))
             elif item.seq.pools:
-                inputs.pool_rows.append((end - item.num_new_tokens, end))
+                inputs.pool_rows.append((end - item.num_new_tokens, end, item.seq.params.score_token_ids))
         return inputs
 
     def _context(self, inputs: StepInputs) -> StepContext:
@@ -299,9 +300,16 @@ class ModelRunner:
     def _output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
         rows = inputs.logits_rows
         logits = self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
-        return StepOutput(logits, [PooledHidden.of_rows(hidden[first:last]) for first, last in inputs.pool_rows],
+        return StepOutput(logits, [PooledHidden.of_rows(hidden[first:last], self._scores(hidden[last - 1], tokens))
+                                   for first, last, tokens in inputs.pool_rows],
                           [self._prompt_logprobs(hidden[first:last], targets, top)
                            for first, last, targets, top in inputs.prompt_rows])
+
+    def _scores(self, row: torch.Tensor, tokens: tuple[int, ...]) -> list[float] | None:
+        """A scoring request's logits of `tokens` after this row (None: an embedding request)."""
+        if not tokens:
+            return None
+        return self.model.compute_logits(row.view(1, -1)).float()[0, list(tokens)].tolist()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> PromptLogprobs:
         """The raw model logprobs (as the sampler's) of `targets`, each after its row, and the `top` best."""

@@ -208,7 +208,7 @@ class Scheduler:
         for seq in self.running:
             demand[seq.share_group] += seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids)
         for seq in newcomers:
-            cached = 0 if seq.pools else len(self.kv.match_prefix(seq)) * self.kv.block_size
+            cached = 0 if seq.needs_every_position else len(self.kv.match_prefix(seq)) * self.kv.block_size
             demand[None] += seq.num_tokens - cached
         shares: Counter[str | None] = Counter()
         left = self.max_num_batched_tokens
@@ -245,8 +245,7 @@ class Scheduler:
             limit = min(budget, shares[None])
             if limit <= 0:
                 break
-            if seq.pools or seq.params.prompt_logprobs is not None:
-                # every position's hidden state is pooled, or its logits are asked for: nothing is taken from the cache
+            if seq.needs_every_position:  # nothing of it can be taken from the cache
                 n = self.kv.admit(seq, [], limit)
             else:
                 hits = self.kv.match_prefix(seq)

@@ -110,17 +110,19 @@ async def embed(admission: Admission, inputs: list[str] | list[list[int]], field
     return Embedded([out.embedding for out in outputs], outputs, ticket.model)
 
 
-async def embed_windowed(engine: AsyncEngine, prompts: list[list[int]], timeout_s: float | None) -> list[RequestOutput]:
+async def embed_windowed(engine: AsyncEngine, prompts: list[list[int]], timeout_s: float | None,
+                         params: PoolingParams | None = None) -> list[RequestOutput]:
     """Each prompt's final output, in order: one group in the engine, at most `max_num_seqs` of them queued at once
     (the request's share of the queue), all within `timeout_s` (RequestTimedOut past it). However it ends, each
-    input still queued is aborted (its blocks freed) and none is queued after."""
+    input still queued is aborted (its blocks freed) and none is queued after. `params`: a scoring request's
+    (app/generate/rerank.py); by default an embedding's."""
     group, slots = f"embed-{uuid.uuid4().hex}", asyncio.Semaphore(engine.config.max_num_seqs)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s if timeout_s else None
 
     async def one(prompt: list[int]) -> RequestOutput:
         async with slots:
-            stream = engine.add_request(prompt, PoolingParams(), group=group)
+            stream = engine.add_request(prompt, params or PoolingParams(), group=group)
             left = None if deadline is None else max(deadline - loop.time(), 1e-3)
             try:
                 return await _final(stream, left)

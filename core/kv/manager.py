@@ -93,15 +93,18 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register every full block whose K/V is now computed, so later requests can reuse it. An embedding
-        request's blocks are not: its input is neither kept nor persisted (and it never reads the cache)."""
-        if not self.pool.enable_caching or seq.pools:
+        request's blocks are not: its input is neither kept nor persisted (and it never reads the cache). A scoring
+        request's are, in memory only (a reranker's documents share the query's head; one-off documents are not
+        written to disk)."""
+        if not self.pool.enable_caching or (seq.pools and seq.needs_every_position):
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         size, tokens = self.block_size, seq.token_ids
         hashes, first_new = self._hashes(seq, full), None
         for i, digest in enumerate(hashes):
             block_tokens = tokens[i * size:(i + 1) * size]
-            if self.pool.register(seq.block_table[i], digest, block_tokens) and self.persisted is not None:
+            if self.pool.register(seq.block_table[i], digest, block_tokens) and self.persisted is not None \
+                    and not seq.pools:
                 if first_new is None:
                     first_new, now = i, time.time()
                 parent = hashes[i - 1] if i else self.root_hash

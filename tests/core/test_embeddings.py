@@ -123,3 +123,27 @@ def test_a_sentence_transformers_checkpoint_pools_as_its_config_says(tmp_path, e
     save_tiny_embedding_model(tmp_path / "max", embedded_path, seed=5, pooling="pooling_mode_max_tokens")
     with pytest.raises(ValueError, match="pooling pooling_mode_max_tokens is not supported"):
         LLM(str(tmp_path / "max"), progress=False, dtype="float32", kv_cache_bytes=16 << 20)
+
+
+def test_a_scoring_request_gives_the_last_positions_logits_and_may_start_from_the_cache(embedded_llm):
+    """PoolingParams(score_token_ids=...): the logits of those tokens after the prompt (a reranker's yes / no), the
+    row teacher forcing reads there; only the last position is needed, so a repeat starts from the prefix cache and
+    scores alike."""
+    engine = embedded_llm.engine
+    prompt = embedded_llm.tokenizer.encode(LONG)
+    tokens = (embedded_llm.tokenizer.encode("yes", add_special_tokens=False)[0], 42, 7)
+    first = {"scores": None, "cached": None}
+    for attempt in range(2):
+        request_id = engine.add_request(prompt, PoolingParams(score_token_ids=tokens))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == request_id and out.finished:
+                    scores, cached = out.embedding, out.num_cached_tokens
+        if attempt == 0:
+            first = {"scores": scores, "cached": cached}
+    assert first["cached"] == 0 and cached >= len(prompt) - engine.config.block_size
+    assert scores == pytest.approx(first["scores"], abs=1e-5) and len(scores) == 3
+    # logit differences are logprob differences: the same row as teacher forcing reads after the prompt
+    yes, other = (engine.prompt_logprobs(prompt + [t])[-1].item() for t in tokens[:2])
+    assert scores[0] - scores[1] == pytest.approx(yes - other, abs=1e-4)
+    assert engine.block_pool.num_used == 0

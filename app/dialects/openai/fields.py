@@ -12,6 +12,7 @@ MAX_MESSAGES = 2048  # per request
 MAX_TOOLS = 128  # per request (OpenAI's own limit)
 MAX_SYSTEM_PROMPT_CHARS = 100_000  # a conversation's stored system prompt
 MAX_COMPLETION_PROMPTS = 256  # a completions batch: each prompt is its own engine request (lm-eval sends batches)
+MAX_RERANK_DOCUMENTS = 1000  # Cohere's limit on one rerank request's documents
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs (its embeddings API, Ollama's /api/embed)
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's, for function and response-format names
 FORBID = ConfigDict(extra="forbid")

@@ -1,0 +1,1 @@
+"""The rerank API in the shape Jina, Cohere, vLLM and llama.cpp's server share: routes and request (routes.py)."""
