@@ -89,7 +89,7 @@ class ServerMetrics:
 
 
 def status_router(metrics: ServerMetrics, root_page: bool) -> APIRouter:
-    """GET /health (the served model's name) and GET /metrics (Prometheus' text format); HEAD / and /health, the
+    """GET /health (the served model's name) and GET /metrics (Prometheus' text format); HEAD on / and /health, the
     probes clients send before they talk (Claude Code's HEAD /); without the browser UI at /, GET / says the server
     runs, as Ollama's "Ollama is running" (clients that find an Ollama server by it)."""
     router = APIRouter()
@@ -98,12 +98,8 @@ def status_router(metrics: ServerMetrics, root_page: bool) -> APIRouter:
     async def health():
         return {"status": "ok", "model": metrics.host.name}
 
-    @router.head("/")
-    async def probe():
-        return Response()
-
-    if root_page:
-        @router.get("/")
+    if root_page:  # else the browser UI answers / (GET and HEAD)
+        @router.api_route("/", methods=["GET", "HEAD"])
         async def running():
             return PlainTextResponse("kvforge is running")
 

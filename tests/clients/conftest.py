@@ -22,13 +22,12 @@ from tests.helpers.server_process import readme_serve
 # litellm fetches a model cost map from the internet when it is imported unless told to read its bundled copy
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # openai-agents would upload traces to OpenAI
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-eval's tasks load local JSON files only
 
 
-def client_module(module: str, package: str):
+def client_module(module: str, package: str, install: str = "pip install -e '.[test]'"):
     """The client's module, or a skip naming the package to install (a failure under KVFORGE_REQUIRE_ALL=1)."""
     require(importlib.util.find_spec(module.split(".")[0]) is not None,
-            f"this client test needs the package {package} (pip install -e '.[test]')")
+            f"this client test needs the package {package} ({install})")
     return importlib.import_module(module)
 
 

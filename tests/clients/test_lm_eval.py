@@ -79,36 +79,39 @@ def responses(results: dict, task: str) -> list:
 
 def test_loglikelihoods_through_the_server_equal_lm_evals_hf_model(lm_eval, tasks, server, embedded_path):
     """lm-eval's `local-completions` finds the server's tokenizer by itself (/tokenizer_info + /tokenize: the remote
-    backend, no Hub), sends batches of 4 token-id prompts with echo + logprobs, and gets every multiple-choice
-    loglikelihood and every rolling-window (perplexity) loglikelihood of lm-eval's own `hf` model on the same fp32
-    checkpoint within 1e-4, with the same is_greedy flags and so the same accuracy."""
+    backend, no Hub) and gets every multiple-choice loglikelihood and every rolling-window (perplexity) loglikelihood
+    of lm-eval's own `hf` model on the same fp32 checkpoint within 1e-4, with the same is_greedy flags and so the same
+    accuracy -- sending batches of 4 token-id prompts, single prompts from 2 concurrent requests (its aiohttp path),
+    or batches of prompt strings (tokenized_requests=False: the ids detokenized, the server tokenizing them again)."""
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import AutoTokenizer
 
-    remote = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, batch_size=4,
-                                 max_retries=1, max_length=2048)
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(embedded_path))
-    assert remote.tokenizer_backend == "remote"
-    assert remote.eot_token_id == hf_tokenizer.eos_token_id
-    assert remote.prefix_token_id == (hf_tokenizer.bos_token_id or hf_tokenizer.eos_token_id)
-    assert remote.tok_encode("Hello world") == hf_tokenizer("Hello world", add_special_tokens=False).input_ids
-    names = ["kvforge_mc", "kvforge_ppl"]
-    served = evaluate(lm_eval, remote, tasks, names)
+    def remote(**fields):
+        return LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, max_retries=1, **fields)
 
+    auto = remote(batch_size=4)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(embedded_path))
+    assert auto.tokenizer_backend == "remote"
+    assert auto.eot_token_id == hf_tokenizer.eos_token_id
+    assert auto.prefix_token_id == (hf_tokenizer.bos_token_id or hf_tokenizer.eos_token_id)
+    assert auto.tok_encode("Hello world") == hf_tokenizer("Hello world", add_special_tokens=False).input_ids
+    names = ["kvforge_mc", "kvforge_ppl"]
     reference = evaluate(lm_eval, HFLM(pretrained=str(embedded_path), dtype="float32", device="cpu", batch_size=1),
                          tasks, names)
-    for task in names:
-        got, want = responses(served, task), responses(reference, task)
-        assert len(got) == len(want) == {"kvforge_mc": len(QUESTIONS), "kvforge_ppl": len(TEXTS)}[task]
-        for got_doc, want_doc in zip(got, want, strict=True):
-            if task == "kvforge_mc":  # one (loglikelihood, is_greedy) per choice
-                assert [g for _, g in got_doc] == [g for _, g in want_doc]
-                got_doc, want_doc = [ll for ll, _ in got_doc], [ll for ll, _ in want_doc]
-            assert got_doc == pytest.approx(want_doc, abs=1e-4)
-    assert served["results"]["kvforge_mc"]["acc,none"] == reference["results"]["kvforge_mc"]["acc,none"]
-    assert served["results"]["kvforge_ppl"]["word_perplexity,none"] == pytest.approx(
-        reference["results"]["kvforge_ppl"]["word_perplexity,none"], rel=1e-3)
+    for lm in (auto, remote(num_concurrent=2), remote(batch_size=4, tokenized_requests=False)):
+        served = evaluate(lm_eval, lm, tasks, names)
+        for task in names:
+            got, want = responses(served, task), responses(reference, task)
+            assert len(got) == len(want) == {"kvforge_mc": len(QUESTIONS), "kvforge_ppl": len(TEXTS)}[task]
+            for got_doc, want_doc in zip(got, want, strict=True):
+                if task == "kvforge_mc":  # one (loglikelihood, is_greedy) per choice
+                    assert [g for _, g in got_doc] == [g for _, g in want_doc]
+                    got_doc, want_doc = [ll for ll, _ in got_doc], [ll for ll, _ in want_doc]
+                assert got_doc == pytest.approx(want_doc, abs=1e-4)
+        assert served["results"]["kvforge_mc"]["acc,none"] == reference["results"]["kvforge_mc"]["acc,none"]
+        assert served["results"]["kvforge_ppl"]["word_perplexity,none"] == pytest.approx(
+            reference["results"]["kvforge_ppl"]["word_perplexity,none"], rel=1e-3)
 
 
 def test_generate_until_offline_with_a_local_tokenizer(lm_eval, tasks, server, embedded_path):

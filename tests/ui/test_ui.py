@@ -308,6 +308,7 @@ def test_reload_shows_the_same_conversations(page, server):
 
     page.reload()
     page.wait_for_selector("#message textarea")
+    assert httpx.head(server.url, timeout=30).status_code == 200  # the UI answers Claude Code's probe too
     page.wait_for_function("n => document.querySelectorAll('#conversations input').length === n", arg=len(listed))
     ids = page.locator("#conversations input").evaluate_all("els => els.map(e => e.value)")
     titles = [t.strip() for t in page.locator("#conversations label").all_inner_texts()]

@@ -51,6 +51,7 @@ from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import reasoning_syntax
 from kvforge.app.generate.embeddings import embed
+from kvforge.app.generate.parsers.tool_calls import detect_tool_syntax
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
 from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest, TextPrompt
 from kvforge.app.generate.stream import Failed, StreamResponse
@@ -284,7 +285,7 @@ def ollama_router(context: ServerContext) -> APIRouter:
             trained = getattr(engine.engine.hf_config, "max_position_embeddings", None)
             if trained:
                 info["kvforge.trained_context_length"] = trained
-            result["template"] = engine.tokenizer.hf.chat_template
+            result["template"] = shown_template(engine.tokenizer.hf.chat_template)
             result["parameters"] = f"num_ctx {engine.engine.max_model_len}"
             if reasoning_syntax(engine.tokenizer) is not None:
                 capabilities.append("thinking")
@@ -357,6 +358,20 @@ def ollama_router(context: ServerContext) -> APIRouter:
         return {"models": models}
 
     return router
+
+
+# where the chat template has no tool syntax, kvforge describes the tools in a system prompt and reads calls back
+# (app/generate/tool_prompts.py): said in a Jinja comment (it renders nothing), because clients judge tool support by
+# the template's text (litellm: "tools" in it), as Ollama's templates for tool-calling models mention .Tools
+TOOLS_NOTE = ("\n{#- kvforge: with tools, they are described in a system prompt and calls read back as <tool_call> "
+              "JSON (app/generate/tool_prompts.py) #}")
+
+
+def shown_template(template: str | None) -> str | None:
+    """The chat template as /api/show gives it: the model's own, and where it has no tool syntax, the note above."""
+    if template is None or detect_tool_syntax(template).template_supports_tools:
+        return template
+    return template + TOOLS_NOTE
 
 
 def tag(entry: ModelEntry) -> dict[str, Any]:

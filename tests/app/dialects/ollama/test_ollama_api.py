@@ -151,6 +151,12 @@ def test_tags_show_ps_version(client, server):
     assert shown.modelinfo["kvforge.trained_context_length"] >= shown.modelinfo["llama.context_length"]
     assert client.show(f"{MODEL}:latest").details == shown.details
     assert "<|im_start|>" in shown.template
+    # ChatML has no tool syntax: kvforge's tool rendering is noted in a Jinja comment, where litellm looks for "tools"
+    import jinja2
+
+    assert "tools" in shown.template and "{#-" in shown.template
+    rendered = jinja2.Environment().from_string(shown.template).render(messages=ASK, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
     running = client.ps().models
     assert [m.model for m in running] == [f"{MODEL}:latest"] and running[0].size > 0 and running[0].context_length > 0
     listed = next(m for m in client.list().models if m.model == f"{MODEL}:latest")
