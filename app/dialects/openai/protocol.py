@@ -33,7 +33,9 @@ POST /v1/chat/completions, field by field (OpenAI's CompletionCreateParams, open
     moderation                                       refused: no moderation model
     extras (vLLM's names): top_k, min_p, repetition_penalty, min_tokens, ignore_eos, chat_template_kwargs,
       structured_outputs (one of json / regex / choice / grammar; not with response_format); ours:
-      repetition_guard (end a reply stuck in a loop: finish_reason "repetition"; core/repetition.py)
+      repetition_guard (end a reply stuck in a loop: finish_reason "repetition"; core/repetition.py), num_ctx
+      (Ollama's option, which Open WebUI forwards to OpenAI connections: the request's context window, as
+      /api/chat's options.num_ctx -- its prompt must fit, its reply ends where the window does)
 
 A sampling field left out takes the served model's default (core/generation_defaults.py: its
 generation_config.json, its family's recommendation, or the settings file's), else SamplingParams'.
@@ -173,6 +175,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
     top_logprobs: int | None = sampling_field("logprobs", None)
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
+    num_ctx: int | None = Field(default=None, ge=1)  # Ollama's context window (Open WebUI forwards it): see routes
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra: regex, choice, grammar or JSON schema
     modalities: list[Literal["text"]] | None = None
     # metadata: accepted, no effect (see the module's table)
@@ -244,6 +247,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     user: str | None = None  # metadata: accepted, no effect
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra: regex, choice, grammar or JSON schema
+    num_ctx: int | None = Field(default=None, ge=1)  # Ollama's context window, as for chat
     suffix: None = refused("no fill-in-the-middle here")
 
     @field_validator("suffix", mode="before")

@@ -26,7 +26,7 @@ from kvforge.app.dialects.openai.format import (
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvforge.app.generate.admit import Admitted, admit_all
 from kvforge.app.generate.chat_output import read_whole
-from kvforge.app.generate.request import ChatPrompt, GenerateRequest, TextPrompt
+from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest, TextPrompt
 from kvforge.app.generate.stream import Failed, StreamResponse, merged
 from kvforge.core.output import RequestOutput
 
@@ -38,7 +38,7 @@ def openai_router(context: ServerContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest):
         context.admission.check_model(body.model)
         request = GenerateRequest(prompt=ChatPrompt.of(body), sampling=body, logprobs=body.logprobs_count(),
-                                  model=body.model)
+                                  model=body.model, window=context_window(body))
         return await respond(body, [request], chat=True)
 
     @router.post("/v1/completions")
@@ -49,7 +49,7 @@ def openai_router(context: ServerContext) -> APIRouter:
         prompt_logprobs = body.logprobs if body.echo else None
         requests = [GenerateRequest(prompt=TextPrompt(text=prompt, echo=body.echo, constraint=constraint),
                                     sampling=body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
-                                    model=body.model) for prompt in body.prompts()]
+                                    model=body.model, window=context_window(body)) for prompt in body.prompts()]
         return await respond(body, requests, chat=False)
 
     async def respond(body: ChatCompletionRequest | CompletionRequest, requests: list[GenerateRequest], chat: bool):
@@ -145,3 +145,8 @@ def openai_router(context: ServerContext) -> APIRouter:
         yield "data: [DONE]\n\n"
 
     return router
+
+
+def context_window(body: ChatCompletionRequest | CompletionRequest) -> ContextWindow | None:
+    """The context the request asks for with Ollama's num_ctx (None: the model's)."""
+    return ContextWindow(body.num_ctx, "num_ctx") if body.num_ctx is not None else None

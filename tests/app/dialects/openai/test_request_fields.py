@@ -227,3 +227,19 @@ def test_streamed_echo_opens_each_choice(client, server):
         assert texts[0].startswith(PROMPT)
         assert "".join(texts) == PROMPT + plain  # greedy: both choices alike
     assert wait_idle(server[1])
+
+
+def test_num_ctx_bounds_the_request_as_ollamas_option(client):
+    """Open WebUI forwards a model's num_ctx (Ollama's option) to OpenAI connections too: the request's context
+    window, as /api/chat's options.num_ctx -- the reply ends where it does, a prompt that fills it is a 400."""
+    first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0)
+    window = first.usage.prompt_tokens + 3
+    cut = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=50, temperature=0,
+                                         extra_body={"num_ctx": window, "ignore_eos": True})
+    assert cut.usage.completion_tokens == 3 and cut.choices[0].finish_reason == "length"
+    error = refusal(lambda: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5,
+                                                           extra_body={"num_ctx": first.usage.prompt_tokens}))
+    assert error["param"] == "num_ctx" and error["code"] == "context_length_exceeded"
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=50, temperature=0,
+                                     extra_body={"num_ctx": 8, "ignore_eos": True})
+    assert text.usage.prompt_tokens + text.usage.completion_tokens == 8
