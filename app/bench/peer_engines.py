@@ -35,9 +35,11 @@ ENGINES = (
 # --http: the server each kind of engine runs as (HF transformers has none)
 SERVERS = {"kvforge": "kvforge serve", "vllm": "vllm serve", "llama.cpp": "python -m llama_cpp.server"}
 
-# peer -> (the Python module it needs, the virtualenv under the peers dir, its flag, its environment variable)
+# peer -> (the Python module it needs, the virtualenv under the peers dir, its flag, its environment variable);
+# openwebui is a client, not an engine: `kvforge bench clients` drives it against `kvforge serve`
 PEERS = {"vllm": ("vllm", "vllm", "--vllm-python", "KVFORGE_VLLM_PYTHON"),
-         "llama": ("llama_cpp", "llama", "--llama-python", "KVFORGE_LLAMA_PYTHON")}
+         "llama": ("llama_cpp", "llama", "--llama-python", "KVFORGE_LLAMA_PYTHON"),
+         "openwebui": ("open_webui", "openwebui", "--openwebui-python", "KVFORGE_OPENWEBUI_PYTHON")}
 
 
 @dataclass
@@ -62,13 +64,14 @@ def default_peers_dir() -> Path:
     return Path(os.environ.get("KVFORGE_PEERS_DIR") or Path.home() / ".cache" / "kvforge-peers")
 
 
-PEER_NAMES = {"vllm": "vLLM CPU", "llama": "llama-cpp-python"}
+PEER_NAMES = {"vllm": "vLLM CPU", "llama": "llama-cpp-python", "openwebui": "Open WebUI"}
 
 
 def add_peer_options(parser: argparse.ArgumentParser, peers: tuple[str, ...], no_peers_help: str) -> None:
     """--peers-dir, an interpreter flag per peer in `peers` and --no-peers: where find_peer looks."""
+    venvs = " and ".join(f"{PEERS[p][1]}/" for p in peers)
     parser.add_argument("--peers-dir", default=None,
-                        help="where the peers' virtualenvs are: vllm/ and llama/ (default: $KVFORGE_PEERS_DIR or "
+                        help=f"where the peers' virtualenvs are: {venvs} (default: $KVFORGE_PEERS_DIR or "
                              "~/.cache/kvforge-peers)")
     for peer in peers:
         _, _, flag, variable = PEERS[peer]
@@ -133,9 +136,9 @@ def last_lines(text: str, lines: int) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def say(text: str) -> None:
+def say(text: str, bench: str = "peers") -> None:
     """Progress on stderr (stdout carries the report)."""
-    print(f"[bench peers] {text}", file=sys.stderr, flush=True)
+    print(f"[bench {bench}] {text}", file=sys.stderr, flush=True)
 
 
 def all_or_none(values: list) -> list | None:
