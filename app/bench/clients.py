@@ -1,7 +1,7 @@
 """`kvforge bench clients`: real clients too heavy for the test suite, driven against a real `kvforge serve`, run
 before each release; its table is what the README's client table says of them.
 
-Open WebUI 0.12.4 (its own virtualenv in the peers dir: `../shared/peers/setup.sh openwebui`, ~10 minutes, ~1 GB)
+Open WebUI 0.12.4 (its own virtualenv in the peers dir: `../shared/peers/setup.sh openwebui`, ~1 GB)
 is started against a `kvforge serve --no-ui` (the embedded model unless --model; a temporary data directory) through
 both of its connections at once, Ollama (OLLAMA_BASE_URL) and OpenAI (OPENAI_API_BASE_URL), offline, without
 authentication and with everything that would download or call out switched off (embeddings / RAG, image

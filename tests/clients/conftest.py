@@ -1,10 +1,9 @@
-"""One `kvforge serve` for every client test of this folder (package-scoped: one model load).
+"""The `kvforge serve` the client tests of this folder talk to (package-scoped: one model load each).
 
-It serves the embedded model dequantized in fp32 (`--dtype float32 --gguf-dense`): the dtype and weights of
-lm-eval's own `hf` model on the same local checkpoint, so that lm-eval's loglikelihoods through the server can be
-compared with the ones it computes itself (within 1e-4); on a 2-core CPU this configuration also starts and decodes
-faster than the default one (Q4_1 blocks in bf16), so the other clients use it as well. Otherwise the server is
-started as README command 1 starts it (readme_serve: no KVFORGE_* setting reaches it)."""
+`server`: started as README command 1 starts it (readme_serve: no flag but the port and a data dir, no KVFORGE_*
+setting), what the clients' users get. `fp32_server`: the embedded model dequantized in fp32 (`--dtype float32
+--gguf-dense`), the dtype and weights of lm-eval's own `hf` model on the same local checkpoint, so that lm-eval's
+loglikelihoods through the server can be compared with the ones it computes itself (within 1e-4)."""
 
 from __future__ import annotations
 
@@ -31,12 +30,24 @@ def client_module(module: str, package: str, install: str = "pip install -e '.[t
     return importlib.import_module(module)
 
 
-@pytest.fixture(scope="package")
-def server(tmp_path_factory):
-    process = readme_serve(tmp_path_factory.mktemp("data"), "--no-ui", "--dtype", "float32", "--gguf-dense")
-    # the first generation picks and warms kernels (~20 s on 2 cores): here, not in the first test's time
+def warmed(process):
+    """The server after a first generation, which picks and warms kernels (~20 s on 2 cores): here, not in the
+    first test's time."""
     warm = httpx.post(f"{process.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                       timeout=300)
     assert warm.status_code == 200, warm.text
-    yield process
+    return process
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory):
+    process = readme_serve(tmp_path_factory.mktemp("data"), "--no-ui")
+    yield warmed(process)
+    process.stop()
+
+
+@pytest.fixture(scope="package")
+def fp32_server(tmp_path_factory):
+    process = readme_serve(tmp_path_factory.mktemp("data"), "--no-ui", "--dtype", "float32", "--gguf-dense")
+    yield warmed(process)
     process.stop()

@@ -77,7 +77,7 @@ def responses(results: dict, task: str) -> list:
     return [sample["filtered_resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
-def test_loglikelihoods_through_the_server_equal_lm_evals_hf_model(lm_eval, tasks, server, embedded_path):
+def test_loglikelihoods_through_the_server_equal_lm_evals_hf_model(lm_eval, tasks, fp32_server, embedded_path):
     """lm-eval's `local-completions` finds the server's tokenizer by itself (/tokenizer_info + /tokenize: the remote
     backend, no Hub) and gets every multiple-choice loglikelihood and every rolling-window (perplexity) loglikelihood
     of lm-eval's own `hf` model on the same fp32 checkpoint within 1e-4, with the same is_greedy flags and so the same
@@ -88,7 +88,8 @@ def test_loglikelihoods_through_the_server_equal_lm_evals_hf_model(lm_eval, task
     from transformers import AutoTokenizer
 
     def remote(**fields):
-        return LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, max_retries=1, **fields)
+        return LocalCompletionsAPI(base_url=f"{fp32_server.url}/v1/completions", model=MODEL, max_retries=1,
+                                   **fields)
 
     auto = remote(batch_size=4)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(embedded_path))
