@@ -7,6 +7,8 @@ an unknown field or model, and a document too long get the errors they should.""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -27,6 +29,13 @@ def reranker(tmp_path_factory, embedded_path):
     models = tmp_path_factory.mktemp("models")
     model = save_tiny_model("qwen3", models / RERANKER, embedded_path, seed=7, config=tiny_configs()["qwen3"])
     save_tiny_model("qwen2", models / "tiny-chat", embedded_path, seed=1)
+    cross_encoder = models / "bge-reranker-base"  # an XLM-R sequence classifier: an architecture kvforge does not run
+    cross_encoder.mkdir()
+    (cross_encoder / "config.json").write_text(json.dumps({
+        "model_type": "xlm-roberta", "architectures": ["XLMRobertaForSequenceClassification"], "num_labels": 1}))
+    from safetensors.torch import save_file
+
+    save_file({"classifier.out_proj.weight": torch.zeros(1, 8)}, cross_encoder / "model.safetensors")
     return models, model
 
 
@@ -79,6 +88,7 @@ def test_scores_equal_hf_and_come_most_relevant_first(server, reranker):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "tiny-chat"}, 400, "model"),  # loads, but is no reranker
+    ({"model": "bge-reranker-base"}, 400, "model"),  # a cross-encoder: refused as it loads, naming its architecture
     ({"model": "nowhere"}, 404, "model"),
     ({"rank_fields": ["text"]}, 400, "rank_fields"),  # Cohere's: documents have no fields here
     ({"documents": []}, 400, "documents"),
@@ -90,3 +100,5 @@ def test_bad_requests_name_the_field(server, body, status, param):
                        json={"model": RERANKER, "query": QUERY, "documents": DOCUMENTS} | body)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param, reply.json()
+    if body.get("model") == "bge-reranker-base":
+        assert "XLMRobertaForSequenceClassification" in reply.json()["error"]["message"], reply.json()
