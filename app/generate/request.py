@@ -127,6 +127,9 @@ class GenerateRequest:
     window: ContextWindow | None = None  # a context it asks for, smaller than the model's (Ollama's num_ctx)
 
 
+UNBOUNDED = 2**31  # a window no model reaches: the model's own context bounds the request, max_tokens cut to fit
+
+
 @dataclass(frozen=True)
 class ContextWindow:
     """A context a request asks for (Ollama's options.num_ctx): its prompt must fit, and its output stops where the

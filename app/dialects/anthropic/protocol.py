@@ -21,8 +21,12 @@ No field is silently ignored:
     content blocks: image, document, search_result, redacted_thinking,   refused (a text-only model; nothing here
       server tool blocks                                                   makes or reads them)
     a last assistant message (prefill)                                   refused, as for Anthropic's models without it
-    output_config.effort, thinking between_tools / display, container,   refused
-      mcp_servers, inference_geo, speed, diagnostics
+    output_config.effort                                                 accepted, no effect (no such control here;
+                                                                           Claude Code sends it on every request)
+    system messages among the messages (beta mid-conversation-system)    folded into the user turn they follow (or
+                                                                           the next one): templates alternate turns
+    thinking between_tools / display, container, mcp_servers,            refused
+      inference_geo, speed, diagnostics
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ REFUSED_BLOCKS = {"image": TEXT_ONLY, "document": TEXT_ONLY,
 
 class AnthropicMessage(BaseModel):
     model_config = FORBID
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: mid-conversation instructions (Claude Code's beta)
     content: str | list[ContentBlock]
 
     @field_validator("content", mode="before")
@@ -100,7 +104,9 @@ class AnthropicMessage(BaseModel):
     @model_validator(mode="after")
     def _blocks_of_its_role(self) -> AnthropicMessage:
         kinds = {b.type for b in self.content} if isinstance(self.content, list) else {"text"}
-        wrong = kinds & ({"tool_use", "thinking"} if self.role == "user" else {"tool_result"})
+        allowed = {"user": kinds - {"tool_use", "thinking"}, "assistant": kinds - {"tool_result"},
+                   "system": kinds & {"text"}}[self.role]
+        wrong = kinds - allowed
         if wrong:
             raise ValueError(f"{', '.join(sorted(wrong))} blocks are not for a {self.role} message")
         return self
@@ -172,6 +178,9 @@ class OutputFormat(BaseModel):
 class OutputConfig(BaseModel):
     model_config = FORBID
     format: OutputFormat | None = None
+    # accepted, no effect: how hard Claude works is not a control these models have (thinking is on or off by
+    # `thinking`); Claude Code sends it on every request (beta effort-2025-11-24)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class ConversationFields(BaseModel):
@@ -235,14 +244,26 @@ class MessagesRequest(ConversationFields):
 
 def openai_messages(body: ConversationFields, messages: list[AnthropicMessage] | None = None) -> list[dict[str, Any]]:
     """Anthropic's conversation as OpenAI's messages: the system prompt first; an assistant's text, thinking and
-    tool_use blocks one message; a user message's tool_result blocks each a tool message, before its text."""
+    tool_use blocks one message; a user message's tool_result blocks each a tool message, before its text. A system
+    message among the messages (Claude Code's mid-conversation instructions) is folded into the user turn it follows,
+    or the next one: chat templates alternate user and assistant turns (Gemma's raise on anything else)."""
     out: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
         out.append({"role": "system", "content": system})
+    pending: list[str] = []  # system text waiting for the next user turn
     for message in body.messages if messages is None else messages:
         blocks = message.blocks()
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if message.role == "system":
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"] = f"{out[-1]['content']}\n\n{text}" if out[-1]["content"] else text
+            else:
+                pending.append(text)
+            continue
+        if message.role == "user" and pending:
+            text = "\n\n".join([*pending, text] if text else pending)
+            pending = []
         if message.role == "assistant":
             entry: dict[str, Any] = {"role": "assistant", "content": text}
             thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
@@ -258,6 +279,8 @@ def openai_messages(body: ConversationFields, messages: list[AnthropicMessage] |
                 for b in blocks if isinstance(b, ToolResultBlock)]
         if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             out.append({"role": "user", "content": text})
+    if pending:  # after the last assistant turn: a user turn of its own
+        out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
 
 

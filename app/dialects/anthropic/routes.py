@@ -34,7 +34,7 @@ from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.off_loop import off_loop
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
-from kvforge.app.generate.request import ChatPrompt, GenerateRequest, check_prompt_chars
+from kvforge.app.generate.request import UNBOUNDED, ChatPrompt, ContextWindow, GenerateRequest, check_prompt_chars
 from kvforge.app.generate.stream import Failed, StreamResponse
 from kvforge.app.http.errors import anthropic_error, renaming_route
 from kvforge.core.output import RequestOutput
@@ -137,8 +137,9 @@ def anthropic_router(context: ServerContext) -> APIRouter:
     async def messages(body: MessagesRequest):
         context.admission.check_model(body.model)
         request, edits = await edited(body)
+        # max_tokens is Anthropic's upper bound, cut to what the context leaves (Claude Code asks 32000 of any model)
         admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request), sampling=request,
-                                                        model=body.model))
+                                                        model=body.model, window=ContextWindow(UNBOUNDED, "messages")))
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
             return StreamResponse(events(admitted, message_id, edits), admitted.close)

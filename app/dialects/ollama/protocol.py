@@ -48,7 +48,6 @@ LOAD_OPTIONS = frozenset({"num_gpu", "num_thread", "num_batch", "main_gpu", "low
 UNSUPPORTED_OPTIONS = frozenset({"num_keep", "repeat_last_n", "typical_p", "tfs_z", "mirostat", "mirostat_tau",
                                  "mirostat_eta", "penalize_newline"})
 FILL_CONTEXT = 2**31  # num_predict -1 / -2: as many tokens as the context window leaves
-UNBOUNDED = 2**31  # no num_ctx: the model's own context bounds the request
 
 
 def check_options(options: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -37,7 +37,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.ollama.protocol import (
     OLLAMA_NAMES,
-    UNBOUNDED,
     OllamaChatRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
@@ -53,7 +52,7 @@ from kvforge.app.generate.chat_request import reasoning_syntax
 from kvforge.app.generate.embeddings import embed
 from kvforge.app.generate.parsers.tool_calls import detect_tool_syntax
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
-from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest, TextPrompt
+from kvforge.app.generate.request import UNBOUNDED, ChatPrompt, ContextWindow, GenerateRequest, TextPrompt
 from kvforge.app.generate.stream import Failed, StreamResponse
 from kvforge.app.http.errors import APIError, renaming_route
 from kvforge.app.models.catalog import LISTING_DEADLINE_S, ModelEntry, catalog

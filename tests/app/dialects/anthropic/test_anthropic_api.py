@@ -211,3 +211,30 @@ def test_context_editing_through_the_beta_namespace(client, server):
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919"},
                                           {"type": "clear_thinking_20251015"}]}})
     assert bad.status_code == 400 and "clear_thinking_20251015 comes first" in bad.json()["error"]["message"]
+
+
+def test_a_request_shaped_as_claude_codes(client, server):
+    """What Claude Code 2.1 sends on every turn (its request shape, with our own small texts): the beta namespace
+    with its beta headers, a system message among the messages (beta mid-conversation-system: folded into the user
+    turn it follows, as chat templates alternate turns), thinking adaptive, context_management, output_config.effort
+    (accepted, no effect: no such control here), metadata.user_id, tools, and max_tokens 32000 -- an upper bound, cut
+    to what the 8192-token context leaves."""
+    betas = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
+             "mid-conversation-system-2026-04-07", "effort-2025-11-24"]
+    user = [{"type": "text", "text": "<system-reminder>\nToday's date is 2026-12-06.\n</system-reminder>"},
+            {"type": "text", "text": "Say hello in one word.", "cache_control": {"type": "ephemeral"}}]
+    reminder = "Available agent types: claude (the default)."
+    fields = dict(model=MODEL, system=[{"type": "text", "text": "You are a coding agent."}], tools=[WEATHER_TOOL],
+                  betas=betas)
+    with client.beta.messages.stream(
+            **fields, max_tokens=32000, messages=[{"role": "user", "content": user},
+                                                  {"role": "system", "content": reminder}],
+            thinking={"type": "adaptive"}, output_config={"effort": "high"},
+            context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            metadata={"user_id": '{"device_id": "d", "session_id": "s"}'}, extra_body=GREEDY) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason in ("end_turn", "max_tokens", "tool_use") and message.content
+    folded = [{"role": "user", "content": [*user, {"type": "text", "text": "\n\n" + reminder}]}]
+    as_one_turn = client.beta.messages.count_tokens(model=MODEL, messages=folded, system=fields["system"],
+                                                    tools=[WEATHER_TOOL], betas=betas).input_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == as_one_turn
