@@ -119,7 +119,8 @@ def test_output_format_and_count_tokens(client, server):
     ({"messages": [*ASK, {"role": "assistant", "content": "Paris is"}]}, 400, "prefill"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "server tool"),
     ({"thinking": {"type": "enabled", "budget_tokens": 10}}, 400, "budget_tokens"),
-    ({"output_config": {"effort": "high"}}, 400, "effort"),
+    ({"output_config": {"effort": "extreme"}}, 400, "effort"),  # accepted with no effect, but only Anthropic's values
+    ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, 400, "mcp_servers"),
     ({"stop_sequences": [""]}, 400, "stop_sequences"),
     ({"unknown_field": 1}, 400, "unknown_field"),
 ])
