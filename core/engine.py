@@ -260,8 +260,7 @@ class LLMEngine:
             seq.pooled = chunk if seq.pooled is None else seq.pooled.then(chunk)
         asking = (item for item in plan.scheduled if item.prompt_logprob_span[1])  # the runner's prompt_rows order
         for item, run in zip(asking, out.prompt_logprobs, strict=True):
-            targets = item.seq.prompt_token_ids[len(item.seq.prompt_logprobs) + 1:]
-            item.seq.prompt_logprobs.extend(map(TokenLogprob, targets, run.chosen, run.top))
+            item.seq.prompt_logprobs.extend(map(TokenLogprob, run.token_ids, run.chosen, run.top))
         sampled = self._sample(plan, out.logits) if plan.sampled else None
         updates, copies = self.scheduler.update_from_output(plan, sampled)
         self.runner.copy_blocks(copies)

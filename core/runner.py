@@ -71,6 +71,7 @@ class StepOutput:
 class PromptLogprobs:
     """The logprobs of a run of prompt tokens (each given the tokens before it) and each position's top ones."""
 
+    token_ids: list[int]
     chosen: list[float]
     top: list[list[tuple[int, float]]]
 
@@ -223,8 +224,10 @@ class ModelRunner:
                 inputs.prompt_rows.append((row + first, row + last, targets, item.seq.params.prompt_logprobs))
             if item.samples:
                 inputs.logits_rows.extend(range(end - item.num_logits_rows, end))
-            elif item.seq.pools:
-                inputs.pool_rows.append((end - item.num_new_tokens, end, item.seq.params.score_token_ids))
+            elif item.seq.pools:  # a scoring request's tokens: only for the chunk that ends its prompt
+                ends = item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
+                scored = item.seq.params.score_token_ids if ends else ()
+                inputs.pool_rows.append((end - item.num_new_tokens, end, scored))
         return inputs
 
     def _context(self, inputs: StepInputs) -> StepContext:
@@ -313,7 +316,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top: int) -> PromptLogprobs:
         """The raw model logprobs (as the sampler's) of `targets`, each after its row, and the `top` best."""
-        result = PromptLogprobs([], [])
+        result = PromptLogprobs(targets, [], [])
         for first in range(0, len(targets), PROMPT_LOGITS_ROWS):
             block = torch.log_softmax(self.model.compute_logits(hidden[first:first + PROMPT_LOGITS_ROWS]).float(), -1)
             wanted = torch.tensor(targets[first:first + PROMPT_LOGITS_ROWS], device=block.device).view(-1, 1)

@@ -67,13 +67,13 @@ def timings(out: RequestOutput) -> dict:
     predicted_n = m.get("generated_tokens") or 0
     prompt_ms = ttft * 1000 if ttft is not None else None
     predicted_ms = tpot * (predicted_n - 1) * 1000 if tpot else 0.0
-    return {"ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "tokens_per_second": None if not tpot else round(1 / tpot, 2),
-            "queue_ms": _ms(queue),
+    per_second = None if not tpot else round(1 / tpot, 2)  # the decode rate, under both names
+    return {"ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "tokens_per_second": per_second, "queue_ms": _ms(queue),
             "cache_n": m.get("cached_tokens") or 0, "prompt_n": prompt_n, "prompt_ms": _round(prompt_ms),
             "prompt_per_token_ms": _round(prompt_ms / prompt_n) if prompt_ms and prompt_n else None,
             "prompt_per_second": _round(prompt_n / prompt_ms * 1000) if prompt_ms and prompt_n else None,
             "predicted_n": predicted_n, "predicted_ms": _round(predicted_ms),
-            "predicted_per_token_ms": _ms(tpot), "predicted_per_second": None if not tpot else round(1 / tpot, 2)}
+            "predicted_per_token_ms": _ms(tpot), "predicted_per_second": per_second}
 
 
 def _ms(seconds: float | None) -> float | None:
