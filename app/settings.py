@@ -28,7 +28,7 @@ from typing import Any
 
 from kvforge.app.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.app.models.keep_alive import parse_keep_alive
-from kvforge.core.config import DECODE_ATTENTION, KERNELS, LINEAR_KERNELS, engine_default
+from kvforge.core.config import DECODE_ATTENTION, KERNELS, KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -199,6 +199,11 @@ class ServeSettings:
                                    "(see `kvforge plugins`; default: {default})")
     decoding_options: str | None = engine_setting(None, DECODING_OPTIONS_HELP)  # JSON object (or a TOML table)
     tp: int = engine_setting(engine_default("tp_size"), "tensor-parallel ranks: N processes, each holding 1/N of the "
+    kv_cache_dtype: str = engine_setting(
+        engine_default("kv_cache_dtype"), "how the KV cache stores K and V: auto (the model's dtype), int8, fp8_e4m3, "
+        "fp8_e5m2 (8 bits: about half of bf16's bytes, twice the tokens) or q4 (4 bits: about 3.5x the tokens); "
+        "llama.cpp's -ctk/-ctv q8_0 and q4_0, vLLM's --kv-cache-dtype fp8 (default: {default})",
+        choices=KV_CACHE_DTYPES)
                              "weights and KV heads (default {default})", int, check=lambda _, tp: check_tp(tp),
                              arg_type=tp_ranks, metavar="N")
     device: str | None = engine_setting(None, "cpu | cuda | cuda:N (default: cuda when a GPU is present)",

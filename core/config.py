@@ -15,11 +15,14 @@ from typing import Any
 import torch
 from platformdirs import user_cache_dir
 
+from kvforge.core.kv.quant import KV_FORMATS, kv_format
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # the long names: what the admin API and the UI offer
 LINEAR_KERNELS = ("auto", "torch", "onednn")  # see core/kernel_choice.py
 DECODE_ATTENTION = ("auto", "bmm", "bmm-native", "sdpa", "paged")  # see core/layers/decode_attention.py
+KV_CACHE_DTYPES = ("auto", *KV_FORMATS)  # auto: the model's dtype, unquantized (core/kv/quant.py)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -95,6 +98,10 @@ class EngineConfig:
                                  "timed at load and cached; in bf16 / fp16 auto keeps to the fp32-math ones, as "
                                  "prefill (see core/layers/decode_attention.py)", choices=DECODE_ATTENTION)
     cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")
+    kv_cache_dtype: str = knob("auto", "how the KV pool stores K and V: auto (the model's dtype), int8, fp8_e4m3, "
+                               "fp8_e5m2 (8 bits and a scale per token and head: about half the bytes of bf16) or "
+                               "q4 (4 bits, a scale per 32 values: about 0.28x); see core/kv/quant.py",
+                               choices=KV_CACHE_DTYPES)
     num_kv_blocks: int | None = knob(None, "the KV pool's size in blocks (instead of kv_cache_bytes)", ge=1)
     max_model_len: int | None = knob(None, "default: the model's max_position_embeddings", ge=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV of equal prompt prefixes across requests")
@@ -155,9 +162,13 @@ def engine_default(name: str) -> Any:
     return ENGINE_FIELDS[name].default
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """The seed formula: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes, per token."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       kv_cache_dtype: str = "auto") -> int:
+    """The seed formula: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes, per token; a quantized KV
+    (`kv_cache_dtype`) stores each head's row in its format's bytes instead (core/kv/quant.py)."""
+    fmt = kv_format(kv_cache_dtype)
+    row = head_dim * torch.empty((), dtype=dtype).element_size() if fmt is None else fmt.row_bytes(head_dim)
+    return 2 * num_layers * num_kv_heads * row
 
 
 def cache_dir() -> Path:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.core.kv.quant import KVFormat
+
 
 @dataclass
 class PrefillSeq:
@@ -74,7 +76,9 @@ class KernelBatch:
 @dataclass
 class StepContext:
     positions: torch.Tensor  # [tokens] position of each new token in its sequence
-    kv_cache: torch.Tensor  # the pool this step runs on: [layers, 2, kv_heads, blocks, block_size, head_dim]
+    # the pool this step runs on: [layers, 2, kv_heads, blocks, block_size, head_dim], or a quantized format's rows
+    # (uint8 [..., block_size, row_bytes]: kv_format, core/kv/quant.py)
+    kv_cache: torch.Tensor
     # the torch attention's batch (below); the Triton attention's is `kernel`
     write_rows: torch.Tensor | None = None  # where each new token's K and V go
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -88,6 +92,7 @@ class StepContext:
     kernel: KernelBatch | None = None
     # masks shared by all layers, built on first use, keyed by (kind, index, sliding window)
     masks: dict = field(default_factory=dict)
+    kv_format: KVFormat | None = None
 
 
 # per thread: a server with several models loaded runs each engine's steps in its own thread at the same time

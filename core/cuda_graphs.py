@@ -16,6 +16,7 @@ import logging
 import torch
 
 from kvforge.core.context import KernelBatch, StepContext, set_context
+from kvforge.core.kv.quant import KVFormat
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,8 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, max_model_len: int,
-                 max_batch: int, capture: bool = True) -> None:
-        self.model, self.kv_cache = model, kv_cache
+                 max_batch: int, capture: bool = True, kv_format: KVFormat | None = None) -> None:
+        self.model, self.kv_cache, self.kv_format = model, kv_cache, kv_format
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         device = kv_cache.device
@@ -52,7 +53,7 @@ class DecodeGraphs:
         none = self.no_prefill
         batch = KernelBatch(self.slots[:size], size, self.block_tables[:size], self.context_lens[:size],
                             none[:0].view(0, 0), none, none[:0], 0)
-        return StepContext(self.positions[:size], self.kv_cache, kernel=batch)
+        return StepContext(self.positions[:size], self.kv_cache, kernel=batch, kv_format=self.kv_format)
 
     def _run(self, size: int) -> torch.Tensor:
         set_context(self._context(size))

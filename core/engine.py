@@ -204,11 +204,16 @@ class LLMEngine:
     def prompt_logprobs(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
         """Teacher-forced log-probability of each of token_ids[1:] given the tokens before it (float32, on the CPU):
         chunked prefills on the engine's own KV pool (what serving runs), borrowed while the engine is idle."""
+        return self.prompt_predictions(token_ids, chunk)[0]
+
+    def prompt_predictions(self, token_ids: list[int], chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prompt_logprobs`, and the model's own top-1 token after each of token_ids[:-1] (int64): what greedy
+        decoding would pick there."""
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed the model's context of {self.max_model_len}")
         seq = Sequence("prompt-logprobs", list(token_ids), SamplingParams(max_tokens=1))
         targets = torch.tensor(token_ids[1:], dtype=torch.long).view(-1, 1)
-        chunks = []
+        chunks, best = [], []
         try:
             for start in range(0, len(token_ids) - 1, chunk):
                 n = min(chunk, len(token_ids) - 1 - start)
@@ -216,10 +221,13 @@ class LLMEngine:
                     raise ValueError("the text does not fit in the free KV pool")
                 logits = self.runner.forward(self.runner.layout([ScheduledSeq(seq, n)], all_logits=True)).logits
                 chunks.append(torch.log_softmax(logits, -1).gather(1, targets[start:start + n].to(logits.device)))
+                best.append(logits.argmax(-1))
                 seq.num_computed_tokens += n
         finally:
             self.kv.free(seq)
-        return torch.cat(chunks).view(-1).cpu() if chunks else torch.empty(0)
+        if not chunks:
+            return torch.empty(0), torch.empty(0, dtype=torch.long)
+        return torch.cat(chunks).view(-1).cpu(), torch.cat(best).cpu()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

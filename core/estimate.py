@@ -1,6 +1,6 @@
 """Memory estimates before loading: weights by parameter count (each projection at the bits per weight its
 quant method stores, or dense), KV by the seed formula (2 x layers x kv_heads x head_dim x tokens x dtype
-bytes)."""
+bytes; a quantized KV's format's bytes per row instead of head_dim x dtype bytes)."""
 
 from __future__ import annotations
 
@@ -56,12 +56,13 @@ def _dense_linear_bytes(hf_config, torch_dtype: torch.dtype, quant: QuantConfig 
 
 
 def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConfig | None = None,
-                    tp_size: int = 1) -> dict:
+                    tp_size: int = 1, kv_cache_dtype: str = "auto") -> dict:
     """Bytes of weights and of the KV cache for `context_tokens` tokens. Each projection takes the bits per
     weight `quant` stores it in (its method's figure, scales included) or, when `quant` keeps it dense (the
     modules_to_not_convert) or there is no `quant`, the dtype's size (a bf16 / fp16 checkpoint's in an fp32 model that
     keeps them so, as the head too); embeddings and norms stay in `dtype` (a tied head is held twice: the embedding
-    and the head's own copy), and so does the KV cache."""
+    and the head's own copy), and so does the KV cache unless `kv_cache_dtype` stores it quantized (its format's
+    bytes per row: core/kv/quant.py)."""
     torch_dtype = DTYPES[resolve_dtype(dtype)]
     element = torch.empty((), dtype=torch_dtype).element_size()
     linear_element = _dense_linear_bytes(hf_config, torch_dtype, quant) or element
@@ -80,7 +81,7 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
     # the head at the dense linears' size; a tied head keeps its own copy (prepacked, or the checkpoint's dtype)
     weights = (params - linear - (0 if tied else head)) * element + projections + head * linear_element
     kv = context_tokens * kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
-                                             head_dim_of(hf_config), torch_dtype)
+                                             head_dim_of(hf_config), torch_dtype, kv_cache_dtype)
     estimate = {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),
                 "total_bytes": int(weights) + int(kv)}
     if tp_size > 1:  # rank 0 holds the largest share (heads split unevenly give it the extra)

@@ -27,6 +27,7 @@ import torch
 
 from kvforge.core.config import DECODE_ATTENTION, LINEAR_KERNELS, cache_dir
 from kvforge.core.cpu import cpu_signature
+from kvforge.core.kv.quant import KVFormat
 from kvforge.core.plugins import LinearKernel
 
 TIMED_ROWS = (1, 16, 128)  # linears: rows of a batch-1 decode step, of a batch, of a prefill chunk
@@ -220,9 +221,11 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
-def attention_classes(model: torch.nn.Module, dtype: torch.dtype) -> list[OpClass]:
+def attention_classes(model: torch.nn.Module, dtype: torch.dtype, kv_format: KVFormat | None = None) -> list[OpClass]:
     """The torch path's decode attention, one class per head layout and soft-capping (layers built on Triton have
-    none)."""
+    none). Over a quantized KV pool (`kv_format`) auto takes the paged kernel where it runs, untimed: it dequantizes in
+    registers, where the gathering variants dequantize each group's whole context per layer (the copy the format
+    exists to avoid); "bmm" elsewhere."""
     from kvforge.core.layers.attention import Attention
     from kvforge.core.layers.decode_attention import automatic_variants, offered_variants
 
@@ -235,12 +238,15 @@ def attention_classes(model: torch.nn.Module, dtype: torch.dtype) -> list[OpClas
     classes = []
     for (h, kv, d, cap), layers in groups.items():
         offered = offered_variants(device, cap is not None)
+        automatic = automatic_variants(dtype, device, cap is not None)
+        if kv_format is not None:
+            automatic = ["paged" if "paged" in offered else "bmm"]
+        storage = dtype_name if kv_format is None else f"{dtype_name}:{kv_format.name}"
         classes.append(OpClass(
-            f"decode_attention:{dtype_name}:{h}x{kv}x{d}" + ("" if cap is None else ":softcap"), len(layers), offered,
+            f"decode_attention:{storage}:{h}x{kv}x{d}" + ("" if cap is None else ":softcap"), len(layers), offered,
             lambda h=h, kv=kv, d=d, cap=cap, offered=offered: time_decode_attention(h, kv, d, dtype, offered,
                                                                                     softcap=cap),
-            lambda name, layers=layers: [layer.use_decode_variant(name, device) for layer in layers],
-            automatic_variants(dtype, device, cap is not None)))
+            lambda name, layers=layers: [layer.use_decode_variant(name, device) for layer in layers], automatic))
     return classes
 
 
@@ -273,7 +279,8 @@ def decide(classes: list[OpClass], mode: str, cache: ChoiceCache | None, retime:
 
 
 def choose_kernels(model: torch.nn.Module, dtype: torch.dtype, linear: str = "auto", attention: str = "auto",
-                   cache_dir: Path | None = None, retime: bool = False) -> list[ShapeChoice]:
+                   cache_dir: Path | None = None, retime: bool = False,
+                   kv_format: KVFormat | None = None) -> list[ShapeChoice]:
     """Give the model's linears (`linear_kernels`) and decode attention (`decode_attention`) the kernels those
     settings name, or (auto) the ones timed fastest on this machine; one ShapeChoice per op class and shape.
     `retime`: time again even what the cache has (the bench does)."""
@@ -281,7 +288,7 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype, linear: str = "au
         raise ValueError(f"linear_kernels must be one of {', '.join(LINEAR_KERNELS)}, got {linear!r}")
     if attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
-    linears, attentions = linear_classes(model), attention_classes(model, dtype)
+    linears, attentions = linear_classes(model), attention_classes(model, dtype, kv_format)
     if linear not in ("auto", "torch") and not any(linear in op.candidates for op in linears):
         raise ValueError(f"linear_kernels={linear!r} is not available here: no layer offers it (oneDNN's prepacked "
                          "linear runs dense float32 / bfloat16 layers on CPU)")

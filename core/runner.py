@@ -24,6 +24,7 @@ from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
 from kvforge.core.host_memory import keep_freed_memory, release_freed_memory, zeroed_on_demand
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
+from kvforge.core.kv.quant import kv_format
 from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.llama import head_dim_of
@@ -102,6 +103,9 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         self.device = check_device(torch.device(config.device))
+        self.kv_format = kv_format(config.kv_cache_dtype)  # None: K and V in the model's dtype
+        if self.kv_format is not None and (reason := self.kv_format.unsupported(head_dim_of(hf_config))):
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} cannot store this model's KV: {reason}")
         if self.device.type == "cpu":
             keep_freed_memory()  # activations stay mapped between steps (core/host_memory.py)
         self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
@@ -110,7 +114,7 @@ class ModelRunner:
         if model is None:
             model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress)
             self.kernel_choices = choose_kernels(model, config.torch_dtype, config.linear_kernels,
-                                                 config.decode_attention)
+                                                 config.decode_attention, kv_format=self.kv_format)
             if self.device.type == "cpu":
                 release_freed_memory()  # what loading freed, not kept for the step loop
         self.model = model.eval()
@@ -119,13 +123,15 @@ class ModelRunner:
         heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size(), tp_rank())
         self.first_kv_head, self.num_kv_heads = heads.kv_first, heads.kv_count
         self.head_dim = head_dim_of(hf_config)
+        # a pool row: one token's K (or V) of one head -- head_dim values, or a quantized format's bytes
+        self.kv_row = self.head_dim if self.kv_format is None else self.kv_format.row_bytes(self.head_dim)
         # one block of every layer with all the model's KV heads: the persisted tier's unit (rank-independent)
         self.kv_block_shape = (hf_config.num_hidden_layers, 2, hf_config.num_key_value_heads, self.block_size,
-                               self.head_dim)
+                               self.kv_row)
         self.num_layers = hf_config.num_hidden_layers
-        self.kv_dtype = config.torch_dtype
+        self.kv_dtype = config.torch_dtype if self.kv_format is None else torch.uint8
         self.kv_bytes_per_block = self.block_size * kv_bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim, config.torch_dtype)
+            self.num_layers, self.num_kv_heads, self.head_dim, config.torch_dtype, config.kv_cache_dtype)
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
 
@@ -135,11 +141,11 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)  # free the old pool before the new one
         self.num_blocks = num_blocks
         # head-major paged layout (see layers/attention.py)
-        shape = (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+        shape = (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.kv_row)
         if self.device.type == "cpu":  # its pages committed as blocks are written: memory follows the context used
-            self.kv_cache = zeroed_on_demand(shape, self.config.torch_dtype)
+            self.kv_cache = zeroed_on_demand(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # row offsets of each (K/V, head) plane in the 2-D views of a layer's cache (see context.py)
         planes = torch.arange(2 * self.num_kv_heads, dtype=torch.long).view(2, 1, self.num_kv_heads, 1)
         self._plane_blocks = planes * num_blocks  # [2 (K/V), 1, kv_heads, 1]
@@ -233,7 +239,7 @@ class ModelRunner:
     def _context(self, inputs: StepInputs) -> StepContext:
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         if self.kernels == "triton":
-            return StepContext(positions, self.kv_cache, kernel=self._kernel_batch(inputs))
+            return StepContext(positions, self.kv_cache, kernel=self._kernel_batch(inputs), kv_format=self.kv_format)
         size = self.block_size
         groups = [DecodeGroup(first, last, self._gather_rows(tables), len(tables[0]) * size,
                               torch.tensor(lengths, dtype=torch.long))
@@ -248,7 +254,8 @@ class ModelRunner:
         chunk_rows = torch.tensor([1] * len(decode_tables) + [last - first for first, last, _, _ in inputs.prefills])
         row_seqs = torch.repeat_interleave(torch.arange(len(chunk_rows), dtype=torch.int32), chunk_rows)
         return StepContext(positions, self.kv_cache, write_rows.to(self.device), prefills, groups,
-                           tables.to(self.device), row_seqs.to(self.device), (positions + 1).int())
+                           tables.to(self.device), row_seqs.to(self.device), (positions + 1).int(),
+                           kv_format=self.kv_format)
 
     def _kernel_batch(self, inputs: StepInputs) -> KernelBatch:
         """The Triton kernels' tensors: one int32 buffer built on the host, moved in one copy, then sliced."""
@@ -283,7 +290,8 @@ class ModelRunner:
         if not self.cuda_graph_safe:
             raise ValueError(f"the {self.config.quant!r} quant method may sync with the host: no CUDA graphs")
         self.graphs = None  # a failed capture leaves the eager path
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_batch, capture)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_batch, capture,
+                                   self.kv_format)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> StepOutput:

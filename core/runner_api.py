@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
+    from kvforge.core.kv.quant import KVFormat
     from kvforge.core.runner import StepInputs, StepOutput
     from kvforge.core.step import ScheduledSeq
 
@@ -21,7 +22,8 @@ class Runner(Protocol):
     block_size: int
     kv_bytes_per_block: int  # one KV block of every layer, on this process's rank
     kv_block_shape: tuple[int, ...]  # one block of every layer with all KV heads (the persisted tier's unit)
-    kv_dtype: torch.dtype
+    kv_dtype: torch.dtype  # the pool's elements: the model's dtype, or uint8 for a quantized format's rows
+    kv_format: KVFormat | None  # the quantized format the pool stores (core/kv/quant.py), None: full precision
     cuda_graph_safe: bool
     graphs: object | None  # the captured decode graphs, once enabled
     kernel_choices: list  # core/kernel_choice.py ShapeChoice per op class and shape: the kernel each runs

@@ -131,6 +131,7 @@ class ParallelRunner:
     kv_bytes_per_block = property(lambda self: self.local.kv_bytes_per_block)
     kv_block_shape = property(lambda self: self.local.kv_block_shape)
     kv_dtype = property(lambda self: self.local.kv_dtype)
+    kv_format = property(lambda self: self.local.kv_format)
     kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
     model = property(lambda self: self.local.model)
     kernel_choices = property(lambda self: self.local.kernel_choices)

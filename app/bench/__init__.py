@@ -1,4 +1,4 @@
-"""The `kvforge bench` commands, one module per verb (latency, throughput, serve, chat, quant, spec,
+"""The `kvforge bench` commands, one module per verb (latency, throughput, serve, chat, quant, kv_quant, spec,
 structured, defaults, gpu, peers, clients, kernels, profile), and the pieces they share: arguments (checks before
 anything loads), workloads (prompt sets), runs (driving a kvforge engine), references (HF transformers runs and the
 parity rule), probe (the device), random_models (the GPU bench's models), report (percentiles, tables,
@@ -18,6 +18,7 @@ def add_parsers(bench_sub: argparse._SubParsersAction) -> None:
         defaults,
         gpu,
         kernels,
+        kv_quant,
         latency,
         peers,
         profile,
@@ -28,6 +29,6 @@ def add_parsers(bench_sub: argparse._SubParsersAction) -> None:
         throughput,
     )
 
-    for verb in (latency, throughput, serve, chat, quant, spec, structured, defaults, gpu, peers, clients,
+    for verb in (latency, throughput, serve, chat, quant, kv_quant, spec, structured, defaults, gpu, peers, clients,
                  kernels, profile):
         verb.add_parser(bench_sub)

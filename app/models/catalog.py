@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
+from kvforge.core.config import DTYPES, KV_CACHE_DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.loader import EMBEDDED_MODEL, ModelNotFoundError, embedded_gguf_path
 from kvforge.core.model_files import GGUFHeader, check_checkpoint_dir, read_gguf_header
 
@@ -81,7 +81,7 @@ def model_names(models_dir: Path | None) -> list[str]:
 
 
 def catalog(models_dir: Path | None, context: int, dtype: str = "auto", names: Collection[str] | None = None,
-            deadline_s: float | None = None) -> list[ModelEntry]:
+            deadline_s: float | None = None, kv_cache_dtype: str = "auto") -> list[ModelEntry]:
     """Every entry described (or those of `names`). With `deadline_s`, the entries are read on the catalog's
     reader threads and one not read by then is returned with an error saying so (its read goes on and is
     cached)."""
@@ -94,8 +94,10 @@ def catalog(models_dir: Path | None, context: int, dtype: str = "auto", names: C
         except ModelNotFoundError as exc:
             paths[name] = ModelEntry(name, None, error=str(exc))
     if deadline_s is None:
-        return [p if isinstance(p, ModelEntry) else describe(n, p, context, dtype) for n, p in paths.items()]
-    reads = {n: _describing(n, p, context, dtype) for n, p in paths.items() if not isinstance(p, ModelEntry)}
+        return [p if isinstance(p, ModelEntry) else describe(n, p, context, dtype, kv_cache_dtype)
+                for n, p in paths.items()]
+    reads = {n: _describing(n, p, context, dtype, kv_cache_dtype) for n, p in paths.items()
+             if not isinstance(p, ModelEntry)}
     wait(reads.values(), timeout=deadline_s)
     entries = []
     for name, path in paths.items():
@@ -114,8 +116,8 @@ _WORK: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _WORKERS: list[threading.Thread] = []
 
 
-def _describing(name: str, path: Path, context: int, dtype: str) -> Future:
-    key = (name, str(path), context, dtype)
+def _describing(name: str, path: Path, context: int, dtype: str, kv_cache_dtype: str) -> Future:
+    key = (name, str(path), context, dtype, kv_cache_dtype)
     with _READS_LOCK:
         if key in _READS:
             return _READS[key]
@@ -127,7 +129,7 @@ def _describing(name: str, path: Path, context: int, dtype: str) -> Future:
 
     def run() -> None:
         try:
-            future.set_result(describe(name, path, context, dtype))
+            future.set_result(describe(name, path, context, dtype, kv_cache_dtype))
         finally:
             with _READS_LOCK:
                 _READS.pop(key, None)
@@ -141,19 +143,19 @@ def _work() -> None:
         _WORK.get()()
 
 
-def describe(name: str, path: Path, context: int, dtype: str = "auto") -> ModelEntry:
+def describe(name: str, path: Path, context: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> ModelEntry:
     entry = ModelEntry(name, str(path))
     try:
         if path.suffix == ".gguf":
-            _describe_gguf(entry, path, context, resolve_dtype(dtype))
+            _describe_gguf(entry, path, context, resolve_dtype(dtype), kv_cache_dtype)
         else:
-            _describe_checkpoint(entry, path, context, resolve_dtype(dtype))
+            _describe_checkpoint(entry, path, context, resolve_dtype(dtype), kv_cache_dtype)
     except Exception as exc:  # a broken entry is listed with why, the others still are
         entry.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     return entry
 
 
-def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str) -> None:
+def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str, kv_cache_dtype: str) -> None:
     from kvforge.core.estimate import estimate_memory
     from kvforge.core.loader import load_config
     from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover, resolve_quant
@@ -170,7 +172,7 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
     entry.quantization = "none" if quantization is None else (
         f"{quant} {options['bits']}-bit" if "bits" in options else quant)
     quant_config = QuantConfig.for_checkpoint(discover(QUANT_GROUP).get(quant), options, quantization)
-    estimate = estimate_memory(config, dtype, context, quant_config)
+    estimate = estimate_memory(config, dtype, context, quant_config, kv_cache_dtype=kv_cache_dtype)
     entry.parameters, entry.weights_bytes = estimate["parameters"], estimate["weights_bytes"]
     entry.memory_bytes = estimate["total_bytes"]
 
@@ -208,7 +210,7 @@ def _facts(header: GGUFHeader) -> GGUFFacts:
     return GGUFFacts(arch, quantization_name(file_type if isinstance(file_type, int) else None), fields, tensors)
 
 
-def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> None:
+def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_cache_dtype: str) -> None:
     from kvforge.plugins.quant.gguf import held_bytes_per_weight
 
     entry.format = "gguf"
@@ -224,7 +226,8 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str) -> N
         weights += count * (held[0] if held else element)
     f = facts.fields
     head_dim = f.get("attention.key_length") or f["embedding_length"] // f["attention.head_count"]
-    kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype])
+    kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype],
+                                      kv_cache_dtype)
     entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
 
 
@@ -254,13 +257,13 @@ def cmd_models(args: argparse.Namespace) -> int:
     models_dir = Path(directory).expanduser().resolve() if directory else None
     if models_dir is not None and not models_dir.is_dir():
         raise ValueError(f"--models-dir {models_dir} is not a directory")
-    entries = catalog(models_dir, args.context, args.dtype)
+    entries = catalog(models_dir, args.context, args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=2))
         return 0
     dtype = resolve_dtype(args.dtype)
     print(f"models directory: {models_dir or '(none: --models-dir or KVFORGE_MODELS_DIR)'}; memory: weights in "
-          f"{dtype} + KV for {args.context} tokens")
+          f"{dtype} + KV for {args.context} tokens ({args.kv_cache_dtype})")
     header = f"{'name':<40} {'format':<11} {'architecture':<20} {'quantization':<13} {'on disk':>10} {'params':>8} " \
              f"{'memory':>10}"
     print(header)
@@ -283,5 +286,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--context", type=int, default=4096, help="tokens of KV cache in the estimate (4096)")
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES) + ["auto"],
                         help="the compute dtype of the estimate (auto: as the server picks it)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="how the KV cache is stored in the estimate (as serve's --kv-cache-dtype; default auto)")
     parser.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     parser.set_defaults(func=cmd_models)

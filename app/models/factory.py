@@ -28,6 +28,7 @@ def spec_from_settings(settings: ServeSettings, served_name: str | None = None) 
     naming the flag."""
     return ModelSpec(model=settings.model, dtype=settings.dtype, quant=settings.quant,
                      quant_options=json_options(settings.quant_options, "--quant-options"), served_name=served_name,
+                     kv_cache_dtype=settings.kv_cache_dtype,
                      decoding=settings.decoding,
                      decoding_options=json_options(settings.decoding_options, "--decoding-options"), tp=settings.tp)
 
@@ -46,7 +47,8 @@ def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **over
     check_tp(tp)
     sized = {"kv_cache_bytes": int(kv_gb * GIB)} if kv_gb else {}
     sampling = model_sampling(spec, settings)
-    return EngineConfig(**{**knobs, "model": spec.model, "dtype": spec.dtype, "quant": quant,
+    return EngineConfig(**{**knobs, "model": spec.model, "dtype": spec.dtype, "kv_cache_dtype": spec.kv_cache_dtype,
+                           "quant": quant,
                            "quant_options": spec.quant_options, "decoding": decoding,
                            "decoding_options": spec.decoding_options, "tp_size": tp, **sized,
                            **({"sampling_defaults": sampling} if sampling else {}), **overrides})

@@ -14,7 +14,7 @@ from kvforge.app.context import ServerContext
 from kvforge.app.http.errors import APIError
 from kvforge.app.models.spec import InvalidSpec, ModelSpec
 from kvforge.core.async_engine import AsyncEngine
-from kvforge.core.config import DTYPE_NAMES, engine_default
+from kvforge.core.config import DTYPE_NAMES, KV_CACHE_DTYPES, engine_default
 from kvforge.core.metrics import gpu_memory
 
 
@@ -30,6 +30,7 @@ class LoadModelRequest(BaseModel):
     quant_options: dict[str, Any] = Field(default_factory=dict)
     served_model_name: str | None = None
     kv_cache_gb: float | None = Field(default=None, ge=1 / 1024, le=4096)  # the API's sanity range: 1 MiB to 4 TiB
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = engine_default("kv_cache_dtype")
     decoding: str = engine_default("decoding")  # a speculative decoding plugin
     decoding_options: dict[str, Any] = Field(default_factory=dict)
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
@@ -54,6 +55,7 @@ def models_router(context: ServerContext) -> APIRouter:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge", "loaded": True,
                 "quant": core.config.quant, "quant_options": core.config.quant_options, "dtype": core.config.dtype,
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
+                "kv_cache_dtype": core.config.kv_cache_dtype,
                 # the context served, under vLLM's name and the one LM Studio's and OpenRouter's clients read
                 "tp": core.config.tp_size, "max_model_len": core.max_model_len, "context_length": core.max_model_len,
                 # what a request leaving these fields out gets (core/generation_defaults.py), and from where
@@ -61,6 +63,8 @@ def models_router(context: ServerContext) -> APIRouter:
                 "sampling_defaults_source": core.generation_defaults.source,
                 "device": runtime.device, "kernels": runtime.kernels, "cuda_graphs": runtime.cuda_graphs,
                 "memory": {"weights_bytes": runtime.weight_bytes, "kv_cache_bytes": runtime.kv_cache_bytes,
+                           "kv_bytes_per_token": runtime.kv_bytes_per_token,
+                           "kv_cache_tokens": int(runtime.kv_cache_bytes // runtime.kv_bytes_per_token),
                            "gpus": gpu_memory()}}
 
     @router.get("/v1/models")

@@ -62,6 +62,7 @@ class ModelSpec:
     quant_options: dict[str, Any] = field(default_factory=dict)
     served_name: str | None = None
     kv_cache_gb: float | None = None  # None: the server's --kv-cache-gb
+    kv_cache_dtype: str = engine_default("kv_cache_dtype")  # how the KV pool stores K and V (core/kv/quant.py)
     decoding: str = engine_default("decoding")  # speculative decoding plugin; "none": off
     decoding_options: dict[str, Any] = field(default_factory=dict)
     tp: int = engine_default("tp_size")  # tensor-parallel ranks, one process each

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kvforge.core.kv.quant import KVFormat
+
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.c, gguf_blocks.c; all include common.h
 # -fno-trapping-math: without it GCC keeps a clamp (`x > 87 ? 87 : x`) as a branch and leaves the loop around it
@@ -37,11 +39,11 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32,
-                        _F32, _I32, _I32, _I32],
+                        _F32, _I32, _I32, _I32, _I32],
     "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32, _I32],
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32],
-    "store_kv": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32],
+    "store_kv": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32],
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
@@ -111,20 +113,22 @@ def unavailable() -> str | None:
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     scale: float, window: int | None, out: torch.Tensor, row_seqs: torch.Tensor | None = None,
-                    portable: bool = False, softcap: float | None = None) -> None:
+                    portable: bool = False, softcap: float | None = None, kv_format: KVFormat | None = None) -> None:
     """Each query row over its sequence's paged K/V, read in place (core/cpu_kernels/paged_attention.c).
     q [rows, heads, head_dim] (rows may be strided); cache [2, kv_heads, blocks, block_size, head_dim] one layer,
     contiguous; block_tables int32 [seqs, width]; row_seqs int32 [rows]: each row's sequence (None: row r is
     sequence r); context_lens int32 [rows]: L, the row is the token at position L - 1 and sees keys [0, L) (within
     the window; 0: a padding row, output 0); out [rows, heads * head_dim], contiguous, q's dtype: written.
     `portable`: the plain C loops even where the AVX-512 path would run (the tests check both); `softcap`: scores
-    -> softcap * tanh(scores / softcap) before the softmax (None: none)."""
+    -> softcap * tanh(scores / softcap) before the softmax (None: none); `kv_format`: the cache's quantized format
+    (core/kv/quant.py: a uint8 cache [2, kv_heads, blocks, block_size, row_bytes]), dequantized as it is read."""
     rows, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    if q.dtype != cache.dtype or q.dtype not in DTYPE_CODES or out.dtype != q.dtype:
-        raise ValueError(f"paged attention: q {q.dtype}, cache {cache.dtype}, out {out.dtype} must be one of "
-                         f"float32 / bfloat16 / float16, all the same")
+    kv = check_kv_storage("paged attention", q, cache, kv_format)
+    if q.dtype not in DTYPE_CODES or out.dtype != q.dtype:
+        raise ValueError(f"paged attention: q {q.dtype} and out {out.dtype} must be one of float32 / bfloat16 / "
+                         f"float16, the same")
     indices = (block_tables, context_lens) if row_seqs is None else (block_tables, context_lens, row_seqs)
     if not (cache.is_contiguous() and out.is_contiguous()
             and all(t.is_contiguous() and t.dtype == torch.int32 for t in indices)):
@@ -135,8 +139,23 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _, kv_heads, blocks, block_size, _ = cache.shape
     _run("paged_attention", q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(),
          None if row_seqs is None else row_seqs.data_ptr(), context_lens.data_ptr(), rows, heads, kv_heads, head_dim,
-         blocks, block_size, block_tables.shape[1], scale, window or 0, softcap or 0.0, DTYPE_CODES[q.dtype],
+         blocks, block_size, block_tables.shape[1], scale, window or 0, softcap or 0.0, DTYPE_CODES[q.dtype], kv,
          torch.get_num_threads(), portable)
+
+
+def check_kv_storage(name: str, x: torch.Tensor, cache: torch.Tensor, kv_format: KVFormat | None) -> int:
+    """The kernels' code of the cache's storage: x's dtype for a full-precision cache, the format's for a quantized
+    one (uint8 rows of its row_bytes); a ValueError naming both otherwise."""
+    head_dim = x.shape[-1]
+    if kv_format is None:
+        if cache.dtype != x.dtype or x.dtype not in DTYPE_CODES:
+            raise ValueError(f"{name}: a cache of {cache.dtype} for {x.dtype} values; without a quantized KV format "
+                             f"both must be one of float32 / bfloat16 / float16, the same")
+        return DTYPE_CODES[x.dtype]
+    if cache.dtype != torch.uint8 or cache.shape[-1] != kv_format.row_bytes(head_dim):
+        raise ValueError(f"{name}: a {kv_format.name} KV cache is uint8 rows of {kv_format.row_bytes(head_dim)} bytes "
+                         f"for head_dim {head_dim}, got {cache.dtype} rows of {cache.shape[-1]}")
+    return kv_format.code
 
 
 @functools.cache
@@ -206,20 +225,23 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
+             kv_format: KVFormat | None = None) -> None:
     """The step's new K and V [tokens, kv_heads, head_dim] (heads contiguous within a row, any row stride: e.g. the
     columns of a fused qkv output) written into one layer's contiguous paged cache at `rows` (int64, one per
-    (K/V, token, head), indexing the cache viewed as [-1, head_dim]): torch's stack + index_copy_ in one pass.
+    (K/V, token, head), indexing the cache viewed as [-1, head_dim]): torch's stack + index_copy_ in one pass; a
+    quantized cache (`kv_format`, rows of its row_bytes) gets each row quantized as core/kv/quant.py's quantize.
     The rows come from the runner (in range by construction); they are not checked here."""
     tokens, kv_heads, head_dim = k.shape
-    if not (k.dtype == v.dtype == cache.dtype and k.dtype in DTYPE_CODES and k.shape == v.shape
+    kv = check_kv_storage("store_kv", k, cache, kv_format)
+    if not (k.dtype == v.dtype and k.shape == v.shape
             and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
             and rows.dtype == torch.int64 and rows.numel() == 2 * tokens * kv_heads
             and cache.is_contiguous() and rows.is_contiguous()):
-        raise ValueError("store_kv: k / v [tokens, kv_heads, head_dim] with heads contiguous, a contiguous cache of "
-                         "their dtype, int64 rows, one per (K/V, token, head)")
+        raise ValueError("store_kv: k / v [tokens, kv_heads, head_dim] of one dtype with heads contiguous, a "
+                         "contiguous cache, int64 rows, one per (K/V, token, head)")
     _run("store_kv", k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache.data_ptr(), rows.data_ptr(), tokens,
-         kv_heads, head_dim, DTYPE_CODES[k.dtype])
+         kv_heads, head_dim, DTYPE_CODES[k.dtype], kv)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

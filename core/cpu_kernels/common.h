@@ -6,6 +6,9 @@
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
+// a quantized KV pool's formats (core/kv/quant.py: the codes of a row, then its bf16 scales)
+enum { KV_I8 = 3, KV_E4M3 = 4, KV_E5M2 = 5, KV_Q4 = 6 };
+#define KV_Q4_GROUP 32
 
 static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -70,6 +73,48 @@ static inline float exp_clamped(float x) {
 }
 
 static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
+
+static inline float half_at(const void *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }  // an fp16 at any address
+static inline float bf16_at(const void *p) { uint16_t h; memcpy(&h, p, 2); return bits_to_f32((uint32_t)h << 16); }
+
+// bytes of one stored KV row of D values: a full-precision dtype's, or a format's codes and fp16 scales
+static inline size_t kv_row_bytes(int kv, int D) {
+    if (kv <= F16) return (size_t)D * dtype_size(kv);
+    return kv == KV_Q4 ? (size_t)D / 2 + 2 * (size_t)(D / KV_Q4_GROUP) : (size_t)D + 2;
+}
+
+// an fp8 code -> fp32 (e4m3 is placed in fp16's bits at 2^-8 of its value, and the factor given back after)
+static inline float fp8_value(uint8_t b, int kv) {
+    const uint16_t bits = kv == KV_E5M2 ? (uint16_t)(b << 8) : (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+    _Float16 h;
+    memcpy(&h, &bits, 2);
+    return kv == KV_E5M2 ? (float)h : (float)h * 256.0f;
+}
+
+// one stored KV row (full precision or quantized) -> D fp32 values, exactly core/kv/quant.py's dequantize
+static inline void load_kv_row(const char *row, int kv, int D, float *dst) {
+    if (kv <= F16) {
+        load_row(row, kv, D, dst);
+    } else if (kv == KV_Q4) {
+        for (int g = 0; g < D / KV_Q4_GROUP; g++) {
+            const float s = bf16_at(row + D / 2 + 2 * g);
+            const uint8_t *b = (const uint8_t *)row + g * KV_Q4_GROUP / 2;
+            for (int i = 0; i < KV_Q4_GROUP / 2; i++) {
+                dst[g * KV_Q4_GROUP + 2 * i] = (float)((int)(b[i] & 15) - 8) * s;
+                dst[g * KV_Q4_GROUP + 2 * i + 1] = (float)((int)(b[i] >> 4) - 8) * s;
+            }
+        }
+    } else {
+        const float s = bf16_at(row + D);
+        const uint8_t *b = (const uint8_t *)row;
+        if (kv == KV_I8) {
+#pragma omp simd
+            for (int i = 0; i < D; i++) dst[i] = (float)(int8_t)b[i] * s;
+        } else {
+            for (int i = 0; i < D; i++) dst[i] = fp8_value(b[i], kv) * s;
+        }
+    }
+}
 
 // Scratch buffers aligned to 64 bytes: the compiler's vector loops then split them into the same head, body and
 // tail on every thread, so a row's result does not depend on which thread computes it (nor on the batch around it).

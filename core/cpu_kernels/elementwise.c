@@ -125,19 +125,91 @@ void kvf_rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int
     }
 }
 
+// fp32 -> fp8 e4m3fn / e5m2 code, rounding to nearest even: c10's conversions (torch's .to(float8_*)), for values
+// already within the format's range
+static inline uint8_t fp8_code(float f, int kv) {
+    const int e4m3 = kv == KV_E4M3;
+    uint32_t bits = f32_to_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t code;
+    if (bits >= (e4m3 ? (1087u << 20) : (143u << 23))) {  // beyond the largest finite value (not reached: clamped)
+        code = e4m3 ? 0x7F : 0x7C;
+    } else if (bits < (e4m3 ? (121u << 23) : (113u << 23))) {  // a subnormal code: fp32 addition rounds it
+        const uint32_t denorm = e4m3 ? (141u << 23) : (134u << 23);
+        code = (uint8_t)(f32_to_bits(bits_to_f32(bits) + bits_to_f32(denorm)) - denorm);
+    } else {
+        const int shift = e4m3 ? 20 : 21;
+        const uint32_t odd = (bits >> shift) & 1;
+        bits += (e4m3 ? ((uint32_t)(7 - 127) << 23) + 0x7FFFF : ((uint32_t)(15 - 127) << 23) + 0xFFFFF) + odd;
+        code = (uint8_t)(bits >> shift);
+    }
+    return code | (uint8_t)(sign >> 24);
+}
+
+// x rounded to bf16 (to nearest even, as torch) and written at dst; returns the rounded value
+static inline float store_bf16(float x, uint8_t *dst) {
+    store_row(&x, BF16, 1, dst);
+    return bf16_at(dst);
+}
+
+// one row of D fp32 values -> its stored bytes in quantized format kv, exactly core/kv/quant.py's quantize
+static void quantize_row(const float *x, int D, int kv, uint8_t *out) {
+    const int size = kv == KV_Q4 ? KV_Q4_GROUP : D, value_bytes = kv == KV_Q4 ? D / 2 : D;
+    const float limit = kv == KV_I8 ? 127.0f : kv == KV_E4M3 ? 448.0f : 57344.0f;
+    for (int g = 0; g < D / size; g++) {
+        const float *xg = x + g * size;
+        float wide;
+        if (kv == KV_Q4) {  // the value of largest magnitude (the first of equals) maps to -8
+            float biggest = xg[0];
+            for (int i = 1; i < size; i++) biggest = fabsf(xg[i]) > fabsf(biggest) ? xg[i] : biggest;
+            wide = store_bf16(biggest / -8.0f, out + value_bytes + 2 * g);
+        } else {
+            float amax = 0.0f;
+            for (int i = 0; i < size; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+            wide = store_bf16(amax / limit, out + value_bytes + 2 * g);
+        }
+        const float divisor = wide == 0.0f ? 1.0f : wide;
+        for (int i = 0; i < size; i++) {
+            const float y = xg[i] / divisor;
+            if (kv == KV_I8) {
+                const float r = rintf(y);
+                out[g * size + i] = (uint8_t)(int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            } else if (kv == KV_Q4) {
+                const float r = rintf(y);
+                const uint8_t c = (uint8_t)((r > 7.0f ? 7.0f : r < -8.0f ? -8.0f : r) + 8.0f);
+                uint8_t *byte = out + (g * size + i) / 2;
+                *byte = (i & 1) ? (uint8_t)(*byte | (c << 4)) : c;
+            } else {
+                out[g * size + i] = fp8_code(y > limit ? limit : y < -limit ? -limit : y, kv);
+            }
+        }
+    }
+}
+
 // The step's new K and V written into one layer's paged cache: k, v [tokens, kv_heads, D] (row strides in elements;
 // heads contiguous within a row, e.g. the columns of a fused qkv output), rows[(plane * tokens + t) * kv_heads + h]
-// the cache row ([2 * kv_heads * slots, D] view) of token t's head h, plane 0 K, 1 V. torch's stack + index_copy_
-// took ~18 us a layer for one token; this is a few hundred bytes copied.
+// the cache row ([2 * kv_heads * slots, row bytes] view) of token t's head h, plane 0 K, 1 V; kv: the cache's storage
+// (dtype: copied; a quantized format: each row quantized on its own). torch's stack + index_copy_ took ~18 us a layer
+// for one token; this is a few hundred bytes copied.
 void kvf_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *cache, const int64_t *rows,
-                  int64_t tokens, int32_t kv_heads, int32_t head_dim, int32_t dtype) {
-    const size_t size = dtype_size(dtype), bytes = (size_t)head_dim * size;
+                  int64_t tokens, int32_t kv_heads, int32_t head_dim, int32_t dtype, int32_t kv) {
+    const size_t size = dtype_size(dtype), bytes = kv_row_bytes(kv, head_dim);
+    float *row = kv > F16 ? scratch_floats((size_t)head_dim) : NULL;
     for (int plane = 0; plane < 2; plane++) {
         const char *src = plane ? (const char *)v : (const char *)k;
         const int64_t row_stride = plane ? v_stride : k_stride;
         for (int64_t t = 0; t < tokens; t++)
-            for (int h = 0; h < kv_heads; h++)
-                memcpy((char *)cache + rows[(plane * tokens + t) * kv_heads + h] * bytes,
-                       src + (t * row_stride + (int64_t)h * head_dim) * size, bytes);
+            for (int h = 0; h < kv_heads; h++) {
+                char *dst = (char *)cache + rows[(plane * tokens + t) * kv_heads + h] * bytes;
+                const char *from = src + (t * row_stride + (int64_t)h * head_dim) * size;
+                if (row == NULL) {
+                    memcpy(dst, from, bytes);
+                } else {
+                    load_row(from, dtype, head_dim, row);
+                    quantize_row(row, head_dim, kv, (uint8_t *)dst);
+                }
+            }
     }
+    free(row);
 }

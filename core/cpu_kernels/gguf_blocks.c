@@ -133,7 +133,6 @@ static void store_columns(const float *sums, int dtype, int64_t first, int n, co
     for (int i = 0; i < n; i++) store_row(sums + i, dtype, 1, (char *)out + columns[first + i] * es);
 }
 
-static inline float half_at(const uint8_t *p) { _Float16 h; memcpy(&h, p, 2); return (float)h; }
 
 static inline void fill8(float *lanes, float lo, float hi) {  // lanes 0-3 scale weights 0-15, lanes 4-7 16-31
     for (int l = 0; l < 4; l++) { lanes[l] = lo; lanes[l + 4] = hi; }

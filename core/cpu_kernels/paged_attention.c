@@ -10,6 +10,8 @@
 // Query head i uses KV head i / G, G = H / KVH; one work item is one (row, KV head) with its G queries, so each
 // K/V row is read once for the group. A row's result depends on its q and its keys only, not on the rest of
 // the batch: a token prefilled and the same token decoded get the same attention, bit for bit.
+// A quantized pool (kv: core/kv/quant.py's format code) has rows of codes and bf16 scales instead of D values; each
+// K / V row is dequantized in registers as it is read, the same fp32 values as the reference's dequantize.
 // Math in fp32 whatever the storage dtype: scores (q * scale in fp32, or bf16 products, exact in fp32, scaled
 // after), soft-capping where asked (cap * tanh(s / cap), Gemma 2), softmax (max, exp, sum, normalise), weighted sum
 // of values, rounded once to the output dtype.
@@ -67,15 +69,16 @@ static inline void prefetch_kv(const char *k_plane, const char *v_plane, const s
 // the specialised copies below (the d loops unroll and stay in registers).
 static inline __attribute__((always_inline)) void attend(
         const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, const int D,
-        float scale, float softcap, int dtype, size_t es, float *qf, float *acc, float *row, float *scores) {
+        float scale, float softcap, int dtype, size_t es, int kv, size_t rb, float *qf, float *acc, float *row,
+        float *scores) {
     for (int g = 0; g < G; g++) {
         load_row(q_row + (size_t)g * D * es, dtype, D, qf + g * D);
         for (int d = 0; d < D; d++) qf[g * D + d] *= scale;
     }
-    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, D * es);
+    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i++) {  // scores[g][i] = q_g . k_i
-        if ((i & 3) == 0) prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
-        load_row(k_plane + rows[i], dtype, D, row);
+        if ((i & 3) == 0) prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
+        load_kv_row(k_plane + rows[i], kv, D, row);
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
             float s = 0.0f;
@@ -88,7 +91,7 @@ static inline __attribute__((always_inline)) void attend(
     softmax_rows(scores, G, n);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < n; i++) {  // acc[g] = sum_i p[g][i] v_i
-        load_row(v_plane + rows[i], dtype, D, row);
+        load_kv_row(v_plane + rows[i], kv, D, row);
         for (int g = 0; g < G; g++) {
             const float p = scores[(size_t)g * n + i];
             float *a = acc + g * D;
@@ -97,6 +100,18 @@ static inline __attribute__((always_inline)) void attend(
         }
     }
 }
+
+// one copy per storage format: no branch in the loops
+#define KV_COPIES(call, ...)                                                                                     \
+    switch (kv) {                                                                                                \
+        case F32: call(__VA_ARGS__, F32); break;                                                                  \
+        case BF16: call(__VA_ARGS__, BF16); break;                                                                \
+        case F16: call(__VA_ARGS__, F16); break;                                                                  \
+        case KV_I8: call(__VA_ARGS__, KV_I8); break;                                                              \
+        case KV_E4M3: call(__VA_ARGS__, KV_E4M3); break;                                                          \
+        case KV_E5M2: call(__VA_ARGS__, KV_E5M2); break;                                                          \
+        default: call(__VA_ARGS__, KV_Q4); break;                                                                 \
+    }
 
 // ---- AVX-512 path (compiled where -march=native has AVX-512: D a multiple of 64) ----
 #if defined(__AVX512F__)
@@ -120,16 +135,37 @@ static inline __m128 sum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
     return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
+// 16 values of a stored K / V row from value c -> fp32 (a quantized row's scale applied); kv constant in each copy
+static inline __attribute__((always_inline)) __m512 load16_kv(const char *row, int c, const int kv, int D) {
+    if (kv == F32) return _mm512_loadu_ps((const float *)row + c);
+    if (kv == BF16 || kv == F16) return load16(row + (size_t)c * 2, kv);
+    if (kv == KV_Q4) {  // 8 bytes, value 2i in the low nibble of byte i
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(row + c / 2)), low = _mm_set1_epi8(15);
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(codes), _mm512_set1_epi32(8)));
+        return _mm512_mul_ps(v, _mm512_set1_ps(bf16_at(row + D / 2 + 2 * (c / KV_Q4_GROUP))));
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)(row + c));
+    const float s = bf16_at(row + D);
+    if (kv == KV_I8) return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s));
+    __m256i w = _mm256_cvtepu8_epi16(b);
+    if (kv == KV_E5M2) return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(w, 8)), _mm512_set1_ps(s));
+    w = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),  // e4m3 as fp16 * 2^-8
+                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(w), _mm512_set1_ps(s * 256.0f));
+}
+
 // scores[g * n + i] = scale * q_g . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
-static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
-                      int D, int dtype, size_t es, float scale, float *qf, float *kf, float *scores) {
-    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, D * es);  // requested together, not one miss at a time
+static inline __attribute__((always_inline)) void qk_avx512_impl(
+        const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, int D, int dtype,
+        size_t es, const int kv, size_t rb, float scale, float *qf, float *kf, float *scores) {
+    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, rb);  // requested together, not one miss at a time
 #if defined(__AVX512BF16__)
-    if (dtype == BF16) {  // bf16 pairs multiplied exactly into fp32 sums: no conversion of K
+    if (kv == BF16) {  // bf16 pairs multiplied exactly into fp32 sums: no conversion of K
         for (int i = 0; i < n; i += 4) {
             const char *k[4];
             for (int j = 0; j < 4; j++) k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
-            prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
+            prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
             for (int g = 0; g < G; g++) {
                 const char *qg = q_row + (size_t)g * D * 2;
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -154,10 +190,10 @@ static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plan
                                                           _mm512_set1_ps(scale)));
     }
     for (int i = 0; i < n; i += 4) {
-        prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
+        prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
         for (int j = 0; j < 4; j++) {  // four K rows -> fp32, once for all G queries
             const char *k = k_plane + rows[i + j < n ? i + j : n - 1];
-            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16(k + c * es, dtype));
+            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16_kv(k, c, kv, D));
         }
         for (int g = 0; g < G; g++) {
             __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -174,8 +210,7 @@ static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plan
 
 // acc[g * D + d] = sum_i p[g][i] v_i[d]: four queries' accumulators of 64 dims held in registers over all keys
 static inline __attribute__((always_inline)) void pv_avx512_impl(
-        const char *v_plane, const size_t *rows, int n, int G, int D, const int dtype, size_t es, const float *scores,
-        float *acc) {
+        const char *v_plane, const size_t *rows, int n, int G, int D, const int kv, const float *scores, float *acc) {
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gn = G - g0 < 4 ? G - g0 : 4;
         for (int d0 = 0; d0 < D; d0 += 64) {
@@ -183,9 +218,9 @@ static inline __attribute__((always_inline)) void pv_avx512_impl(
             for (int g = 0; g < 4; g++)
                 for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
             for (int i = 0; i < n; i++) {
-                const char *v = v_plane + rows[i] + (size_t)d0 * es;
+                const char *v = v_plane + rows[i];
                 __m512 x[4];
-                for (int c = 0; c < 4; c++) x[c] = load16(v + (size_t)c * 16 * es, dtype);
+                for (int c = 0; c < 4; c++) x[c] = load16_kv(v, d0 + c * 16, kv, D);
                 for (int g = 0; g < 4; g++) {
                     if (g < gn) {
                         __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * n + i]);
@@ -199,11 +234,18 @@ static inline __attribute__((always_inline)) void pv_avx512_impl(
     }
 }
 
-static void pv_avx512(const char *v_plane, const size_t *rows, int n, int G, int D, int dtype, size_t es,
-                      const float *scores, float *acc) {  // one copy per storage dtype: no branch in the loop
-    if (dtype == BF16) pv_avx512_impl(v_plane, rows, n, G, D, BF16, es, scores, acc);
-    else if (dtype == F16) pv_avx512_impl(v_plane, rows, n, G, D, F16, es, scores, acc);
-    else pv_avx512_impl(v_plane, rows, n, G, D, F32, es, scores, acc);
+#define QK_AVX512(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores, KV) \
+    qk_avx512_impl(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, KV, rb, scale, qf, kf, scores)
+#define PV_AVX512(v_plane, rows, n, G, D, scores, acc, KV) pv_avx512_impl(v_plane, rows, n, G, D, KV, scores, acc)
+
+static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
+                      int D, int dtype, size_t es, int kv, size_t rb, float scale, float *qf, float *kf, float *scores) {
+    KV_COPIES(QK_AVX512, q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores)
+}
+
+static void pv_avx512(const char *v_plane, const size_t *rows, int n, int G, int D, int kv, const float *scores,
+                      float *acc) {
+    KV_COPIES(PV_AVX512, v_plane, rows, n, G, D, scores, acc)
 }
 #endif
 
@@ -226,29 +268,51 @@ static inline __m128 sum4_avx2(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
     return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
 }
 
+// 8 values of a stored K / V row from value c -> fp32 (a quantized row's scale applied); kv constant in each copy
+static inline __attribute__((always_inline)) __m256 load8_kv(const char *row, int c, const int kv, int D) {
+    if (kv == F32) return _mm256_loadu_ps((const float *)row + c);
+    if (kv == BF16 || kv == F16) return load8(row + (size_t)c * 2, kv);
+    if (kv == KV_Q4) {  // 4 bytes, value 2i in the low nibble of byte i
+        int32_t word;
+        memcpy(&word, row + c / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(word), low = _mm_set1_epi8(15);
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(codes), _mm256_set1_epi32(8)));
+        return _mm256_mul_ps(v, _mm256_set1_ps(bf16_at(row + D / 2 + 2 * (c / KV_Q4_GROUP))));
+    }
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(row + c));
+    const float s = bf16_at(row + D);
+    if (kv == KV_I8) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(s));
+    __m128i w = _mm_cvtepu8_epi16(b);
+    if (kv == KV_E5M2) return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(w, 8)), _mm256_set1_ps(s));
+    w = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),  // e4m3 as fp16 * 2^-8
+                     _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(w), _mm256_set1_ps(s * 256.0f));
+}
+
 // scores[g * n + i] = (q_g * scale) . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
 static inline __attribute__((always_inline)) void qk_avx2_impl(const char *q_row, const char *k_plane,
                                                                const char *v_plane, const size_t *rows, int n, int G,
-                                                               int D, const int dtype, size_t es, float scale,
-                                                               float *qf, float *kf, float *scores) {
-    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, D * es);  // requested together, not one miss at a time
+                                                               int D, int dtype, size_t es, const int kv, size_t rb,
+                                                               float scale, float *qf, float *kf, float *scores) {
+    prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, rb);  // requested together, not one miss at a time
     for (int g = 0; g < G; g++)  // q * scale in fp32, as attend()
         for (int c = 0; c < D; c += 8)
             _mm256_storeu_ps(qf + g * D + c, _mm256_mul_ps(load8(q_row + ((size_t)g * D + c) * es, dtype),
                                                           _mm256_set1_ps(scale)));
     for (int i = 0; i < n; i += 4) {
-        prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, D * es);
+        prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
         const char *k[4];
         for (int j = 0; j < 4; j++) k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
-        if (dtype != F32)  // four K rows -> fp32, once for all G queries
+        if (kv != F32)  // four K rows -> fp32, once for all G queries
             for (int j = 0; j < 4; j++)
-                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + j * D + c, load8(k[j] + c * es, dtype));
+                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + j * D + c, load8_kv(k[j], c, kv, D));
         for (int g = 0; g < G; g++) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int c = 0; c < D; c += 8) {
                 const __m256 qv = _mm256_loadu_ps(qf + g * D + c);
                 for (int j = 0; j < 4; j++)
-                    acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(dtype == F32 ? (const float *)k[j] + c : kf + j * D + c),
+                    acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kv == F32 ? (const float *)k[j] + c : kf + j * D + c),
                                              acc[j]);
             }
             float tmp[4];
@@ -260,8 +324,7 @@ static inline __attribute__((always_inline)) void qk_avx2_impl(const char *q_row
 
 // acc[g * D + d] = sum_i p[g][i] v_i[d]: two queries' accumulators of 32 dims held in registers over all keys
 static inline __attribute__((always_inline)) void pv_avx2_impl(const char *v_plane, const size_t *rows, int n, int G,
-                                                               int D, const int dtype, size_t es, const float *scores,
-                                                               float *acc) {
+                                                               int D, const int kv, const float *scores, float *acc) {
     for (int g0 = 0; g0 < G; g0 += 2) {
         const int gn = G - g0 < 2 ? G - g0 : 2;
         for (int d0 = 0; d0 < D; d0 += 32) {
@@ -269,9 +332,9 @@ static inline __attribute__((always_inline)) void pv_avx2_impl(const char *v_pla
             for (int g = 0; g < 2; g++)
                 for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();
             for (int i = 0; i < n; i++) {
-                const char *v = v_plane + rows[i] + (size_t)d0 * es;
+                const char *v = v_plane + rows[i];
                 __m256 x[4];
-                for (int c = 0; c < 4; c++) x[c] = load8(v + (size_t)c * 8 * es, dtype);
+                for (int c = 0; c < 4; c++) x[c] = load8_kv(v, d0 + c * 8, kv, D);
                 for (int g = 0; g < 2; g++) {
                     if (g < gn) {
                         const __m256 p = _mm256_set1_ps(scores[(size_t)(g0 + g) * n + i]);
@@ -285,19 +348,18 @@ static inline __attribute__((always_inline)) void pv_avx2_impl(const char *v_pla
     }
 }
 
-// one copy per storage dtype: no branch in the loops
+#define QK_AVX2(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores, KV) \
+    qk_avx2_impl(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, KV, rb, scale, qf, kf, scores)
+#define PV_AVX2(v_plane, rows, n, G, D, scores, acc, KV) pv_avx2_impl(v_plane, rows, n, G, D, KV, scores, acc)
+
 static void qk_avx2(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
-                    int D, int dtype, size_t es, float scale, float *qf, float *kf, float *scores) {
-    if (dtype == BF16) qk_avx2_impl(q_row, k_plane, v_plane, rows, n, G, D, BF16, es, scale, qf, kf, scores);
-    else if (dtype == F16) qk_avx2_impl(q_row, k_plane, v_plane, rows, n, G, D, F16, es, scale, qf, kf, scores);
-    else qk_avx2_impl(q_row, k_plane, v_plane, rows, n, G, D, F32, es, scale, qf, kf, scores);
+                    int D, int dtype, size_t es, int kv, size_t rb, float scale, float *qf, float *kf, float *scores) {
+    KV_COPIES(QK_AVX2, q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores)
 }
 
-static void pv_avx2(const char *v_plane, const size_t *rows, int n, int G, int D, int dtype, size_t es,
-                    const float *scores, float *acc) {
-    if (dtype == BF16) pv_avx2_impl(v_plane, rows, n, G, D, BF16, es, scores, acc);
-    else if (dtype == F16) pv_avx2_impl(v_plane, rows, n, G, D, F16, es, scores, acc);
-    else pv_avx2_impl(v_plane, rows, n, G, D, F32, es, scores, acc);
+static void pv_avx2(const char *v_plane, const size_t *rows, int n, int G, int D, int kv, const float *scores,
+                    float *acc) {
+    KV_COPIES(PV_AVX2, v_plane, rows, n, G, D, scores, acc)
 }
 #endif
 
@@ -314,27 +376,29 @@ static void pv_avx2(const char *v_plane, const size_t *rows, int n, int G, int D
 
 #define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                     \
     static void name(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, \
-                     int D, float scale, float softcap, int dtype, size_t es, float *qf, float *acc, float *row,   \
-                     float *scores) {                                                                             \
-        attend(q_row, k_plane, v_plane, rows, n, G, HEAD_DIM, scale, softcap, dtype, es, qf, acc, row, scores);    \
+                     int D, float scale, float softcap, int dtype, size_t es, int kv, size_t rb, float *qf,        \
+                     float *acc, float *row, float *scores) {                                                     \
+        attend(q_row, k_plane, v_plane, rows, n, G, HEAD_DIM, scale, softcap, dtype, es, kv, rb, qf, acc, row,     \
+               scores);                                                                                           \
     }
 ATTEND_WITH_HEAD_DIM(attend_64, 64)
 ATTEND_WITH_HEAD_DIM(attend_128, 128)
 ATTEND_WITH_HEAD_DIM(attend_256, 256)
 ATTEND_WITH_HEAD_DIM(attend_any, D)
 
-// q: [B] rows of H * D values, row stride q_stride (elements); out: [B, H * D] contiguous.
+// q: [B] rows of H * D values, row stride q_stride (elements); out: [B, H * D] contiguous; kv: the cache's storage
+// (dtype itself, or a quantized format: rows of kv_row_bytes).
 void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void *cache, const int32_t *tables,
                          const int32_t *row_seqs, const int32_t *lens, int32_t batch, int32_t heads, int32_t kv_heads,
                          int32_t head_dim, int32_t num_blocks, int32_t block_size, int32_t width, float scale,
-                         int32_t window, float softcap, int32_t dtype, int32_t threads, int32_t portable) {
+                         int32_t window, float softcap, int32_t dtype, int32_t kv, int32_t threads, int32_t portable) {
     const int G = heads / kv_heads, D = head_dim;
     const size_t es = dtype_size(dtype);
-    const size_t plane = (size_t)num_blocks * block_size * D;  // elements of one (K/V, KV head) plane
+    const size_t rb = kv_row_bytes(kv, D), plane = (size_t)num_blocks * block_size * rb;  // bytes of a (K/V, head)
     int max_len = 0;
     for (int b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     void (*run)(const char *, const char *, const char *, const size_t *, int, int, int, float, float, int, size_t,
-                float *, float *, float *, float *) =
+                int, size_t, float *, float *, float *, float *) =
         D == 64 ? attend_64 : D == 128 ? attend_128 : D == 256 ? attend_256 : attend_any;
 
 #pragma omp parallel num_threads(threads)
@@ -354,18 +418,18 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
                 const int first = (window > 0 && L > window) ? L - window : 0, n = L - first;
                 const int32_t *table = tables + (size_t)(row_seqs ? row_seqs[b] : b) * width;
                 const char *q_row = (const char *)q + ((size_t)b * q_stride + (size_t)h * G * D) * es;
-                const char *k_plane = (const char *)cache + (size_t)h * plane * es;
-                const char *v_plane = (const char *)cache + (size_t)(kv_heads + h) * plane * es;
-                visible_rows(table, first, L, block_size, (size_t)D * es, rows);
+                const char *k_plane = (const char *)cache + (size_t)h * plane;
+                const char *v_plane = (const char *)cache + (size_t)(kv_heads + h) * plane;
+                visible_rows(table, first, L, block_size, rb, rows);
 #if defined(SIMD_HEAD_DIM)
                 if (D % SIMD_HEAD_DIM == 0 && !portable) {  // four keys per reduction tree (the same math as attend())
-                    qk_simd(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, scale, qf, kf, scores);
+                    qk_simd(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, kv, rb, scale, qf, kf, scores);
                     soft_cap(scores, (size_t)G * n, softcap);
                     softmax_rows(scores, G, n);
-                    pv_simd(v_plane, rows, n, G, D, dtype, es, scores, acc);
+                    pv_simd(v_plane, rows, n, G, D, kv, scores, acc);
                 } else
 #endif
-                    run(q_row, k_plane, v_plane, rows, n, G, D, scale, softcap, dtype, es, qf, acc, row, scores);
+                    run(q_row, k_plane, v_plane, rows, n, G, D, scale, softcap, dtype, es, kv, rb, qf, acc, row, scores);
             }
             store_row(acc, dtype, G * D, (char *)out + ((size_t)b * heads + (size_t)h * G) * D * es);
         }

@@ -5,7 +5,8 @@
 - `silu_and_mul`: `SiluAndMul` (core/layers/activation.py), silu(gate) * up over the fused gate_up output;
 - `rotary_inplace`: `apply_rotary` (core/layers/rotary.py), neox rotate-half, written back into x;
 - `store_kv`: the KV-cache write at the top of `Attention.forward` (core/layers/attention.py): each new
-  token's K and V go to its slot of one layer's head-major paged cache [2, kv_heads, blocks, block_size, D].
+  token's K and V go to its slot of one layer's head-major paged cache [2, kv_heads, blocks, block_size, D];
+  with a quantized pool (core/kv/quant.py), as the bytes `KVFormat.quantize` gives each (token, head) row.
 
 Launch: one program per row (token), the row held in one masked block of next_power_of_2(width) elements
 (silu_and_mul, which needs no reduction, splits long rows over a second grid axis; rotary splits many
@@ -33,8 +34,9 @@ from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotati
 
 import torch
 
-from kvforge.core.kernels.checks import FLOAT_DTYPES
+from kvforge.core.kernels.checks import FLOAT_DTYPES, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, KV_Q4, check_kv_format
 from kvforge.core.kernels.runtime import Kernel, check_runnable, interpreting, next_power_of_2, tl, triton
+from kvforge.core.kv.quant import KVFormat
 
 try:
     from triton.language.extra import libdevice
@@ -290,29 +292,137 @@ def _store_kv(
 _store_kv_kernel = Kernel(_store_kv)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def _store_kv_quantized(
+    k_ptr, v_ptr, cache_ptr, slots_ptr,
+    D, VALUE_BYTES, BLOCK_SIZE, NUM_SLOTS,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_ckv, stride_ch, stride_cb, stride_cs, stride_cd,
+    KV_FORMAT: tl.constexpr, LIMIT: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    if (slot < 0) | (slot >= NUM_SLOTS):  # padding rows, and a slot past this layer's cache (the next layer's)
+        return
+    # the row as GROUPS groups of GROUP values, one scale each (8-bit formats: one group, the padded row)
+    group = tl.arange(0, GROUPS)
+    cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < D
+    row = cache_ptr + head * stride_ch + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    M: tl.constexpr = 3 if KV_FORMAT == KV_FP8_E4M3 else 2  # fp8's mantissa bits
+    B: tl.constexpr = 7 if KV_FORMAT == KV_FP8_E4M3 else 15  # fp8's exponent bias
+    SHIFT: tl.constexpr = 23 - M  # fp32 mantissa bits that fp8 drops
+    for which in tl.static_range(2):  # K, then V: one copy of the quantization
+        if which == 0:
+            x = tl.load(k_ptr + tok * stride_kt + head * stride_kh + cols * stride_kd, mask=mask, other=0.0)
+        else:
+            x = tl.load(v_ptr + tok * stride_vt + head * stride_vh + cols * stride_vd, mask=mask, other=0.0)
+        if x.dtype == tl.bfloat16:  # widened by its bits: the interpreter's cast loses bf16 subnormals
+            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.float32)
+        dst = row + which * stride_ckv
+        top = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max)
+        # the scale as KVFormat.quantize computes it in fp32 (div_rn: IEEE division, as torch's; a compiled `/` is
+        # approximate), then rounded to bf16 by hand, to nearest even: the interpreter's cast truncates
+        if KV_FORMAT == KV_Q4:
+            # the group's value of largest magnitude, the first of equals (torch's argmax), maps to -8; a max over
+            # that one value and -infs keeps its sign, a zero's too
+            first = tl.reduce(tl.where(tl.abs(x) == top[:, None], cols, D), 1, tl.standard._elementwise_min)
+            biggest = tl.reduce(tl.where(cols == first[:, None], x, float("-inf")), 1, tl.standard._elementwise_max)
+            scale = biggest * -0.125  # exact, as / -8 is
+        else:
+            scale = tl.math.div_rn(top, tl.full((GROUPS,), LIMIT, tl.float32))
+        b = scale.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16  # the bf16 scale's bits
+        wide = (b << 16).to(tl.float32, bitcast=True)
+        wide = tl.broadcast_to(tl.where(wide == 0.0, 1.0, wide)[:, None], (GROUPS, GROUP))  # a zero scale: / 1
+        y = tl.math.div_rn(x, wide)
+        # clamped before rounding: the same as clamping the rounded int8 / q4 codes, whose bounds are integers
+        if KV_FORMAT == KV_Q4:
+            y = tl.minimum(tl.maximum(y, -8.0), 7.0)
+        else:
+            y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+        if KV_FORMAT == KV_INT8 or KV_FORMAT == KV_Q4:
+            # round half to even: adding 1.5 * 2**23 leaves no fraction bits (|y| <= 127 here)
+            codes = ((y + 12582912.0) - 12582912.0).to(tl.int32)
+        else:
+            # fp32 -> fp8 by hand, rounding to nearest even: the interpreter's fp8 casts round ties up and lose
+            # the carry into the exponent, and compiled e4m3 casts need sm_89. |y| <= LIMIT, the largest finite.
+            tl.static_assert(KV_FORMAT == KV_FP8_E4M3 or KV_FORMAT == KV_FP8_E5M2)
+            bits = y.to(tl.int32, bitcast=True)
+            mag = bits & 0x7FFFFFFF
+            # normal: drop SHIFT mantissa bits rounding to nearest even (a carry moves into the exponent), rebias
+            normal = ((mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT) - ((127 - B) << M)
+            # below the smallest normal 2**(1 - B): a count of 2**(1 - B - M) steps, rounded as int8's codes are
+            # (taken of at most 2**(1 - B), so that the lanes it is not used for stay in int32's range too)
+            tiny = tl.minimum(mag.to(tl.float32, bitcast=True), 2.0 ** (1 - B))
+            steps = ((tiny * (2.0 ** (B + M - 1)) + 12582912.0) - 12582912.0).to(tl.int32)
+            codes = tl.where(mag < ((128 - B) << 23), steps, normal) | ((bits >> 24) & 0x80)
+        if KV_FORMAT == KV_Q4:
+            low, high = tl.split(tl.reshape(codes + 8, (GROUPS, GROUP // 2, 2)))  # value 2i in byte i's low nibble
+            pairs = group[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+            tl.store(dst + pairs * stride_cd, (low | (high << 4)).to(tl.uint8), mask=pairs * 2 < D)
+        else:
+            tl.store(dst + cols * stride_cd, (codes & 0xFF).to(tl.uint8), mask=mask)
+        # the bf16 scales after the codes, byte by byte (little-endian): no alignment asked of the cache
+        scales = dst + (VALUE_BYTES + 2 * group) * stride_cd
+        tl.store(scales, (b & 0xFF).to(tl.uint8), mask=group * GROUP < D)
+        tl.store(scales + stride_cd, (b >> 8).to(tl.uint8), mask=group * GROUP < D)
+
+
+_store_kv_quantized_kernel = Kernel(_store_kv_quantized)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, *,
+             kv_format: KVFormat | None = None) -> None:
     """Write token t's K and V (every head) into slot slots[t] of one layer's paged cache.
 
     k, v: [T, kv_heads, D] (any strides, e.g. columns of a fused qkv output); kv_cache: [2 (K, V), kv_heads,
     blocks, block_size, D], any strides (a view into a bigger pool is fine); slots: [T] int32 / int64, slot s
     is block s // block_size, offset s % block_size. Slots < 0 (padding rows) are skipped, and so are
     slots >= blocks * block_size (checking on the host would sync).
+
+    With `kv_format` the cache is uint8 [2, kv_heads, blocks, block_size, kv_format.row_bytes(D)] and each row is
+    quantized as `KVFormat.quantize` does it, to the same bytes; k and v may then be any float dtype.
     """
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k and v must both be [tokens, kv_heads, head_dim], got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     t, kvh, d = k.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[1] != kvh or kv_cache.shape[4] != d:
-        raise ValueError(f"kv_cache must be [2, {kvh}, blocks, block_size, {d}] for k of shape {tuple(k.shape)}, "
+    row = d if kv_format is None else "row_bytes"
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[1] != kvh:
+        raise ValueError(f"kv_cache must be [2, {kvh}, blocks, block_size, {row}] for k of shape {tuple(k.shape)}, "
                          f"got {tuple(kv_cache.shape)}")
-    _check_float("kv_cache", kv_cache)
-    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
-        raise ValueError(f"k, v and kv_cache must share one dtype, got {k.dtype}, {v.dtype}, {kv_cache.dtype}")
+    code = check_kv_format("store_kv", kv_format, kv_cache, d)  # a quantized cache's dtype and row_bytes
+    if kv_format is None:
+        if kv_cache.shape[4] != d:
+            raise ValueError(f"kv_cache must be [2, {kvh}, blocks, block_size, {d}] for k of shape {tuple(k.shape)}, "
+                             f"got {tuple(kv_cache.shape)}")
+        _check_float("kv_cache", kv_cache)
+        if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
+            raise ValueError(f"k, v and kv_cache must share one dtype, got {k.dtype}, {v.dtype}, {kv_cache.dtype}")
+    else:
+        _check_float("k", k)
+        if v.dtype != k.dtype:
+            raise ValueError(f"k and v must share one dtype, got {k.dtype} and {v.dtype}")
     if slots.shape != (t,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be int32 or int64 [{t}], got {slots.dtype} {tuple(slots.shape)}")
     check_runnable(k, v, kv_cache, slots, name="store_kv")
     blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
     if t == 0 or kvh == 0 or d == 0 or blocks * block_size == 0:
+        return
+    if kv_format is not None:
+        # one program per (token, head) row: a row is one quantization unit
+        group = kv_format.group or next_power_of_2(d)
+        _store_kv_quantized_kernel[(t, kvh)](
+            k, v, kv_cache, slots,
+            d, kv_format.value_bytes(d), block_size, blocks * block_size,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            *kv_cache.stride(),
+            KV_FORMAT=code, LIMIT=kv_format.limit, GROUP=group, GROUPS=next_power_of_2(-(-d // group)),
+            num_warps=_num_warps(d), enable_fp_fusion=False,
+        )
         return
     block_h, block_d = next_power_of_2(kvh), next_power_of_2(d)
     _store_kv_kernel[(t,)](

@@ -5,7 +5,10 @@ KV head h holds BS consecutive tokens. Sequence b's token t lives in block `bloc
 slot `t % BS`. `context_lens[b]` = L counts the context including the new token (its K/V is already in
 the cache); the query sits at position L - 1 and sees keys [max(0, L - window), L). L == 0 marks a
 padding row, whose output is exactly 0. Query heads are grouped (GQA): query head i uses KV head i // G,
-G = H / KVH.
+G = H / KVH. A quantized pool (core/kv/quant.py, `kv_format`) is uint8 [2, KVH, NB, BS, row_bytes]: each tile's
+codes and scales are loaded and dequantized in registers (code value * bf16 scale, in fp32, as
+`KVFormat.dequantize`), then go the way of a full-precision tile; the KV_FORMAT constexpr picks the code at compile
+time, so a full-precision cache compiles to the kernel it always was.
 
 Kernel 1 (`_split_fn`), grid (B, KVH, S): a program takes all G query heads of one KV head, so each K/V
 tile is loaded once for the group; the group is padded to BLOCK_H >= 16 rows and D to BLOCK_D, a power
@@ -35,8 +38,9 @@ import functools
 
 import torch
 
-from kvforge.core.kernels.checks import check_paged_attention
+from kvforge.core.kernels.checks import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, KV_NONE, KV_Q4, check_paged_attention
 from kvforge.core.kernels.runtime import Kernel, check_runnable, fp32_dots, next_power_of_2, tl
+from kvforge.core.kv.quant import KVFormat
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, combine) outweighs the parallelism
@@ -54,7 +58,7 @@ def _split_fn(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr, KV_GROUP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -83,6 +87,13 @@ def _split_fn(
 
     k_head = k_ptr + kv_head * stride_kvh
     v_head = v_ptr + kv_head * stride_kvh
+    # a quantized row (core/kv/quant.py): its codes, then its bf16 scales; the byte holding each value's code
+    if KV_FORMAT == KV_Q4:
+        code_cols = offs_d // 2  # value 2i in the low nibble of byte i
+        nibble = (offs_d % 2) * 4
+        scale_cols = HEAD_DIM // 2 + 2 * (offs_d // KV_GROUP)
+    else:
+        code_cols = offs_d
     table = block_tables_ptr + b * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
     # tl.full, not tl.zeros, and tl.reduce with the standard combine functions, not tl.max / tl.sum: those
@@ -99,8 +110,40 @@ def _split_fn(
         rows = block * stride_kvn + (pos % BLOCK_SIZE).to(tl.int64) * stride_kvs
         kv_offs = rows[:, None] + offs_d[None, :] * stride_kvd
         kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_head + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_head + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FORMAT == KV_NONE:
+            k = tl.load(k_head + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_head + kv_offs, mask=kv_mask, other=0.0)
+        else:  # dequantized here, in registers: code value * bf16 scale in fp32, as KVFormat.dequantize
+            code_offs = rows[:, None] + code_cols[None, :] * stride_kvd
+            if KV_FORMAT == KV_Q4:  # a scale per value's group
+                scale_offs = rows[:, None] + scale_cols[None, :] * stride_kvd
+                scale_mask = kv_mask
+            else:  # one scale per row
+                scale_offs = rows[:, None] + HEAD_DIM * stride_kvd
+                scale_mask = valid[:, None]
+            for which in tl.static_range(2):  # K, then V: one copy of the dequantization
+                base = k_head if which == 0 else v_head
+                c = tl.load(base + code_offs, mask=kv_mask, other=0)
+                # the scale's two bytes (little-endian), loaded one by one: no alignment asked of the cache
+                bits = (tl.load(base + scale_offs, mask=scale_mask, other=0).to(tl.uint32)
+                        | (tl.load(base + scale_offs + stride_kvd, mask=scale_mask, other=0).to(tl.uint32) << 8))
+                if KV_FORMAT == KV_INT8:
+                    x = c.to(tl.int8, bitcast=True).to(tl.float32)
+                elif KV_FORMAT == KV_Q4:
+                    x = ((c >> nibble[None, :]) & 15).to(tl.float32) - 8.0
+                elif KV_FORMAT == KV_FP8_E5M2:  # e5m2 is fp16's top byte
+                    x = (c.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+                else:  # e4m3's bits placed in an fp16 are its value / 2**8 (biases 7 and 15), subnormals too
+                    tl.static_assert(KV_FORMAT == KV_FP8_E4M3)
+                    half = ((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << 7)
+                    x = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+                x = x * (bits << 16).to(tl.float32, bitcast=True)
+                if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
+                    x = x.to(q.dtype)
+                if which == 0:
+                    k = x
+                else:
+                    v = x
 
         if DOT_FP32:
             scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -192,18 +235,19 @@ def default_num_splits(batch: int, kv_heads: int, max_blocks: int, block_size: i
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, *, kv_format: KVFormat | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context -> [B, H, D] in q.dtype.
 
     q [B, H, D]; kv_cache [2, KVH, NB, BS, D] (one layer, K then V; any strides, e.g. a view into a pool);
     block_tables int32 [B, W]; context_lens int32 [B] (L, including the new token; 0 = padding row, whose
     output is 0). Query position L - 1 sees keys [max(0, L - sliding_window), L). `num_splits` splits each
     context (flash-decoding; default from `default_num_splits`). Writes into `out` when given and returns
-    it. `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). Never syncs with the
-    device (CUDA-graph safe): block ids and lengths are trusted, not checked.
+    it. `softcap`: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). `kv_format`: the cache
+    is stored in it, uint8 [2, KVH, NB, BS, kv_format.row_bytes(D)], and dequantized as it is read. Never syncs
+    with the device (CUDA-graph safe): block ids and lengths are trusted, not checked.
     """
     name = "paged_decode_attention"
-    heads, kv_heads, head_dim, block_size = check_paged_attention(name, q, kv_cache, sliding_window)
+    heads, kv_heads, head_dim, block_size, code = check_paged_attention(name, q, kv_cache, sliding_window, kv_format)
     batch = q.shape[0]
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"{name}: block_tables must be int32 [batch={batch}, max_blocks], "
@@ -231,8 +275,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     group = heads // kv_heads
     block_d = max(16, next_power_of_2(head_dim))
     block_h = max(16, next_power_of_2(group))
-    # Tiles of 32 keys; 16 at head_dim 256, so the fp32 K and V tiles stay in registers.
-    block_n = 32 if block_d <= 128 else 16
+    # Tiles of 32 keys; 16 at head_dim 256, so the fp32 K and V tiles stay in registers, and 16 for a quantized
+    # cache, whose tiles are dequantized in registers (32 spilled on sm_90 at head_dim 128).
+    block_n = 32 if block_d <= 128 and kv_format is None else 16
     direct = num_splits == 1
     if direct:  # kernel 1 writes out itself: no scratch (the pointers are unused)
         part_out = part_lse = out
@@ -250,6 +295,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DIRECT=direct,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
         DOT_FP32=fp32_dots(q.dtype), SOFTCAP=softcap is not None,
+        KV_FORMAT=code, KV_GROUP=0 if kv_format is None else kv_format.group,
     )
     if not direct:
         _combine_kernel[(batch, heads)](

@@ -5,7 +5,10 @@ Inputs (T = the step's prefill tokens, P = sequences, KVH = KV heads, G = query 
   [query_start_loc[p], query_start_loc[p + 1]). Query head h reads KV head h // G.
 - `kv_cache` [2, KVH, NB, BS, D] (one layer; 0 = K, 1 = V; head-major and paged: block b of a head holds
   BS consecutive tokens). The chunk's own K/V are already stored, so the cache holds all keys of the
-  sequence: cached prefix and new tokens alike.
+  sequence: cached prefix and new tokens alike. A quantized pool (core/kv/quant.py, `kv_format`) is uint8
+  [2, KVH, NB, BS, row_bytes]: each tile's codes and scales are loaded and dequantized in registers (code value *
+  bf16 scale, in fp32, as `KVFormat.dequantize`); the KV_FORMAT constexpr picks the code at compile time, so a
+  full-precision cache compiles to the kernel it always was.
 - `block_tables` int32 [P, W]: token t of sequence p lives in slot t % BS of block block_tables[p, t // BS].
 - `context_lens` int32 [P]: cached + new tokens. With n = the chunk's length, query row j sits at position
   context_len - n + j and sees keys at positions k <= its own (causal) and, with a sliding window w, k > pos - w.
@@ -34,8 +37,9 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 
 import torch
 
-from kvforge.core.kernels.checks import check_paged_attention
+from kvforge.core.kernels.checks import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, KV_NONE, KV_Q4, check_paged_attention
 from kvforge.core.kernels.runtime import Kernel, check_runnable, fp32_dots, next_power_of_2, tl, triton
+from kvforge.core.kv.quant import KVFormat
 
 _LOG2E = 1.4426950408889634
 
@@ -49,6 +53,7 @@ def _paged_prefill_fn(
     stride_ot, stride_oh, stride_od,
     D, GROUP: tl.constexpr, BS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FORMAT: tl.constexpr, KV_GROUP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -87,6 +92,13 @@ def _paged_prefill_fn(
 
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = k_base + stride_kv
+    # a quantized row (core/kv/quant.py): its codes, then its bf16 scales; the byte holding each value's code
+    if KV_FORMAT == KV_Q4:
+        code_cols = offs_d // 2  # value 2i in the low nibble of byte i
+        nibble = (offs_d % 2) * 4
+        scale_cols = D // 2 + 2 * (offs_d // KV_GROUP)
+    else:
+        code_cols = offs_d
     table = block_tables_ptr + seq.to(tl.int64) * stride_btp
 
     # tl.full, not tl.zeros, and tl.reduce with the standard combine functions, not tl.max / tl.sum: those
@@ -102,8 +114,40 @@ def _paged_prefill_fn(
         slots = block.to(tl.int64) * stride_kb + (offs_n % BS) * stride_ks
         kv_offs = slots[:, None] + offs_d[None, :] * stride_kd
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FORMAT == KV_NONE:
+            k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
+        else:  # dequantized here, in registers: code value * bf16 scale in fp32, as KVFormat.dequantize
+            code_offs = slots[:, None] + code_cols[None, :] * stride_kd
+            if KV_FORMAT == KV_Q4:  # a scale per value's group
+                scale_offs = slots[:, None] + scale_cols[None, :] * stride_kd
+                scale_mask = kv_mask
+            else:  # one scale per row
+                scale_offs = slots[:, None] + D * stride_kd
+                scale_mask = mask_n[:, None]
+            for which in tl.static_range(2):  # K, then V: one copy of the dequantization
+                base = k_base if which == 0 else v_base
+                c = tl.load(base + code_offs, mask=kv_mask, other=0)
+                # the scale's two bytes (little-endian), loaded one by one: no alignment asked of the cache
+                bits = (tl.load(base + scale_offs, mask=scale_mask, other=0).to(tl.uint32)
+                        | (tl.load(base + scale_offs + stride_kd, mask=scale_mask, other=0).to(tl.uint32) << 8))
+                if KV_FORMAT == KV_INT8:
+                    x = c.to(tl.int8, bitcast=True).to(tl.float32)
+                elif KV_FORMAT == KV_Q4:
+                    x = ((c >> nibble[None, :]) & 15).to(tl.float32) - 8.0
+                elif KV_FORMAT == KV_FP8_E5M2:  # e5m2 is fp16's top byte
+                    x = (c.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+                else:  # e4m3's bits placed in an fp16 are its value / 2**8 (biases 7 and 15), subnormals too
+                    tl.static_assert(KV_FORMAT == KV_FP8_E4M3)
+                    half = ((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << 7)
+                    x = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+                x = x * (bits << 16).to(tl.float32, bitcast=True)
+                if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
+                    x = x.to(q.dtype)
+                if which == 0:
+                    k = x
+                else:
+                    v = x
 
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -144,13 +188,16 @@ def _check_block(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's minimum), got {value}")
 
 
-def _launch_config(rows: int, block_d: int, fp32: bool) -> tuple[int, int, int]:
+def _launch_config(rows: int, block_d: int, fp32: bool, quantized: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for `rows` folded query rows. Chosen so that sm_90 builds of every
     head dim up to 256 keep all values in registers (ptxas reports no spill): the per-element int64 pointers
     of the K / V gathers cost as many registers as the accumulator. fp32 dots run on FMA units (no tensor
-    cores), which need smaller tiles."""
+    cores), which need smaller tiles. A quantized cache's K / V tiles are dequantized in registers, which
+    takes 16-key tiles, and 32-row ones at head_dim 256 (the 16-bit tiles spilled up to 600 B there)."""
     if fp32:  # 32-row tiles at head_dim 128 spilled 720 B on sm_90 with 4 warps: 8 warps from 128 up
-        return (16 if rows <= 16 else 32), (32 if block_d <= 64 else 16), (4 if block_d <= 64 else 8)
+        return (16 if rows <= 16 else 32), (32 if block_d <= 64 and not quantized else 16), (4 if block_d <= 64 else 8)
+    if quantized and (rows <= 32 or block_d > 128):
+        return (16 if rows <= 16 else 32), 16, (4 if block_d <= 128 else 8)
     if rows <= 32:
         return (16 if rows <= 16 else 32), 32, (4 if block_d <= 128 else 8)
     return 64, (64 if block_d <= 128 else 32), 8
@@ -160,7 +207,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
                             scale: float, sliding_window: int | None = None,
                             out: torch.Tensor | None = None, *, block_m: int | None = None,
-                            block_n: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                            block_n: int | None = None, softcap: float | None = None,
+                            kv_format: KVFormat | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of prefill chunks over the paged KV cache.
 
     q [T, H, D]; kv_cache [2, KVH, NB, BS, D] (same dtype as q, the chunks' K/V already stored);
@@ -168,10 +216,11 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     (cached + new tokens); max_query_len: the longest chunk (sizes the grid only). Returns `out` [T, H, D]
     (allocated in q.dtype when None). Any strides are accepted. block_m / block_n override the tile sizes
     (powers of two >= 16). `softcap`: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2).
-    Index values are not checked (that would sync with the device).
+    `kv_format`: the cache is stored in it, uint8 [2, KVH, NB, BS, kv_format.row_bytes(D)], and dequantized as it
+    is read. Index values are not checked (that would sync with the device).
     """
     name = "paged_prefill_attention"
-    heads, kv_heads, head_dim, block_size = check_paged_attention(name, q, kv_cache, sliding_window)
+    heads, kv_heads, head_dim, block_size, code = check_paged_attention(name, q, kv_cache, sliding_window, kv_format)
     tokens = q.shape[0]
     for label, t, dims in (("block_tables", block_tables, 2), ("query_start_loc", query_start_loc, 1),
                            ("context_lens", context_lens, 1)):
@@ -197,7 +246,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     rows = max_query_len * group  # folded query rows of the longest chunk
     block_d = max(16, next_power_of_2(head_dim))
     fp32 = q.dtype == torch.float32
-    default_m, default_n, num_warps = _launch_config(rows, block_d, fp32)
+    default_m, default_n, num_warps = _launch_config(rows, block_d, fp32, kv_format is not None)
     block_m, block_n = block_m or default_m, block_n or default_n
     _check_block("block_m", block_m)
     _check_block("block_n", block_n)
@@ -211,6 +260,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         head_dim, GROUP=group, BS=block_size, USE_WINDOW=sliding_window is not None,
         DOT_FP32=fp32_dots(q.dtype), SOFTCAP=softcap is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        KV_FORMAT=code, KV_GROUP=0 if kv_format is None else kv_format.group,
         num_warps=num_warps, num_stages=2,
     )
     return out

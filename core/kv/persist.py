@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from kvforge.core.kv.index import KVEntry, KVIndex
+from kvforge.core.kv.quant import KVFormat
 from kvforge.core.private_files import DIR_MODE, open_private, private_dir
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ class KVBlockAccess(Protocol):
     """The KV pool as the persisted tier sees it: whole blocks with every KV head (a tensor-parallel pool
     gathers its ranks' heads on read and hands each rank its own on write)."""
 
-    kv_block_shape: tuple[int, ...]  # [layers, 2, kv_heads, block_size, head_dim]
+    kv_block_shape: tuple[int, ...]  # [layers, 2, kv_heads, block_size, head_dim (a quantized format's row bytes)]
     kv_dtype: torch.dtype
+    kv_format: KVFormat | None  # the quantized format of the pool's rows (None: the model's dtype)
 
     def read_block(self, block: int) -> torch.Tensor: ...
 
@@ -137,6 +139,7 @@ class PersistedKV:
         self._deferred: OrderedDict[bytes, _Deferred] = OrderedDict()  # hash -> where it is, oldest first
         self._block_shape = tuple(pool.kv_block_shape)
         self._dtype = pool.kv_dtype
+        self._format = None if pool.kv_format is None else pool.kv_format.name  # in each file's header
         self._model_dir = private_dir(private_dir(self.directory) / fingerprint.hex())
         self._lock = threading.Lock()
         self._block_nbytes = math.prod(self._block_shape) * torch.empty((), dtype=self._dtype).element_size()
@@ -251,8 +254,9 @@ class PersistedKV:
                 or header["tokens"] != list(token_ids)):
             raise CorruptBlock(f"{path}: holds another block")
         dtype = self._dtype
-        if header["dtype"] != str(dtype) or tuple(header["shape"]) != tuple(self._block_shape):
-            raise CorruptBlock(f"{path}: holds a block of another shape or dtype")
+        if header["dtype"] != str(dtype) or tuple(header["shape"]) != tuple(self._block_shape) or \
+                header.get("kv_format") != self._format:  # (the fingerprint differs too: never found by hash)
+            raise CorruptBlock(f"{path}: holds a block of another shape, dtype or KV format")
         payload = torch.frombuffer(raw, dtype=torch.uint8, offset=start + header_len)
         return payload.view(dtype).view(self._block_shape)
 
@@ -314,6 +318,7 @@ class PersistedKV:
         header = json.dumps({
             "hash": item.digest.hex(), "parent": item.parent.hex(), "fingerprint": self.fingerprint.hex(),
             "tokens": list(item.token_ids), "dtype": str(data.dtype), "shape": list(data.shape),
+            "kv_format": self._format,
         }).encode()
         head = b"".join((MAGIC, struct.pack("<I", len(header)), header))
         payload = memoryview(data.view(torch.uint8).view(-1).numpy())  # the tensor's bytes, not a copy of them

@@ -43,7 +43,8 @@ def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) ->
     identity = {
         "weights": weights, "config": (model_path / "config.json").read_text(),
         "dtype": str(config.torch_dtype), "quant": config.quant, "quant_options": config.quant_options,
-        "kv_dtype": str(config.torch_dtype), "block_size": config.block_size, "tp_size": config.tp_size,
-        "tokenizer": tokenizer.fingerprint(),
+        # a quantized pool's format by name (a block written in one is never read as another); the model's dtype else
+        "kv_dtype": str(config.torch_dtype) if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        "block_size": config.block_size, "tp_size": config.tp_size, "tokenizer": tokenizer.fingerprint(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()[:16]

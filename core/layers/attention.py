@@ -9,6 +9,10 @@ groups of similar context length (layers/decode_attention.py: fp32 batched matmu
 faster on this machine), so the number of operations per layer does not grow with the number of sequences.
 With the "paged" variant (a C kernel reading the blocks in place) the decode rows attend in one call, and so does
 every row of a step whose prefill chunks are all short (SHORT_CHUNK); longer chunks still take SDPA.
+A quantized pool (StepContext.kv_format, core/kv/quant.py) is written through the same store step, each new row
+quantized; the paged C kernel and the Triton kernels dequantize it in registers, and the paths that gather a context
+(SDPA prefill, the short-chunk math, the gathering decode variants) dequantize what they gathered, where they would
+otherwise convert it to fp32.
 `softcap` (Gemma 2's attention-logit soft-capping) is applied by every
 path: the decode variants that offer it, the Triton kernels, and on the torch path prefill chunks attend through
 the same fp32 math as short chunks (torch's SDPA has no hook for it).
@@ -22,8 +26,14 @@ from torch import nn
 
 from kvforge.core import cpu_kernels
 from kvforge.core.context import KernelBatch, PrefillSeq, StepContext, get_context
+from kvforge.core.kv.quant import KVFormat, hadamard
 from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.decode_attention import DECODE_VARIANTS, masked_scores
+
+
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] times the normalized Hadamard matrix (its own inverse), in fp32."""
+    return torch.matmul(x.float(), hadamard(x.shape[-1], device=x.device)).to(x.dtype)
 
 
 def _heads_contiguous(*tensors: torch.Tensor) -> bool:
@@ -54,13 +64,23 @@ class Attention(nn.Module):
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
         ctx = get_context()
         cache = ctx.kv_cache[self.layer_index]  # [2, kv_heads, blocks, block_size, head_dim]
+        if ctx.kv_format is not None and ctx.kv_format.rotate:  # q4's rows hold rotated K / V (core/kv/quant.py)
+            out = self._attend(ctx, cache, *(_rotated(x) for x in (q, k, v)))
+            return _rotated(out.view(-1, self.num_heads, self.head_dim)).view(out.shape)
+        return self._attend(ctx, cache, q, k, v)
+
+    def _attend(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
         if self.triton:
-            return self._forward_kernels(ctx.kernel, cache, q, k, v)
+            return self._forward_kernels(ctx.kernel, ctx.kv_format, cache, q, k, v)
         if cache.device.type == "cpu" and _heads_contiguous(k, v) and cpu_kernels.unavailable() is None:
-            cpu_kernels.store_kv(k, v, cache, ctx.write_rows)  # one pass: ~18 us a layer less per decode step
+            # one pass: ~18 us a layer less per decode step
+            cpu_kernels.store_kv(k, v, cache, ctx.write_rows, ctx.kv_format)
         else:
             new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
-            cache.view(-1, self.head_dim).index_copy_(0, ctx.write_rows, new_kv)
+            if ctx.kv_format is not None:
+                new_kv = ctx.kv_format.quantize(new_kv)
+            cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.write_rows, new_kv)
         if not ctx.prefills or (self.decode.mask is None and
                                 all(seq.end - seq.start <= SHORT_CHUNK for seq in ctx.prefills)):
             return self.decode_rows(ctx, cache, q)  # a decode step, or the paged kernel: every row in one call
@@ -83,7 +103,8 @@ class Attention(nn.Module):
             rows = q.shape[0]
             out = q.new_empty(rows, self.num_heads * self.head_dim)
             self.decode.run(q, cache, ctx.block_tables, ctx.row_lens[:rows], self.scale, self.sliding_window, out,
-                            None if ctx.row_seqs is None else ctx.row_seqs[:rows], softcap=self.softcap)
+                            None if ctx.row_seqs is None else ctx.row_seqs[:rows], softcap=self.softcap,
+                            kv_format=ctx.kv_format)
             return out
         if len(ctx.decode_groups) == 1:
             return self._decode(ctx, cache, 0, q)
@@ -92,29 +113,33 @@ class Attention(nn.Module):
             out[group.start:group.end] = self._decode(ctx, cache, i, q)
         return out
 
-    def _forward_kernels(self, batch: KernelBatch, cache: torch.Tensor, q, k, v) -> torch.Tensor:
+    def _forward_kernels(self, batch: KernelBatch, kv_format: KVFormat | None, cache: torch.Tensor, q, k,
+                         v) -> torch.Tensor:
         """Store the new K/V, then decode rows through the split-context decode kernel and prefill chunks
         through the varlen prefill kernel, both reading the paged cache (cached context and new tokens)."""
-        self.store_kv(k, v, cache, batch.slots)
+        self.store_kv(k, v, cache, batch.slots, kv_format=kv_format)
         out = q.new_empty(q.shape)  # contiguous (q is a view into the fused qkv output)
         d = batch.num_decodes
         if d:
             self.decode_kernel(q[:d], cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                               self.sliding_window, out=out[:d], softcap=self.softcap)
+                               self.sliding_window, out=out[:d], softcap=self.softcap, kv_format=kv_format)
         if d < q.shape[0]:
             self.prefill_kernel(q[d:], cache, batch.prefill_block_tables, batch.query_start_loc,
                                 batch.prefill_context_lens, batch.max_query_len, self.scale,
-                                self.sliding_window, out=out[d:], softcap=self.softcap)
+                                self.sliding_window, out=out[d:], softcap=self.softcap, kv_format=kv_format)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
         new = seq.end - seq.start
         if self.softcap is not None or (seq.gather_rows is not None and new <= SHORT_CHUNK):
             return self._math_chunk(ctx, cache, i, seq, q, k, v)
-        if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V
+        if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V (as stored)
             keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
+            if ctx.kv_format is not None:
+                keys, values = self._as_stored(ctx, keys), self._as_stored(ctx, values)
         else:
-            keys, values = self._gather(cache, seq.gather_rows, 1)[:, 0, :, : seq.context_len].unbind(0)
+            gathered = self._gather(cache, seq.gather_rows, 1)[:, 0, :, : seq.context_len]
+            keys, values = self._values(ctx, gathered, torch.float32).unbind(0)
         mask = prefill_mask(ctx, i, seq, self.sliding_window)
         queries = q[seq.start:seq.end].transpose(0, 1)
         if q.dtype != torch.float32:  # fp32 attention math, as decode's and the short chunk's: a conversation
@@ -137,10 +162,10 @@ class Attention(nn.Module):
         new, length, kv_heads, head_dim = seq.end - seq.start, seq.context_len, self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
         dtype = q.dtype
-        if seq.gather_rows is None:  # nothing cached before this chunk: its fresh K/V are the whole context
-            kv = torch.stack((k[seq.start:seq.end], v[seq.start:seq.end])).transpose(1, 2)
+        if seq.gather_rows is None:  # nothing cached before this chunk: its fresh K/V (as stored) are the context
+            kv = self._as_stored(ctx, torch.stack((k[seq.start:seq.end], v[seq.start:seq.end]))).transpose(1, 2)
         else:
-            kv = self._gather(cache, seq.gather_rows, 1)[:, 0, :, :length]
+            kv = self._values(ctx, self._gather(cache, seq.gather_rows, 1)[:, 0, :, :length], torch.float32)
         if dtype != torch.float32:
             kv = kv.float()
         keys, values = kv.unbind(0)  # [kv_heads, length, head_dim]
@@ -158,9 +183,24 @@ class Attention(nn.Module):
         return out
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, seqs: int) -> torch.Tensor:
-        """K and V of the given blocks: [2, seqs, kv_heads, blocks * block_size, head_dim]."""
-        gathered = cache.view(-1, cache.shape[3] * self.head_dim).index_select(0, rows)
-        return gathered.view(2, seqs, self.num_kv_heads, -1, self.head_dim)
+        """K and V of the given blocks as stored: [2, seqs, kv_heads, blocks * block_size, head_dim (or a quantized
+        format's row bytes)]."""
+        row = cache.shape[4]
+        gathered = cache.view(-1, cache.shape[3] * row).index_select(0, rows)
+        return gathered.view(2, seqs, self.num_kv_heads, -1, row)
+
+    @staticmethod
+    def _as_stored(ctx: StepContext, kv: torch.Tensor) -> torch.Tensor:
+        """Fresh K / V [..., head_dim] as a quantized pool holds them (fp32: its dequantized rows), so a chunk attends
+        to what every later read of the same tokens sees -- a prompt sent again, continued from the prefix cache, or
+        decoded; a full-precision pool's as they are."""
+        fmt = ctx.kv_format
+        return kv if fmt is None else fmt.dequantize(fmt.quantize(kv), kv.shape[-1])
+
+    def _values(self, ctx: StepContext, gathered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered K / V as values: a quantized pool's rows dequantized into `dtype`, a full-precision pool's as
+        they are (the caller converts them where it needs to)."""
+        return gathered if ctx.kv_format is None else ctx.kv_format.dequantize(gathered, self.head_dim, dtype)
 
     def _decode(self, ctx: StepContext, cache: torch.Tensor, i: int, q: torch.Tensor) -> torch.Tensor:
         """One new token per sequence of the group, attended over its gathered context by a gathering decode
@@ -172,7 +212,8 @@ class Attention(nn.Module):
             mask = self.decode.mask(group.lengths, group.padded_len, self.sliding_window, self.num_kv_heads,
                                     self.num_heads // self.num_kv_heads)
             ctx.masks[key] = None if mask is None else mask.to(ctx.kv_cache.device)
-        kv = self._gather(cache, group.gather_rows, g)
+        kv = self._values(ctx, self._gather(cache, group.gather_rows, g),
+                          torch.float32 if self.decode.fp32_math else q.dtype)
         return self.decode.run(q[group.start:group.end], kv, ctx.masks[key], self.scale, self.softcap)
 
     def use_decode_variant(self, name: str, device: torch.device | None = None) -> None:

@@ -87,7 +87,7 @@ def test_refuses_mixed_dtypes_and_handles_an_empty_batch():
     cache = torch.zeros(2, 1, 4, 16, 32)
     tables, lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     paged_attention(torch.zeros(0, 2, 32), cache, tables, lens, 0.1, None, torch.zeros(0, 64))
-    with pytest.raises(ValueError, match="must be one of float32 / bfloat16 / float16, all the same"):
+    with pytest.raises(ValueError, match="must be one of float32 / bfloat16 / float16, the same"):
         paged_attention(torch.zeros(1, 2, 32, dtype=torch.bfloat16), cache, tables[:1], lens[:1], 0.1, None,
                                torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="int32"):

@@ -215,9 +215,9 @@ def test_output_columns_are_stored_where_asked(activations):
 
 def test_the_avx2_build_passes_these_tests_too(tmp_path):
     """The kernels built for AVX2 alone (KVFORGE_CPU_MARCH=x86-64-v3: what a CPU without AVX-512 runs), in a process
-    of their own, pass this file's other tests and the other kernels' (test_cpu_kernels.py): on an AVX-512 machine
-    the AVX2 code is tested as built for AVX2 (not only through simd="avx2", which keeps AVX-512 VNNI's 256-bit
-    instructions)."""
+    of their own, pass this file's other tests and the other kernels' (test_cpu_kernels.py, test_kv_quant.py): on an
+    AVX-512 machine the AVX2 code is tested as built for AVX2 (not only through simd="avx2", which keeps AVX-512
+    VNNI's 256-bit instructions)."""
     import os
     import platform
     import subprocess
@@ -232,7 +232,8 @@ def test_the_avx2_build_passes_these_tests_too(tmp_path):
     assert features.stdout.split() == ["avx2"], features.stderr[-2000:]
     here = Path(__file__)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here),
-                          str(here.with_name("test_cpu_kernels.py")), "-k", "not avx2_build"], env=env,
+                          str(here.with_name("test_cpu_kernels.py")), str(here.with_name("test_kv_quant.py")), "-k",
+                          "not avx2_build"], env=env,
                          cwd=here.parents[2], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
 

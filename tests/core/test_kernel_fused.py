@@ -10,11 +10,13 @@ in its last bit can flip a rounding). Rotary and the KV store are exact in every
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvforge.core.kv.quant import FP8_DTYPES, KV_FORMATS
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.norm import RMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, apply_rotary
@@ -199,6 +201,88 @@ def test_store_kv_writes_one_layer(dtype, block_size):
     assert torch.equal(pool, expected)
 
 
+# ---------------------------------------------------------------- store_kv into a quantized pool
+
+
+FORMATS = list(KV_FORMATS.values())
+FORMAT_IDS = list(KV_FORMATS)
+
+
+def _store_rows(fmt, x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, kv_heads, D] stored by the kernel, token t at slot t of a one-block cache: [tokens, kv_heads,
+    row_bytes] (K's; V gets x * 2, checked the same)."""
+    tokens, kv_heads, d = x.shape
+    cache = torch.zeros(2, kv_heads, 1, tokens, fmt.row_bytes(d), dtype=torch.uint8, device=DEVICE)
+    _fused().store_kv(x, x * 2, cache, torch.arange(tokens, device=DEVICE), kv_format=fmt)
+    assert torch.equal(cache[1, :, 0].transpose(0, 1).cpu(), fmt.quantize(x.cpu() * 2))
+    return cache[0, :, 0].transpose(0, 1).cpu()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_store_kv_quantized_writes_the_references_bytes(fmt, dtype):
+    """As test_store_kv_writes_one_layer, into a uint8 pool whose rows are padded (nothing past a row is written):
+    each row's bytes are KVFormat.quantize's, bit for bit. Rows span 12 decades, with a zero row and a row whose
+    scale is an fp32 subnormal; head_dim 40 pads the 8-bit formats' tile, q4's 64 has two groups."""
+    gen = torch.Generator().manual_seed(3)
+    layers, kv_heads, blocks, block_size, tokens = 3, 2, 4, 5, 9
+    head_dim = 64 if fmt.group else 40
+    row = fmt.row_bytes(head_dim)
+    pool = torch.randint(0, 256, (layers, 2, kv_heads, blocks, block_size, row + 3), generator=gen,
+                         dtype=torch.uint8).to(DEVICE)[..., :row]
+    expected = pool.clone()
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[2] = slots[6] = -1
+    slots[4] = blocks * block_size  # the next layer's first slot in a packed pool: dropped
+    kv_width = kv_heads * head_dim
+    qkv = torch.randn(tokens, 3 * kv_width, generator=gen) * torch.logspace(-6, 6, tokens).view(-1, 1)
+    qkv[1] = 0.0
+    qkv[3, kv_width:2 * kv_width] *= 1e-36  # max|x| / limit below fp32's smallest normal
+    qkv = qkv.to(dtype).to(DEVICE)
+    k = qkv[:, kv_width:2 * kv_width].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 2 * kv_width:].view(tokens, kv_heads, head_dim)
+    for t, slot in enumerate(slots.tolist()):
+        if 0 <= slot < blocks * block_size:
+            expected[1, 0, :, slot // block_size, slot % block_size] = fmt.quantize(k[t].cpu()).to(DEVICE)
+            expected[1, 1, :, slot // block_size, slot % block_size] = fmt.quantize(v[t].cpu()).to(DEVICE)
+    assert _fused().store_kv(k, v, pool[1], slots.to(DEVICE), kv_format=fmt) is None
+    assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("name", ("fp8_e4m3", "fp8_e5m2"))
+def test_store_kv_fp8_rounds_as_torch_over_the_whole_range(name):
+    """Rows holding the format's largest value (so the scale is exactly 1) and every other value: each finite fp8
+    value, each midpoint between neighbours (ties to even, carries into the exponent, subnormals) and the fp32
+    values just either side of each midpoint, both signs."""
+    fmt = KV_FORMATS[name]
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPES[name]).float()
+    values = values[values.isfinite() & (values >= 0)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    xs = torch.cat((values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))))
+    xs = torch.cat((xs, -xs))
+    per_row = 63
+    rows = -(-len(xs) // per_row)
+    x = torch.zeros(rows * per_row)
+    x[:len(xs)] = xs
+    x = torch.cat((x.view(rows, per_row), torch.full((rows, 1), fmt.limit)), 1).view(rows, 1, per_row + 1)
+    assert torch.equal(_store_rows(fmt, x.to(DEVICE)), fmt.quantize(x))
+
+
+def test_store_kv_int8_and_q4_round_half_to_even():
+    """Scales of exactly 1 (int8: 127 in the row; q4: -8 the group's largest) and -1 (q4: +8 first, and -8 later
+    of the same magnitude: the first of equals sets the sign), every half-integer between the bounds, zero groups
+    of either sign (q4's scale keeps the sign of the zero it came from)."""
+    halves = torch.arange(-127, 127) + 0.5
+    x = torch.cat((halves, torch.full((2,), 127.0))).view(2, 1, 128)
+    assert torch.equal(_store_rows(KV_FORMATS["int8"], x.to(DEVICE)), KV_FORMATS["int8"].quantize(x))
+    halves = torch.arange(-8, 8) + 0.5
+    groups = torch.stack((torch.cat((torch.tensor([-8.0]), halves, torch.zeros(15))),
+                          torch.cat((torch.tensor([8.0, 3.0, -8.0]), halves, -halves[:13])),
+                          torch.zeros(32), torch.full((32,), -0.0)))
+    x = torch.cat((groups, groups.flip(0))).view(2, 1, 128)
+    assert torch.equal(_store_rows(KV_FORMATS["q4"], x.to(DEVICE)), KV_FORMATS["q4"].quantize(x))
+
+
 # ---------------------------------------------------------------- every kernel follows its input
 
 
@@ -238,7 +322,8 @@ BAD_CASES = (
     "rms 1-d x", "rms weight size", "rms int x", "rms residual shape", "rms residual dtype", "rms inplace promotes",
     "rms devices", "silu odd width", "silu int", "rotary 2-d x", "rotary odd head_dim", "rotary table shape",
     "rotary table dtype", "kv shapes", "kv cache dims", "kv cache heads", "kv dtype", "kv slots dtype",
-    "kv slots length",
+    "kv slots length", "kv uint8 cache without a format", "kv format with a float cache", "kv format row bytes",
+    "kv format unknown", "kv q4 head_dim", "kv format int k",
 )
 
 
@@ -247,6 +332,7 @@ def _bad_calls() -> dict:
     f = _fused()
     x, w = torch.randn(3, 8, device=DEVICE), torch.randn(8, device=DEVICE)
     kv, cache = torch.randn(3, 2, 8, device=DEVICE), torch.zeros(2, 2, 4, 5, 8, device=DEVICE)
+    int8, rows = KV_FORMATS["int8"], torch.zeros(2, 2, 4, 5, 10, dtype=torch.uint8, device=DEVICE)
     slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     cos = torch.randn(3, 1, 8, device=DEVICE)
     return {
@@ -271,6 +357,16 @@ def _bad_calls() -> dict:
         "kv dtype": (lambda: f.store_kv(kv.half(), kv.half(), cache, slots), "share one dtype"),
         "kv slots dtype": (lambda: f.store_kv(kv, kv, cache, slots.float()), "slots must be"),
         "kv slots length": (lambda: f.store_kv(kv, kv, cache, slots[:2]), "slots must be"),
+        "kv uint8 cache without a format": (lambda: f.store_kv(kv, kv, cache.to(torch.uint8), slots),
+                                            "kv_cache is uint8 .* kv_format is None"),
+        "kv format with a float cache": (lambda: f.store_kv(kv, kv, torch.zeros(2, 2, 4, 5, 10, device=DEVICE), slots,
+                                                            kv_format=int8), "int8 stores uint8 rows, but kv_cache is"),
+        "kv format row bytes": (lambda: f.store_kv(kv, kv, rows[..., :9], slots, kv_format=int8),
+                                "int8 stores rows of 10 bytes at head_dim 8, but kv_cache rows have 9"),
+        "kv format unknown": (lambda: f.store_kv(kv, kv, rows, slots, kv_format=replace(int8, name="int6")),
+                              "read no KV format .*int6"),
+        "kv q4 head_dim": (lambda: f.store_kv(kv, kv, rows, slots, kv_format=KV_FORMATS["q4"]), "not a multiple"),
+        "kv format int k": (lambda: f.store_kv(kv.long(), kv.long(), rows, slots, kv_format=int8), "k must be float"),
     }
 
 

@@ -11,6 +11,7 @@ anything a sequence should not see would show in the output.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from kvforge.core.kernels import paged_decode
 from kvforge.core.kernels.paged_decode import default_num_splits, paged_decode_attention
 from kvforge.core.kernels.runtime import fp32_dots
+from kvforge.core.kv.quant import KV_FORMATS
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -192,6 +194,80 @@ def test_output_depends_on_the_keys_it_sees():
     cache[:, :, slot(1, 3)[0], slot(1, 3)[1]] = -GARBAGE  # outside sequence 1's window of 5 (keys 15..19)
     assert torch.equal(run(sliding_window=5), windowed)
     assert torch.equal(run()[0], base[0])
+
+
+# ---------------------------------------------------------------- a quantized cache
+
+
+FORMATS = list(KV_FORMATS.values())
+FORMAT_IDS = list(KV_FORMATS)
+
+
+def _quantized(args: dict, fmt) -> tuple[dict, dict]:
+    """(the kernel's arguments, the reference's): the case's cache quantized by KVFormat.quantize into a uint8 pool
+    (a strided view: rows padded by 3 bytes, a layer of two; the garbage rows quantized too), and the same cache
+    dequantized by KVFormat.dequantize in fp32, which the kernel must attend over."""
+    cache = args["kv_cache"]
+    rows = fmt.quantize(cache.cpu())
+    pool = torch.zeros(2, *rows.shape[:-1], rows.shape[-1] + 3, dtype=torch.uint8)
+    pool[1, ..., :rows.shape[-1]] = rows
+    quantized = pool.to(DEVICE)[1, ..., :rows.shape[-1]]
+    assert not quantized.is_contiguous()
+    return ({**args, "kv_cache": quantized, "kv_format": fmt},
+            {**args, "kv_cache": fmt.dequantize(rows, cache.shape[-1]).to(DEVICE)})
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_quantized_cache_reads_as_its_dequantized_values(fmt):
+    """GQA (3 query heads a KV head), head_dim 64, blocks of 5, six lengths over scattered blocks with garbage past
+    them: one split and three, a sliding window with soft-capping, and a bf16 query (fp32 dequantization, q's
+    dtype out)."""
+    args, ref = _quantized(_case((1, 9, 16, 17, 30, 45), 2, 3, 64, 5), fmt)
+    for kwargs in ({"num_splits": 1}, {"num_splits": 3, "sliding_window": 13, "softcap": 1.5}):
+        y = paged_decode_attention(**args, scale=0.3, **kwargs)
+        assert y.shape == args["q"].shape and y.dtype == torch.float32
+        expected = _reference(**ref, scale=0.3, sliding_window=kwargs.get("sliding_window"),
+                              softcap=kwargs.get("softcap"))
+        torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+    q = args["q"].bfloat16()
+    y = paged_decode_attention(**{**args, "q": q}, scale=0.3)
+    assert y.dtype == torch.bfloat16
+    expected = _reference(**{**ref, "q": q}, scale=0.3)
+    if fp32_dots(torch.bfloat16):  # fp32 dots on the dequantized values: one rounding of the output to bf16
+        torch.testing.assert_close(y.cpu().double(), expected, rtol=2.0**-6, atol=1e-4)
+    else:  # compiled: K and V rounded to bf16 for the tensor cores, p too (as test_half_precision allows)
+        torch.testing.assert_close(y.cpu().double(), expected, rtol=2.0**-5, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_quantized_cache_head_dim_of_other_sizes(fmt):
+    """A query group of 8 at head_dim 32 (q4: one group a row) and 16-token blocks; 8-bit formats at head_dim 24
+    too (a padded tile). Lengths of 1 and 0 (padding: exactly 0)."""
+    for head_dim in (32,) if fmt.group else (32, 24):
+        args, ref = _quantized(_case((31, 1, 0, 50), 1, 8, head_dim, 16, seed=head_dim), fmt)
+        y = paged_decode_attention(**args, scale=0.4, num_splits=2)
+        torch.testing.assert_close(y.cpu().double(), _reference(**ref, scale=0.4), rtol=1e-5, atol=1e-5)
+        assert torch.equal(y[2].cpu(), torch.zeros(8, head_dim))
+
+
+def test_quantized_cache_and_format_must_match():
+    """Each mismatch names the cache and the format: a uint8 cache without a format, a format with a float cache,
+    rows of the wrong size, a format no kernel reads, q4 at a head_dim that is no multiple of 32."""
+    args = {**_case((3, 6), 2, 2, 32, 4), "scale": 0.25}
+    int8 = KV_FORMATS["int8"]
+    rows = int8.quantize(args["kv_cache"].cpu()).to(DEVICE)
+    for change, message in (
+        ({"kv_cache": rows}, "kv_cache is uint8 .* kv_format is None"),
+        ({"kv_format": int8}, "kv_format int8 stores uint8 rows, but kv_cache is torch.float32"),
+        ({"kv_cache": rows[..., :33], "kv_format": int8},
+         "kv_format int8 stores rows of 34 bytes at head_dim 32, but kv_cache rows have 33"),
+        ({"kv_cache": rows, "kv_format": KV_FORMATS["q4"]}, "kv_format q4 stores rows of 18 bytes .* rows have 34"),
+        ({"kv_cache": rows, "kv_format": replace(int8, code=9)}, "the kernels read no KV format .*code=9"),
+        ({"q": args["q"][..., :24], "kv_cache": rows[..., :14], "kv_format": KV_FORMATS["q4"]},
+         "q4 KV stores groups of 32 values; the model.s head_dim 24 is not a multiple"),
+    ):
+        with pytest.raises(ValueError, match=f"paged_decode_attention: {message}"):
+            paged_decode_attention(**{**args, **change})
 
 
 def test_empty_batch():

@@ -12,10 +12,13 @@ with probability 0) gets NaN, since 0 * NaN is NaN.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvforge.core.kernels.paged_prefill import paged_prefill_attention
+from kvforge.core.kv.quant import KV_FORMATS
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -228,6 +231,69 @@ def test_nothing_to_do():
     case = _case([(0, 5)], heads=2, kv_heads=1, head_dim=16, block_size=4)
     out = paged_prefill_attention(**_args(case))
     assert out.shape == (0, 2, 16)
+
+
+# ---------------------------------------------------------------- a quantized cache
+
+
+FORMATS = list(KV_FORMATS.values())
+FORMAT_IDS = list(KV_FORMATS)
+
+
+def _quantized(case, fmt) -> dict:
+    """The case with its cache quantized by KVFormat.quantize into a uint8 pool (a strided view: rows padded by 3
+    bytes), and its keys / values dequantized by KVFormat.dequantize (fp32): what the kernel must attend over. The
+    garbage is quantized too: keys of 1e4, and values whose NaN scales dequantize to NaN."""
+    rows = fmt.quantize(case["kv_cache"].cpu())
+    pool = torch.zeros(*rows.shape[:-1], rows.shape[-1] + 3, dtype=torch.uint8)
+    pool[..., :rows.shape[-1]] = rows
+    head_dim = case["q"].shape[-1]
+
+    def dequantized(values):
+        return [fmt.dequantize(fmt.quantize(x), head_dim) for x in values]
+
+    return {**case, "kv_cache": pool.to(DEVICE)[..., :rows.shape[-1]], "keys": dequantized(case["keys"]),
+            "values": dequantized(case["values"])}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_quantized_cache_reads_as_its_dequantized_values(fmt):
+    """GQA (3 query heads a KV head), blocks of 5 over scattered tables: chunks after a cached prefix, a fresh
+    prompt and one token after a long prefix; then a sliding window with soft-capping, 16 x 16 tiles, and a bf16
+    query (the cache is the same bytes whatever q's dtype)."""
+    case = _quantized(_case([(7, 23), (1, 70), (19, 19), (6, 13)], 6, 2, 64, 5, seed=11), fmt)
+    _check(case, kv_format=fmt)
+    _check(case, sliding_window=7, softcap=0.5, kv_format=fmt, block_m=16, block_n=16)
+    _check({**case, "q": case["q"].bfloat16()}, kv_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_quantized_cache_other_shapes(fmt):
+    """Head_dim 32 (q4: a single group) with 16-token blocks and a group of 4; the 8-bit formats at head_dim 24 too
+    (a padded tile)."""
+    for head_dim in (32,) if fmt.group else (32, 24):
+        case = _quantized(_case([(12, 12), (5, 40)], 4, 1, head_dim, 16, seed=head_dim), fmt)
+        _check(case, sliding_window=9, kv_format=fmt)
+
+
+def test_quantized_cache_and_format_must_match():
+    """Each mismatch names the cache and the format: a uint8 cache without a format, a format with a float cache,
+    rows of the wrong size, a format no kernel reads, q4 at a head_dim that is no multiple of 32."""
+    case = _case([(2, 5), (3, 3)], heads=4, kv_heads=2, head_dim=32, block_size=4)
+    args = _args(case)
+    int8, q4 = KV_FORMATS["int8"], KV_FORMATS["q4"]
+    rows = int8.quantize(args["kv_cache"].cpu()).to(DEVICE)
+    for change, message in (
+        ({"kv_cache": rows}, "kv_cache is uint8 .* kv_format is None"),
+        ({"kv_format": q4}, "kv_format q4 stores uint8 rows, but kv_cache is torch.float32"),
+        ({"kv_cache": rows[..., :33], "kv_format": int8},
+         "kv_format int8 stores rows of 34 bytes at head_dim 32, but kv_cache rows have 33"),
+        ({"kv_cache": rows, "kv_format": replace(q4, group=16)}, "the kernels read no KV format .*group=16"),
+        ({"q": args["q"][..., :16], "kv_cache": rows[..., :10], "kv_format": q4},
+         "q4 KV stores groups of 32 values; the model.s head_dim 16 is not a multiple"),
+    ):
+        with pytest.raises(ValueError, match=f"paged_prefill_attention: {message}"):
+            paged_prefill_attention(**{**args, **change})
 
 
 def _bad(name: str, **change):

@@ -106,8 +106,9 @@ def make_llm(embedded_path, tmp_path):
 class Pool:
     """A bare KV tensor [layers, K/V, kv_heads, blocks, block_size, head_dim] as the persisted tier's pool."""
 
-    def __init__(self, kv: torch.Tensor) -> None:
+    def __init__(self, kv: torch.Tensor, kv_format=None) -> None:
         self.kv, self.kv_block_shape, self.kv_dtype = kv, kv[:, :, :, 0].shape, kv.dtype
+        self.kv_format = kv_format
 
     def read_block(self, block: int) -> torch.Tensor:
         return self.kv[:, :, :, block].clone()

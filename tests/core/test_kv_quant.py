@@ -1,0 +1,142 @@
+"""Quantized KV rows (core/kv/quant.py): the reference's error bounds, the C store kernel writing the reference's bytes
+bit for bit, and the paged C kernel reading them (SIMD and portable loops) as attention over the dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.core.cpu_kernels import paged_attention, store_kv, unavailable
+from kvforge.core.kv.quant import KV_FORMATS, kv_format
+from tests.core.test_cpu_kernels import reference
+from tests.helpers.optional_parts import require
+
+FORMATS = list(KV_FORMATS.values())
+IDS = list(KV_FORMATS)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    require(unavailable() is None, f"the C kernels cannot be built here: {unavailable()}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_round_trip_error_is_bounded_per_format(fmt):
+    """A row comes back within its format's step: half a code step for int8 (relative to the row's largest value);
+    for q4 a step (of the group's largest value / 8: a value of the other sign as large as the largest is clamped to
+    code 7), fp8's relative rounding; zero rows stay zero; bytes per row as documented."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 128) * torch.logspace(-3, 3, 64).view(64, 1, 1)
+    x[0, 0] = 0
+    back = fmt.dequantize(fmt.quantize(x), 128)
+    assert back[0, 0].abs().max() == 0
+    size = fmt.group or 128
+    grouped_max = x.view(64, 4, -1, size).abs().amax(-1, keepdim=True)
+    error = (back - x).view(64, 4, -1, size).abs()
+    bound = {"int8": 0.5 / 127 + 1e-3, "q4": 1 / 8 + 1e-3, "fp8_e4m3": 2 ** -4 + 1e-3,
+             "fp8_e5m2": 2 ** -3 + 1e-3}[fmt.name]
+    if fmt.name.startswith("fp8"):  # relative to each value (above the subnormal range of the scaled format)
+        assert bool((error <= bound * x.view(64, 4, -1, size).abs() + grouped_max * 2 ** -12).all())
+    else:
+        assert bool((error <= bound * grouped_max).all())
+    assert fmt.row_bytes(128) == {"int8": 130, "fp8_e4m3": 130, "fp8_e5m2": 130, "q4": 72}[fmt.name]
+    assert fmt.unsupported(128) is None
+
+
+def test_format_names_and_head_sizes_are_checked():
+    assert kv_format("auto") is None
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, q4"):
+        kv_format("q8_0")
+    assert "not a multiple" in KV_FORMATS["q4"].unsupported(80)
+    assert KV_FORMATS["int8"].unsupported(80) is None
+
+
+def scattered_rows(tokens: int, kv_heads: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (K/V, token, head)'s row in a [2 * kv_heads * slots] view, tokens at random slots (the runner's order)."""
+    chosen = torch.randperm(slots)[:tokens]
+    planes = torch.arange(2 * kv_heads).view(2, 1, kv_heads) * slots
+    return chosen, (planes + chosen.view(1, -1, 1)).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_the_store_kernel_writes_the_references_bytes(kernels, fmt, dtype):
+    """Every row quantized on its own, as the reference does, bit for bit: rows of zeros, a single outlier, tiny
+    values (fp8's subnormal codes), ties."""
+    torch.manual_seed(1)
+    tokens, kv_heads, head_dim, slots = 9, 3, 64, 32
+    fused = (torch.randn(tokens, 3 * kv_heads * head_dim) * 3).to(dtype)  # k, v as column ranges of one output
+    k = fused[:, :kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = fused[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    k[0, 0] = 0
+    k[1, 1, 5] = -500
+    k[2, 2] *= 1e-5
+    v[3, 0] = torch.arange(head_dim).to(dtype) / 4 - 8  # exact halves: round-half-even ties
+    cache = torch.full((2, kv_heads, slots // 16, 16, fmt.row_bytes(head_dim)), 0xAB, dtype=torch.uint8)
+    chosen, rows = scattered_rows(tokens, kv_heads, slots)
+    store_kv(k, v, cache, rows, fmt)
+    written = cache.view(2, kv_heads, slots, -1)[:, :, chosen].transpose(1, 2)  # [2, tokens, heads, row bytes]
+    assert torch.equal(written, fmt.quantize(torch.stack((k, v))))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_codes_equal_torchs_conversion_over_the_whole_range(kernels, name):
+    """The C conversion (c10's, written out) against torch's .to(float8) on a million values spread over every
+    binade the scaled values reach, subnormal codes and the largest value included."""
+    fmt = KV_FORMATS[name]
+    torch.manual_seed(2)
+    magnitudes = torch.exp2(torch.empty(1 << 20).uniform_(-30, 0)) * fmt.limit
+    values = magnitudes * torch.where(torch.rand(1 << 20) < 0.5, -1.0, 1.0)
+    values[:4] = torch.tensor([fmt.limit, -fmt.limit, 0.0, -0.0])
+    rows = values.view(-1, 2, 1, 64)  # as K rows of a single head: each row's scale is its own max / limit
+    k, v = rows[:, 0].contiguous(), rows[:, 1].contiguous()
+    cache = torch.zeros(2, 1, rows.shape[0] // 16, 16, fmt.row_bytes(64), dtype=torch.uint8)
+    chosen, slots = scattered_rows(rows.shape[0], 1, rows.shape[0])
+    store_kv(k, v, cache, slots, fmt)
+    written = cache.view(2, 1, rows.shape[0], -1)[:, :, chosen].transpose(1, 2)
+    assert torch.equal(written, fmt.quantize(torch.stack((k, v))))
+
+
+def quantized_cache(fmt, kv_heads: int, num_blocks: int, block: int, head_dim: int, seed: int = 0):
+    """A random pool layer in `fmt` and its dequantized values ([2, kv_heads, blocks, block, head_dim] fp32)."""
+    torch.manual_seed(seed)
+    values = torch.randn(2, kv_heads, num_blocks, block, head_dim) * torch.rand(2, kv_heads, num_blocks, block, 1) * 4
+    cache = fmt.quantize(values)
+    return cache, fmt.dequantize(cache, head_dim)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window", "softcap"),
+                         [(9, 3, 64, None, None),  # SmolLM2-135M
+                          (4, 1, 256, 37, 1.5),  # Gemma 3 270M's shape, a sliding window, soft-capped
+                          (6, 6, 96, None, None)])  # a head size the SIMD paths do not take whole
+def test_paged_attention_reads_each_format_as_its_dequantized_values(kernels, fmt, dtype, heads, kv_heads, head_dim,
+                                                                      window, softcap, portable):
+    block, num_blocks, batch = 16, 40, 5
+    cache, values = quantized_cache(fmt, kv_heads, num_blocks, block, head_dim)
+    lens = torch.tensor([1, 0, 17, 95, 161], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:11] for _ in range(batch)]).int()
+    q = torch.randn(batch, heads, head_dim).to(dtype)
+    out = torch.full((batch, heads * head_dim), float("nan"), dtype=dtype)
+    paged_attention(q, cache, tables, lens, head_dim ** -0.5, window, out, portable=portable, softcap=softcap,
+                    kv_format=fmt)
+    expected = reference(q, values, tables, lens, head_dim ** -0.5, window, softcap)
+    error = (out.double() - expected).abs().max().item()
+    # fp32 math over the dequantized values; one rounding of the output in bf16
+    assert error < (5e-6 if dtype == torch.float32 else 2 ** -8) * expected.abs().max().item(), error
+    assert out[1].abs().max().item() == 0
+
+
+def test_a_cache_and_format_that_do_not_match_are_refused(kernels):
+    fmt = KV_FORMATS["int8"]
+    q, out = torch.zeros(1, 2, 64), torch.zeros(1, 128)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="uint8 rows of 66 bytes for head_dim 64, got torch.float32 rows of 64"):
+        paged_attention(q, torch.zeros(2, 1, 4, 16, 64), tables, lens, 0.1, None, out, kv_format=fmt)
+    with pytest.raises(ValueError, match="uint8 rows of 66 bytes for head_dim 64, got torch.uint8 rows of 36"):
+        paged_attention(q, torch.zeros(2, 1, 4, 16, 36, dtype=torch.uint8), tables, lens, 0.1, None, out,
+                        kv_format=fmt)
+    with pytest.raises(ValueError, match="a cache of torch.uint8 for torch.float32 values; without a quantized"):
+        paged_attention(q, torch.zeros(2, 1, 4, 16, 66, dtype=torch.uint8), tables, lens, 0.1, None, out)
