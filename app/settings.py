@@ -36,6 +36,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 GIB = 1 << 30
+CONTEXT_OVERFLOW = ("truncate", "error")  # --context-overflow: app/generate/context_fit.py
 
 
 def tp_ranks(value: str) -> int:
@@ -64,6 +65,14 @@ def resolve_device(device: str | None) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def one_of(*choices: str) -> Callable[[str, Any], None]:
+    """A check of a setting with choices, wherever it comes from (argparse checks only the flag)."""
+    def check(name: str, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"setting {name}: must be one of {', '.join(choices)}, got {value!r}")
+    return check
 
 
 def at_least(low: int) -> Callable[[str, Any], None]:
@@ -157,6 +166,10 @@ class ServeSettings:
     max_pending: int = setting(256, "requests in flight before 503 ({default})", int, check=at_least(1))
     default_max_tokens: int = setting(0, "when a request sets none; 0: what is left of the context, as OpenAI, vLLM "
                                       "and Ollama ({default})", int, check=at_least(0))
+    context_overflow: str = setting(
+        "truncate", "a chat longer than its context: truncate (leave out its oldest whole turns, keeping the system "
+        "prompt and the newest turn; the response says so) or error (400 context_length_exceeded) (default: "
+        "{default})", choices=CONTEXT_OVERFLOW, check=one_of(*CONTEXT_OVERFLOW))
     log_level: str = setting("info", "uvicorn log level ({default})")
     models_dir: str | None = setting(None, "models the admin API, the UI and requests naming them may load (paths "
                                      "stay inside it)")
@@ -186,6 +199,11 @@ class ServeSettings:
                                 "bfloat16 where the CPU computes it natively (AVX512_BF16 / AMX) or on a GPU, "
                                 "else float32)")
     kv_cache_gb: float | None = engine_setting(engine_default("kv_cache_bytes"), KV_CACHE_HELP, float)
+    kv_cache_dtype: str = engine_setting(
+        engine_default("kv_cache_dtype"), "how the KV cache stores K and V: auto (the model's dtype), int8, fp8_e4m3, "
+        "fp8_e5m2 (8 bits: about half of bf16's bytes, twice the tokens) or q4 (4 bits: about 3.5x the tokens); "
+        "llama.cpp's -ctk/-ctv q8_0 and q4_0, vLLM's --kv-cache-dtype fp8 (default: {default})",
+        choices=KV_CACHE_DTYPES)
     block_size: int = engine_setting(engine_default("block_size"), "tokens per KV block (default: {default})", int,
                                      engine="block_size")
     gguf_dense: bool = engine_setting(engine_default("gguf_dense"), "load a .gguf model dequantized into dense "
@@ -199,11 +217,6 @@ class ServeSettings:
                                    "(see `kvforge plugins`; default: {default})")
     decoding_options: str | None = engine_setting(None, DECODING_OPTIONS_HELP)  # JSON object (or a TOML table)
     tp: int = engine_setting(engine_default("tp_size"), "tensor-parallel ranks: N processes, each holding 1/N of the "
-    kv_cache_dtype: str = engine_setting(
-        engine_default("kv_cache_dtype"), "how the KV cache stores K and V: auto (the model's dtype), int8, fp8_e4m3, "
-        "fp8_e5m2 (8 bits: about half of bf16's bytes, twice the tokens) or q4 (4 bits: about 3.5x the tokens); "
-        "llama.cpp's -ctk/-ctv q8_0 and q4_0, vLLM's --kv-cache-dtype fp8 (default: {default})",
-        choices=KV_CACHE_DTYPES)
                              "weights and KV heads (default {default})", int, check=lambda _, tp: check_tp(tp),
                              arg_type=tp_ranks, metavar="N")
     device: str | None = engine_setting(None, "cpu | cuda | cuda:N (default: cuda when a GPU is present)",

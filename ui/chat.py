@@ -225,8 +225,9 @@ class ChatHandlers:
         before = chat_view(self.service.conversation(session_id))
         reasoning, content, calls = "", "", []
         same = (gr.update(),) * 3
-        yield (before.bubbles + message_bubbles("assistant", ""), "", "", self.listing(session_id, search),
-               session_id, *same)
+        # a conversation longer than the context: said from the start of the reply, and with its stats
+        yield (before.bubbles + message_bubbles("assistant", ""), "", reply_stats_markdown(None, turn.truncation),
+               self.listing(session_id, search), session_id, *same)
         async for event in turn.events():
             if event["type"] == "delta":
                 reasoning += event.get("reasoning_content", "")
@@ -237,8 +238,8 @@ class ChatHandlers:
                 yield (before.bubbles + shown, gr.update(), gr.update(), gr.update(), session_id, *same)
             elif event["type"] == "done":
                 after = chat_view(self.service.conversation(session_id))
-                yield (after.bubbles, gr.update(), reply_stats_markdown(event["message"]), gr.update(), session_id,
-                       after.branches, after.message_ids, titles_html(after.titles))
+                yield (after.bubbles, gr.update(), reply_stats_markdown(event["message"], turn.truncation),
+                       gr.update(), session_id, after.branches, after.message_ids, titles_html(after.titles))
 
     async def stopped_stats(self, session_id: str | None) -> tuple:
         """After Stop: the cancelled reply is stored as it ends (abort); show it and its stats once it is:

@@ -1,6 +1,7 @@
 """A conversation as the chat shows it: its messages as bubbles (a reasoning model's thinking collapsible before its
-answer; a reply's tool calls, and the results posted for them, each collapsible after it), a reply's stats line,
-the branch points (a message with other versions) and their labels."""
+answer; a reply's tool calls, and the results posted for them, each collapsible after it), a reply's stats line (and
+the notice that older messages were left out of its prompt), the branch points (a message with other versions) and
+their labels."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvforge.app.sessions.reply_stats import reply_stats_line
 
 if TYPE_CHECKING:
+    from kvforge.app.generate.context_fit import Truncation
     from kvforge.app.sessions.conversations import Conversation
 
 REASONING_TITLE = "Reasoning"
@@ -25,10 +27,19 @@ def tool_result_title(name: str | None, call_id: str | None) -> str:
     return f"Tool result: {name}" if name else f"Tool result for {call_id}"
 
 
-def reply_stats_markdown(message: dict | None) -> str:
-    """Per-reply stats under the chat."""
+def reply_stats_markdown(message: dict | None, truncation: Truncation | None = None) -> str:
+    """Per-reply stats under the chat, and the notice of a reply whose prompt left older messages out."""
     line = reply_stats_line(message)
-    return f"Last reply: {line}" if line else ""
+    shown = [f"Last reply: {line}"] if line else []
+    return "\n\n".join(shown + ([truncation_notice(truncation)] if truncation is not None else []))
+
+
+def truncation_notice(truncation: Truncation) -> str:
+    """What a reply to a conversation longer than the model's context says (app/generate/context_fit.py)."""
+    count = truncation.dropped_messages
+    return (f"⚠ Older messages were left out of the model's context: the {count} oldest "
+            f"message{'' if count == 1 else 's'} did not fit, so the model saw the system prompt and the newest "
+            "turns only. They stay in the conversation.")
 
 
 def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False,

@@ -115,7 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the composition root: the app's routes, and the UI over them unless --no-ui
     app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
                      store=store, ui=None if settings.no_ui else browser_ui(), access=access,
-                     max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout)
+                     max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
+                     context_overflow=settings.context_overflow)
 
     watchdog = ExitWatchdog(SHUTDOWN_DEADLINE_S)
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from kvforge.app.context import ServerContext
 from kvforge.app.generate.admission import Ticket
 from kvforge.app.generate.chat_request import ChatPlan
+from kvforge.app.generate.context_fit import ContextBudget, Truncation, droppable
 from kvforge.app.generate.off_loop import off_loop
-from kvforge.app.generate.request import GenerateRequest, Rendered, check_prompt_chars
+from kvforge.app.generate.request import ChatPrompt, GenerateRequest, Rendered, check_prompt_chars
 from kvforge.app.generate.stream import Failed, Read, RequestTimedOut, drive
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine, RequestStream
@@ -35,6 +36,7 @@ class Admitted:
     prompt: list[int]
     plan: ChatPlan | None  # a chat's (how its output is read); None for a prompt taken as it is
     echoed: str = ""  # the text each choice starts with (completions' echo)
+    truncation: Truncation | None = None  # what was left out of a chat too long for its context
 
     @property
     def model(self) -> str:
@@ -115,13 +117,36 @@ async def admit_all(context: ServerContext, requests: list[GenerateRequest]) -> 
 async def _queue(context: ServerContext, request: GenerateRequest, ticket: Ticket, group: str | None) -> Admitted:
     prompt_field = request.prompt.field
     engine = ticket.engine
-    check_prompt_chars(engine, request.prompt.chars(), prompt_field)
-    # before the request is queued: a client gone during this await leaves nothing running
-    rendered = await off_loop(request.prompt.render, engine, ticket.model)
+    budget = fit_budget(context, engine, request)
+    # before the request is queued: a client gone during these awaits leaves nothing running
+    if budget is None:
+        check_prompt_chars(engine, request.prompt.chars(), prompt_field)
+        rendered = await off_loop(request.prompt.render, engine, ticket.model)
+    else:  # its characters are checked as it is fitted: a long chat may be cut to fit
+        rendered = await off_loop(request.prompt.render, engine, ticket.model, budget)
     if not rendered.prompt:
         raise APIError(400, f"{prompt_field} must not be empty", prompt_field)
     stream, params = submit(engine, request, rendered, context.default_max_tokens, group)
-    return Admitted(context, ticket, stream, params, rendered.prompt, rendered.plan, rendered.echoed)
+    return Admitted(context, ticket, stream, params, rendered.prompt, rendered.plan, rendered.echoed,
+                    rendered.truncation)
+
+
+def fit_budget(context: ServerContext, engine: AsyncEngine, request: GenerateRequest) -> ContextBudget | None:
+    """The budget a chat is fitted into when it outgrows its context (app/generate/context_fit.py: its window, the
+    room for the reply); None where nothing is cut: a prompt taken as it is, a request or a server
+    (--context-overflow error) that says not to, a conversation with no turn before its newest."""
+    prompt = request.prompt
+    if not (isinstance(prompt, ChatPrompt) and request.truncate and context.context_overflow == "truncate"
+            and droppable(prompt.messages)):
+        return None
+    window = engine.engine.max_model_len
+    if request.window is not None:
+        window = min(window, request.window.tokens)
+    default = engine.engine.generation_defaults.values.get("max_tokens", context.default_max_tokens)
+    # a route that names a window cuts max_tokens to what the context leaves (submit): an upper bound, not a need
+    budget = ContextBudget.of(window, request.sampling.requested_max_tokens(), default or None,
+                              cut_to_fit=request.window is not None)
+    return budget if budget.limit > 0 else None  # a reply that needs the whole window: no prompt fits (submit's 400)
 
 
 def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,

@@ -12,6 +12,7 @@ from kvforge.app.dialects.openai.messages import ChatMessage
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, SamplingFields
 from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.chat_request import ChatPlan, format_constraint, plan_conversation, reasoning_syntax
+from kvforge.app.generate.context_fit import ContextBudget, Truncation, fit_conversation
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.constraint import Constraint, InvalidConstraint
@@ -21,12 +22,13 @@ from kvforge.core.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class Rendered:
     """A prompt made ready: its token ids, the constraint its output is held to (compiled), a chat's plan (how its
-    output is read), the text each choice starts with (completions' echo)."""
+    output is read), the text each choice starts with (completions' echo), what a cut left out of a long chat."""
 
     prompt: list[int]
     constraint: Constraint | None = None
     plan: ChatPlan | None = None
     echoed: str = ""
+    truncation: Truncation | None = None  # what a chat too long for its context left out (context_fit.py)
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -71,14 +73,35 @@ class ChatPrompt:
             raise APIError(400, exc.message.replace("messages: ", f"{self.field}: ", 1), self.field) from None
         return replace(plan, prompt=self.prefix + plan.prompt) if self.prefix else plan
 
-    def render(self, engine: AsyncEngine, model: str) -> Rendered:
+    def render(self, engine: AsyncEngine, model: str, budget: ContextBudget | None = None) -> Rendered:
+        """`budget`: the conversation's oldest turns are left out where it does not fit (app/generate/
+        context_fit.py); None: rendered whole (its characters checked before, by check_prompt_chars)."""
         if self.reasoning_field and reasoning_syntax(engine.tokenizer) is None:
             raise APIError(400, f"{self.reasoning_field}: {model!r} does not think (its template and vocabulary "
                            "have no think markers)", self.reasoning_field)
-        plan = self.plan(engine.tokenizer)
+        truncation = None
+        if budget is None:
+            plan = self.plan(engine.tokenizer)
+        else:
+            plan, truncation = self._fitted(engine, budget)
         if plan.constraint is not None:
             compile_constraint(engine, plan.constraint, plan.constraint_field)
-        return Rendered(plan.prompt, plan.constraint, plan)
+        return Rendered(plan.prompt, plan.constraint, plan, truncation=truncation)
+
+    def _fitted(self, engine: AsyncEngine, budget: ContextBudget) -> tuple[ChatPlan, Truncation | None]:
+        tokenizer, bound = engine.tokenizer, prompt_chars_bound(engine)
+
+        def plan(messages: list[ChatMessage]) -> ChatPlan | None:
+            part = replace(self, messages=messages)
+            return part.plan(tokenizer) if part.chars() <= bound else None  # not rendered: it cannot fit
+
+        def count(texts: list[str]) -> list[int]:  # the Rust tokenizer's batch: no per-text Python work
+            return [len(e.ids) for e in tokenizer.hf.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+        fitted = fit_conversation(self.messages, budget, plan, count)
+        if fitted.plan is None:  # even what must stay is too long by its characters: the 400 it always was
+            check_prompt_chars(engine, replace(self, messages=fitted.messages).chars(), self.field)
+        return fitted.plan, fitted.truncation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +148,7 @@ class GenerateRequest:
     model: str | None = None  # the model it names (None: the server's own), loaded on demand
     keep_alive_s: float | None = None  # how long a model loaded for it stays after (Ollama's keep_alive)
     window: ContextWindow | None = None  # a context it asks for, smaller than the model's (Ollama's num_ctx)
+    truncate: bool = True  # False: a chat too long for its context is refused, not cut (Responses' truncation)
 
 
 UNBOUNDED = 2**31  # a window no model reaches: the model's own context bounds the request, max_tokens cut to fit
@@ -152,6 +176,11 @@ def check_prompt_chars(engine: AsyncEngine, chars: int, prompt_field: str) -> No
     """Refuse, before tokenizing it, a prompt too long to fit the context whatever its tokens: more than
     max_model_len times the longest token's characters (see Tokenizer.max_token_chars)."""
     context = engine.engine.max_model_len
-    if chars > context * engine.tokenizer.max_token_chars:
+    if chars > prompt_chars_bound(engine):
         raise APIError(400, f"{prompt_field}: {chars} characters cannot fit this model's context of {context} "
                        "tokens", prompt_field, code="context_length_exceeded")
+
+
+def prompt_chars_bound(engine: AsyncEngine) -> int:
+    """The most characters a prompt that fits the model's context can have (see check_prompt_chars)."""
+    return engine.engine.max_model_len * engine.tokenizer.max_token_chars

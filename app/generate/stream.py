@@ -133,8 +133,8 @@ class StreamResponse(StreamingResponse):
     admission ticket is released and the request aborted exactly once either way."""
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
-                 media_type: str = "text/event-stream") -> None:
-        super().__init__(events, media_type=media_type, headers={"Cache-Control": "no-cache"})
+                 media_type: str = "text/event-stream", headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, media_type=media_type, headers={"Cache-Control": "no-cache", **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -37,6 +37,9 @@ message follows. Every message carries `parent_id` (the message it follows; null
   recent reply (its newest child at each level); 400 naming current_message_id for an unknown id. This is not
   an update: the session keeps its place in the list.
 - GET .../messages?branches=all lists every message of every branch (creation order) instead of the one shown.
+A conversation longer than the context: its oldest whole turns are left out of the prompt (they stay stored); the
+done event (and a whole reply) carries `context_truncated` {"dropped_messages", "dropped_turns"}, the response the
+X-KVForge-Dropped-Messages header.
 Each reply is stored under the message it answers, whatever branch another client shows meanwhile. Going back to
 an earlier branch renders the very prompt it had, so its KV is still in the prefix cache (memory or the persisted
 tier): the next message there computes only itself.
@@ -51,8 +54,10 @@ from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from kvforge.app.generate.context_fit import truncation_headers
 from kvforge.app.generate.stream import RequestTimedOut, StreamResponse
 from kvforge.app.http.errors import APIError
 from kvforge.app.sessions.conversations import CURRENT, MessageNotFound, NotFound
@@ -158,7 +163,8 @@ def sessions_router(chat: ChatService) -> APIRouter:
 
 async def reply_response(turn: Turn, stream: bool, first: list[dict], whole: dict):
     """The reply as server-sent events (`first`'s events, the reply's, [DONE]) or, not streamed, one JSON object
-    (`whole` and the done event's fields)."""
+    (`whole` and the done event's fields); with the header that says older messages were left out of its prompt."""
+    headers = truncation_headers(turn.truncation)
     if not stream:
         try:
             done = [event async for event in turn.events() if event["type"] == "done"][0]
@@ -166,7 +172,7 @@ async def reply_response(turn: Turn, stream: bool, first: list[dict], whole: dic
             raise exc.api_error() from None
         finally:
             turn.abort()
-        return {**whole, **{k: v for k, v in done.items() if k != "type"}}
+        return JSONResponse({**whole, **{k: v for k, v in done.items() if k != "type"}}, headers=headers)
 
     async def sse() -> AsyncIterator[str]:
         for event in first:
@@ -181,7 +187,7 @@ async def reply_response(turn: Turn, stream: bool, first: list[dict], whole: dic
             yield event_line({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
         yield "data: [DONE]\n\n"
 
-    return StreamResponse(sse(), turn.abort)
+    return StreamResponse(sse(), turn.abort, headers=headers)
 
 
 def event_line(event: dict) -> str:

@@ -24,6 +24,10 @@ templates that require user and assistant turns to alternate (Gemma's, Mistral's
 the model reads both messages as the one request they are. Both stay stored as they were posted; a placeholder reply
 instead would put words in the model's mouth.
 
+A conversation longer than the context loses its oldest whole turns from the prompt, not from the store
+(app/generate/context_fit.py): the first turn kept stays put for the turns after, so they still hit the prefix cache;
+the reply's done event says what was left out (`context_truncated`), and the UI shows it.
+
 Branches (app/sessions/conversations.py keeps a tree): a turn may follow any stored message (`parent_id`), which renders
 the branch down to it, stores the posted message beside that message's other children and the reply under the
 posted message, named explicitly (another tab may show another branch by then). `regenerate` answers a stored
@@ -48,6 +52,7 @@ from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import ChatPlan
+from kvforge.app.generate.context_fit import Truncation, truncation_field
 from kvforge.app.generate.request import ChatPrompt, GenerateRequest
 from kvforge.app.generate.stream import Failed, RequestTimedOut
 from kvforge.app.http.errors import APIError
@@ -159,7 +164,8 @@ class Turn:
     """A queued reply: `posted` is the stored message it answers (the user's, or the last tool result; the reply is
     stored under it, whichever branch is shown by then); iterate
     `events()` exactly once (or call `abort()`): {"type": "delta", "content" | "reasoning_content" |
-    "tool_calls"}... (OpenAI's delta fields), then {"type": "done", "message", "usage", ...}."""
+    "tool_calls"}... (OpenAI's delta fields), then {"type": "done", "message", "usage", ...} (with
+    `context_truncated` where older messages were left out of the prompt)."""
     service: ChatService
     session_id: str
     posted: Message
@@ -172,6 +178,11 @@ class Turn:
     @property
     def plan(self) -> ChatPlan:
         return self.admitted.plan
+
+    @property
+    def truncation(self) -> Truncation | None:
+        """What a conversation longer than the context left out of this reply's prompt (None: nothing)."""
+        return self.admitted.truncation
 
     def abort(self) -> None:
         """Stop the reply and give back its admission; safe to call more than once."""
@@ -212,7 +223,7 @@ class Turn:
         except NotFound as exc:
             raise not_found(exc, " (deleted during the reply)") from None
         yield {"type": "done", "message": message.to_dict(), "usage": usage([final], self.prompt_tokens),
-               "timings": timings(final), "token_ids": final.token_ids}
+               "timings": timings(final), "token_ids": final.token_ids, **truncation_field(self.truncation)}
 
 
 class ChatService:

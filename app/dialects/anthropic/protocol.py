@@ -27,6 +27,9 @@ No field is silently ignored:
                                                                            the next one): templates alternate turns
     thinking between_tools / display, container, mcp_servers,            refused
       inference_geo, speed, diagnostics
+    num_ctx (our extra, Ollama's option)                                 the request's context window: the reply
+                                                                           ends where it does, a conversation
+                                                                           longer loses its oldest turns
 """
 
 from __future__ import annotations
@@ -236,6 +239,7 @@ class MessagesRequest(ConversationFields):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # accepted, no effect
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, no effect
+    num_ctx: int | None = Field(default=None, ge=1)  # our extra, Ollama's option: the request's context window
 
     def generation_fields(self) -> dict[str, Any]:
         return {"stream": self.stream, "max_tokens": self.max_tokens, "temperature": self.temperature,

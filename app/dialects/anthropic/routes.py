@@ -5,6 +5,10 @@ admission gate, the chat template, tools, constraints (`output_config.format`) a
     POST /v1/messages               -> a message, or its server-sent events when `stream` is true
     POST /v1/messages/count_tokens  -> {"input_tokens"}: the prompt as /v1/messages would render it
 
+A conversation longer than its context (the model's, or our extra `num_ctx`) loses its oldest whole turns
+(app/generate/context_fit.py): the response says so in the X-KVForge-Dropped-Messages header and an extension field
+`context_truncated` on the message (message_start's when streamed).
+
 A reply's content is a thinking block (a reasoning model's thinking; its signature is empty: nothing here checks
 one), a text block and a tool_use block per call, in that order. stop_reason: "tool_use" (it called tools),
 "max_tokens", "stop_sequence" (with the stop sequence found) or "end_turn". usage in Anthropic's terms:
@@ -24,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.anthropic.context_edits import apply_edits
@@ -32,6 +36,7 @@ from kvforge.app.dialects.anthropic.protocol import ANTHROPIC_NAMES, Conversatio
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
+from kvforge.app.generate.context_fit import truncation_field, truncation_headers
 from kvforge.app.generate.off_loop import off_loop
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
 from kvforge.app.generate.request import UNBOUNDED, ChatPrompt, ContextWindow, GenerateRequest, check_prompt_chars
@@ -134,21 +139,25 @@ def anthropic_router(context: ServerContext) -> APIRouter:
         return body.chat_request(messages), {"context_management": {"applied_edits": applied}}
 
     @router.post("/v1/messages")
-    async def messages(body: MessagesRequest):
+    async def messages(body: MessagesRequest, response: Response):
         context.admission.check_model(body.model)
         request, edits = await edited(body)
-        # max_tokens is Anthropic's upper bound, cut to what the context leaves (Claude Code asks 32000 of any model)
+        # max_tokens is Anthropic's upper bound, cut to what the context leaves (Claude Code asks 32000 of any model);
+        # the context is the model's, or our extra num_ctx's
+        window = ContextWindow(body.num_ctx, "num_ctx") if body.num_ctx else ContextWindow(UNBOUNDED, "messages")
         admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request), sampling=request,
-                                                        model=body.model, window=ContextWindow(UNBOUNDED, "messages")))
+                                                        model=body.model, window=window))
         message_id = "msg_" + uuid.uuid4().hex[:24]
+        headers = truncation_headers(admitted.truncation)
         if body.stream:
-            return StreamResponse(events(admitted, message_id, edits), admitted.close)
+            return StreamResponse(events(admitted, message_id, edits), admitted.close, headers=headers)
         final = (await admitted.collect()).finals[0]
         reply = read_whole(admitted.plan, final.text)
+        response.headers.update(headers)
         return {"id": message_id, "type": "message", "role": "assistant", "model": admitted.model,
                 "content": content_blocks(reply), **stop_fields(final, bool(reply.calls)),
                 "usage": input_usage(len(admitted.prompt), final.num_cached_tokens) | {
-                    "output_tokens": len(final.token_ids)}, **edits}
+                    "output_tokens": len(final.token_ids)}, **edits, **truncation_field(admitted.truncation)}
 
     async def events(admitted: Admitted, message_id: str, edits: dict[str, Any]) -> AsyncIterator[str]:
         blocks = BlockStream()
@@ -161,7 +170,8 @@ def anthropic_router(context: ServerContext) -> APIRouter:
                 yield event("message_start", message={
                     "id": message_id, "type": "message", "role": "assistant", "content": [],
                     "model": admitted.model, "stop_reason": None, "stop_sequence": None,
-                    "usage": input_usage(len(admitted.prompt), out.num_cached_tokens) | {"output_tokens": 0}})
+                    "usage": input_usage(len(admitted.prompt), out.num_cached_tokens) | {"output_tokens": 0},
+                    **truncation_field(admitted.truncation)})
             for part in item.parts:
                 for line in blocks.add(part):
                     yield line

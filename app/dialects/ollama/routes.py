@@ -18,7 +18,10 @@ which only checks that the model is loaded) and Ollama's timings in nanoseconds,
 total_duration (arrival to finish), prompt_eval_count / prompt_eval_duration (the prompt's tokens, the time from
 first scheduling to the first token), eval_count / eval_duration (generated tokens, first token to finish),
 load_duration 0 (the model was loaded already). Errors are Ollama's {"error": "..."} with the status, naming the
-Ollama field; an error after the stream began is a last line {"error": "..."}.
+Ollama field; an error after the stream began is a last line {"error": "..."}. A chat longer than its context
+(options.num_ctx, or the model's) loses its oldest whole turns instead of being cut silently as Ollama does
+(app/generate/context_fit.py): the X-KVForge-Dropped-Messages header and `context_truncated` (the whole response's,
+the last line's) say what went.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -49,6 +52,7 @@ from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import reasoning_syntax
+from kvforge.app.generate.context_fit import truncation_field, truncation_headers
 from kvforge.app.generate.embeddings import embed
 from kvforge.app.generate.parsers.tool_calls import detect_tool_syntax
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall, WholeReply
@@ -111,8 +115,8 @@ def shaped(name: str, message: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 def last_fields(admitted: Admitted, out: RequestOutput, chat: bool) -> dict[str, Any]:
     """What the last line adds: done, done_reason, the timings; /api/generate's `context` (prompt and output ids,
-    which a next request may continue from)."""
-    fields = final_fields(out, len(admitted.prompt))
+    which a next request may continue from); what a chat cut to fit its context left out (`context_truncated`)."""
+    fields = final_fields(out, len(admitted.prompt)) | truncation_field(admitted.truncation)
     if not chat:
         fields["context"] = admitted.prompt + list(out.token_ids)
     return fields
@@ -180,7 +184,7 @@ def ollama_router(context: ServerContext) -> APIRouter:
                              field=field)
 
     @router.post("/api/chat")
-    async def chat(body: OllamaChatRequest):
+    async def chat(body: OllamaChatRequest, response: Response):
         name = served(body.model)
         if not body.messages:
             return {"model": name, "created_at": now(), "message": {"role": "assistant", "content": ""},
@@ -189,7 +193,7 @@ def ollama_router(context: ServerContext) -> APIRouter:
         admitted = await admit(context, GenerateRequest(
             prompt=chat_prompt(body, request, None, "messages"), sampling=request, logprobs=request.logprobs_count(),
             model=body.model, keep_alive_s=body.keep_alive_s(), window=context_window(body, "messages")))
-        return await respond(admitted, name, body.stream, chat=True)
+        return await respond(admitted, name, body.stream, chat=True, response=response)
 
     @router.post("/api/generate")
     async def generate(body: OllamaGenerateRequest):
@@ -208,10 +212,14 @@ def ollama_router(context: ServerContext) -> APIRouter:
             window=context_window(body, "prompt")))
         return await respond(admitted, name, body.stream, chat=False)
 
-    async def respond(admitted: Admitted, name: str, stream: bool, chat: bool):
-        """`chat`: /api/chat's shape (a message); else /api/generate's (a response text, and the context)."""
+    async def respond(admitted: Admitted, name: str, stream: bool, chat: bool, response: Response | None = None):
+        """`chat`: /api/chat's shape (a message); else /api/generate's (a response text, and the context). A chat
+        cut to fit its context says so: the header, and `context_truncated` on the whole response or last line."""
+        headers = truncation_headers(admitted.truncation)
         if stream:
-            return StreamResponse(lines(admitted, name, chat), admitted.close, NDJSON)
+            return StreamResponse(lines(admitted, name, chat), admitted.close, NDJSON, headers)
+        if response is not None:
+            response.headers.update(headers)
         collected = await admitted.collect()
         final, token_logprobs = collected.finals[0], collected.logprobs
         if admitted.plan is None:  # a raw prompt: the text as it came

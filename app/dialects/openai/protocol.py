@@ -35,7 +35,8 @@ POST /v1/chat/completions, field by field (OpenAI's CompletionCreateParams, open
       structured_outputs (one of json / regex / choice / grammar; not with response_format); ours:
       repetition_guard (end a reply stuck in a loop: finish_reason "repetition"; core/repetition.py), num_ctx
       (Ollama's option, which Open WebUI forwards to OpenAI connections: the request's context window, as
-      /api/chat's options.num_ctx -- its prompt must fit, its reply ends where the window does)
+      /api/chat's options.num_ctx -- its reply ends where the window does, a chat longer than it loses its oldest
+      turns (app/generate/context_fit.py), a single prompt must fit)
 
 A sampling field left out takes the served model's default (core/generation_defaults.py: its
 generation_config.json, its family's recommendation, or the settings file's), else SamplingParams'.

@@ -10,6 +10,9 @@ cache hits). Nothing is stored (`store` is false). Streamed: OpenAI's events wit
 function_call_arguments.delta / done (a call's arguments whole in one delta), the .done events, then
 response.completed or response.incomplete), which the SDK's `responses.stream()` reassembles; an error after the
 stream began is an `error` event. Whole and streamed responses are built by the same OutputItems, so they agree.
+`truncation: "auto"` cuts an input too long for the context (the model's, or our extra `num_ctx`) by its oldest whole
+turns (app/generate/context_fit.py), said by the X-KVForge-Dropped-Messages header and the response's extension field
+`context_truncated`; "disabled" (OpenAI's default) refuses it.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.openai.responses_protocol import RESPONSES_NAMES, ResponsesRequest
 from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import ChoiceReader
+from kvforge.app.generate.context_fit import truncation_field, truncation_headers
 from kvforge.app.generate.reply import Part, Text, Thinking, ToolCall
-from kvforge.app.generate.request import ChatPrompt, GenerateRequest
+from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest
 from kvforge.app.generate.stream import Failed, StreamResponse
 from kvforge.app.http.errors import renaming_route
 from kvforge.core.output import RequestOutput
@@ -138,21 +142,25 @@ def responses_router(context: ServerContext) -> APIRouter:
                 "temperature": body.temperature, "top_p": body.top_p,
                 "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else (choice or "auto"),
                 "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-                "text": {"format": request_format}, "truncation": "disabled", "store": False,
-                "metadata": body.metadata or {}, "usage": usage}
+                "text": {"format": request_format}, "truncation": body.truncation or "disabled", "store": False,
+                "metadata": body.metadata or {}, "usage": usage, **truncation_field(admitted.truncation)}
 
     def status_of(out: RequestOutput) -> str:
         return "incomplete" if out.finish_reason == "length" else "completed"
 
     @router.post("/v1/responses")
-    async def responses(body: ResponsesRequest):
+    async def responses(body: ResponsesRequest, response: Response):
         context.admission.check_model(body.model)
         request = body.chat_request()
+        window = ContextWindow(body.num_ctx, "num_ctx") if body.num_ctx else None
         admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request, field="input"),
-                                                        sampling=request, model=body.model))
+                                                        sampling=request, model=body.model, window=window,
+                                                        truncate=body.truncation == "auto"))
         response_id, created = new_id("resp"), time.time()
+        headers = truncation_headers(admitted.truncation)
         if body.stream:
-            return StreamResponse(events(body, admitted, response_id, created), admitted.close)
+            return StreamResponse(events(body, admitted, response_id, created), admitted.close, headers=headers)
+        response.headers.update(headers)
         out = (await admitted.collect()).finals[0]
         reader, items = ChoiceReader(admitted.plan), OutputItems()
         for part in reader.read_all(out.text):

@@ -12,10 +12,17 @@ No field is silently ignored:
     input items: messages (input_text / output_text / refusal parts),             honoured
       function_call, function_call_output, reasoning (its text goes back to the
       template as the next assistant message's reasoning_content)
+    truncation                                                                    honoured: "auto" leaves out
+                                                                                    the oldest whole turns of an
+                                                                                    input too long for the context
+                                                                                    (app/generate/context_fit.py);
+                                                                                    "disabled" (the default) refuses
+                                                                                    it (400)
+    num_ctx (our extra, Ollama's option)                                          the request's context window
     metadata, user, safety_identifier, service_tier, prompt_cache_key,            accepted, no effect
-      prompt_cache_retention, truncation "disabled", include [], store false
+      prompt_cache_retention, include [], store false
     store true, previous_response_id, conversation                                refused: nothing is stored here
-    background, prompt, reasoning (effort / summary), truncation "auto",          refused
+    background, prompt, reasoning (effort / summary),                             refused
       include (any), top_logprobs, max_tool_calls, text.verbosity, other tools,
       image / file / audio parts, item_reference
 """
@@ -168,7 +175,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" would drop the start of a long conversation: refused
+    truncation: Literal["auto", "disabled"] | None = None  # None: "disabled", OpenAI's default
+    num_ctx: int | None = Field(default=None, ge=1)  # our extra, Ollama's option: the request's context window
     include: list[Any] | None = Field(default=None, max_length=0)
     store: Literal[False] | None = None
     # accepted, no effect

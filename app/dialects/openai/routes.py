@@ -1,7 +1,9 @@
 """OpenAI's chat completions (POST /v1/chat/completions) and completions (POST /v1/completions). A request is mapped
 to the canonical one (app/generate/request.py: a ChatPrompt or a TextPrompt) and goes through the one way in
 (app/generate/admit.py: admission, render, tokenize, submit); its outputs come back as a whole response or as
-server-sent events, in OpenAI's shape (app/dialects/openai/format.py)."""
+server-sent events, in OpenAI's shape (app/dialects/openai/format.py). A chat longer than its context loses its oldest
+whole turns (app/generate/context_fit.py): the X-KVForge-Dropped-Messages header and the extension field
+`context_truncated` (on the response, or the first chunk) say what went."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.openai.format import (
@@ -26,6 +28,7 @@ from kvforge.app.dialects.openai.format import (
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvforge.app.generate.admit import Admitted, admit_all
 from kvforge.app.generate.chat_output import read_whole
+from kvforge.app.generate.context_fit import truncation_field, truncation_headers
 from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest, TextPrompt
 from kvforge.app.generate.stream import Failed, StreamResponse, merged
 from kvforge.core.output import RequestOutput
@@ -35,11 +38,11 @@ def openai_router(context: ServerContext) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, response: Response):
         context.admission.check_model(body.model)
         request = GenerateRequest(prompt=ChatPrompt.of(body), sampling=body, logprobs=body.logprobs_count(),
                                   model=body.model, window=context_window(body))
-        return await respond(body, [request], chat=True)
+        return await respond(body, [request], chat=True, response=response)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -52,10 +55,13 @@ def openai_router(context: ServerContext) -> APIRouter:
                                     model=body.model, window=context_window(body)) for prompt in body.prompts()]
         return await respond(body, requests, chat=False)
 
-    async def respond(body: ChatCompletionRequest | CompletionRequest, requests: list[GenerateRequest], chat: bool):
+    async def respond(body: ChatCompletionRequest | CompletionRequest, requests: list[GenerateRequest], chat: bool,
+                      response: Response | None = None):
         """Admit and queue the request (a completions batch: each prompt, choice i * n + j its prompt i's sample j),
-        answer in OpenAI's shape: a whole response, or its server-sent events."""
+        answer in OpenAI's shape: a whole response, or its server-sent events. A chat cut to fit its context says so
+        (app/generate/context_fit.py): the header, and `context_truncated` on the response or the first chunk."""
         batch = await admit_all(context, requests)
+        cut = batch[0].truncation
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
@@ -65,7 +71,8 @@ def openai_router(context: ServerContext) -> APIRouter:
                 for admitted in batch:
                     admitted.close()
 
-            return StreamResponse(sse(batch, request_id, created, include_usage), close_all)
+            return StreamResponse(sse(batch, request_id, created, include_usage), close_all,
+                                  headers=truncation_headers(cut))
         try:
             collected = await asyncio.gather(*(admitted.collect() for admitted in batch))
         finally:
@@ -89,10 +96,12 @@ def openai_router(context: ServerContext) -> APIRouter:
                         whole.logprobs.get(i, []), tokenizer, admitted.prompt, whole.prompt_logprobs.get(i))
                     choices.append({"index": index, "text": admitted.echoed + out.text, "logprobs": lp,
                                     "finish_reason": finish_reason(out)})
+        if response is not None:
+            response.headers.update(truncation_headers(cut))
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": batch[0].model, "choices": choices,
                 "usage": usage(finals, sum(len(admitted.prompt) for admitted in batch)),
-                "timings": timings(finals[0])}
+                "timings": timings(finals[0]), **truncation_field(cut)}
 
     async def sse(batch: list[Admitted], request_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
         """A chat's choices as content, reasoning and tool-call deltas; a completion's as text (a batch's prompts
@@ -108,6 +117,7 @@ def openai_router(context: ServerContext) -> APIRouter:
 
         finals: list[RequestOutput] = []
         started: set[int] = set()  # completions: choices whose first chunk (with the echoed prompt) is sent
+        opening = truncation_field(first.truncation)  # on the response's first chunk
         async for position, item in merged([admitted.outputs() for admitted in batch]):
             if isinstance(item, Failed):  # headers are sent: say it in the stream, as OpenAI does
                 error = {"message": item.message, "type": item.kind, "param": None, "code": item.code}
@@ -125,7 +135,8 @@ def openai_router(context: ServerContext) -> APIRouter:
                     deltas = [{"content": ""}]
                 for j, shaped in enumerate(deltas):
                     yield chunk([{"index": index, "delta": shaped, "logprobs": lp if j == 0 else None,
-                                  "finish_reason": None}])
+                                  "finish_reason": None}], **opening)
+                    opening = {}
             else:
                 lp = None
                 if out.delta_logprobs or out.prompt_logprobs is not None:

@@ -173,6 +173,27 @@ def test_gpu_settings_reach_the_engine(tmp_path, monkeypatch):
         build_parser().parse_args(["generate", "hi", "--kernels", "cuda"])
 
 
+def test_context_overflow_resolves_like_every_setting_and_takes_its_choices_only(tmp_path, monkeypatch):
+    """--context-overflow (a chat longer than its context: truncate or error): flag > KVFORGE_CONTEXT_OVERFLOW >
+    the settings file > truncate; a value off its choices is refused wherever it comes from."""
+    from kvforge.app.cli import build_parser
+    from kvforge.app.settings import resolve
+
+    for name in ("KVFORGE_CONFIG", "KVFORGE_CONTEXT_OVERFLOW"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "kvforge.toml"
+    config.write_text('context_overflow = "error"\n')
+    parse = build_parser().parse_args
+    assert resolve(parse(["serve"]), environ={}).context_overflow == "truncate"
+    assert resolve(parse(["serve", "--config", str(config)]), environ={}).context_overflow == "error"
+    assert resolve(parse(["serve", "--config", str(config), "--context-overflow", "truncate"]),
+                   environ={}).context_overflow == "truncate"
+    with pytest.raises(ValueError, match="context_overflow: must be one of truncate, error"):
+        resolve(parse(["serve"]), environ={"KVFORGE_CONTEXT_OVERFLOW": "shift"})
+    with pytest.raises(SystemExit):
+        parse(["serve", "--context-overflow", "shift"])
+
+
 def test_bench_latency_prints_ratios_against_hf_for_each_tensor_parallel_rank_count(capsys, monkeypatch):
     """One run with --tp 1,2: the HF fp32 row, then a kvforge row per rank count, each with its decode ratio
     against HF measured in this run (the plain run, without --tp, is its first kvforge row)."""

@@ -634,6 +634,50 @@ def test_message_fields_override_the_session_sampling(sqlite_server, engine):
     assert wait_idle(engine)
 
 
+# --- long conversations ---------------------------------------------------------------------------------
+
+def test_a_session_longer_than_the_context_leaves_its_oldest_turns_out_and_says_so(sqlite_server, engine):
+    """A session outgrows the 512-token context: its reply's prompt leaves the oldest whole turns out (they stay
+    stored) instead of a 400, the reply says so (the done event's context_truncated, the header), the next turn keeps
+    that start (its prompt read from the prefix cache), and the browser UI's chat shows a notice."""
+    from kvforge.app.generate.context_fit import FIELD, HEADER
+
+    http, app = sqlite_server
+    session = create(http, system_prompt="You are terse.", sampling={"temperature": 0, "max_tokens": 4})
+    url = f"/v1/sessions/{session['id']}/messages"
+    asked = 0
+    for asked in range(1, 9):
+        r = http.post(url, json={"content": f"Question {asked}: " + "describe the box, its colour and size. " * 10,
+                                 "stream": False})
+        assert r.status_code == 200, r.text
+        if FIELD in r.json():
+            break
+    cut = r.json()[FIELD]
+    assert asked > 2 and cut["dropped_messages"] == 2 * cut["dropped_turns"] > 0  # whole turns (question, reply)
+    assert int(r.headers[HEADER]) == cut["dropped_messages"] and r.json()["usage"]["prompt_tokens"] < MAX_MODEL_LEN
+    assert len(get(http, session["id"])["messages"]) == 2 * asked  # nothing left out of the store
+
+    with http.stream("POST", url, json={"content": "And its history?"}) as streamed:
+        assert streamed.headers[HEADER] == r.headers[HEADER]
+        done = parse_sse(streamed.iter_lines())[-2]
+    assert done[FIELD] == cut and done["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+        r.json()["usage"]["prompt_tokens"] - engine.engine.config.block_size
+
+    from kvforge.ui.chat import ChatHandlers
+    from kvforge.ui.service import UIService
+
+    handlers = ChatHandlers(UIService(app.state.chat, None))
+
+    async def send() -> list[tuple]:
+        return [shown async for shown in handlers.send("Thanks.", session["id"], "You are terse.", 0.0, 1.0, 4,
+                                                       False)]
+
+    shown = asyncio.run(send())
+    assert "Older messages were left out of the model's context" in shown[0][2]  # from the reply's start
+    assert shown[-1][2].startswith("Last reply:") and "left out" in shown[-1][2]
+    assert wait_idle(engine)
+
+
 # --- disconnect -------------------------------------------------------------------------------------------
 
 def test_disconnect_mid_reply_keeps_the_partial_reply(server, engine):
