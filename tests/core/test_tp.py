@@ -339,3 +339,14 @@ def test_two_processes_started_by_torchrun_over_tcp_rendezvous(embedded_path, re
     expected = Tokenizer(embedded_path).decode(reference[0])
     assert outputs[0][0].strip() == expected.strip()
     assert outputs[1][0].strip() == ""  # rank 1 prints nothing: it only runs rank 0's forwards
+
+
+def test_a_quantized_kv_pool_split_by_heads_gives_one_ranks_tokens(embedded_path, chat_prompts):
+    """int8 rows (codes and a scale) split by KV heads like a full-precision pool: two ranks give one rank's tokens over
+    the same format, the second round from the prefix cache. (q4 is not compared so: the ranks' sums round apart by
+    fp32's last bits, and a 4-bit code that moves with them moved one of these prompts' 10th token, 0.27 nats apart.)"""
+    (one,), _ = _tokens(embedded_path, chat_prompts, kv_cache_dtype="int8")
+    (first, second), stats = _tokens(embedded_path, chat_prompts, rounds=2, tp_size=2, kv_cache_dtype="int8")
+    assert first == one and second == one
+    assert stats.cached_tokens_total > 0
+    assert not _children()

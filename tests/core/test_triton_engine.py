@@ -125,3 +125,18 @@ def test_tensor_parallel_ranks_on_triton_kernels(tmp_path, embedded_path):
         assert two_ranks == one_rank
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "q4"])
+def test_a_quantized_kv_pool_on_triton_kernels_gives_the_torch_kernels_tokens(tmp_path, embedded_path, kv_cache_dtype):
+    """The Triton store quantizes as the C store does (the same bytes) and the Triton attention reads them as the
+    paged C kernel does, so the two kernel sets give the same tokens over a quantized pool, chunked and from the
+    prefix cache (q4's rows rotated in both: the layer rotates before either)."""
+    save_tiny_model("qwen3", tmp_path, embedded_path, seed=4321)  # head_dim 32: one q4 group per row
+    prompts = random_prompts((1, 6, 17, 33), seed=11)
+    common = dict(block_size=5, num_kv_blocks=80, max_num_batched_tokens=7, kv_cache_dtype=kv_cache_dtype)
+    llm, triton_runs = _generate(tmp_path, prompts, kernels="triton", device=DEVICE, **common)
+    assert llm.engine.runner.kv_cache.dtype == torch.uint8
+    assert llm.engine.stats().cached_tokens_total > 0
+    _, torch_runs = _generate(tmp_path, prompts, kernels="torch", device=DEVICE, **common)
+    assert triton_runs == torch_runs  # (HF's are full precision's: a random tiny model's 4-bit KV parts from them)
