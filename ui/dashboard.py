@@ -1,4 +1,5 @@
-"""The live dashboard: VRAM per GPU (on CPU: process RSS), the KV pool and its blocks, running / waiting requests,
+"""The live dashboard: VRAM per GPU (on CPU: process RSS), the KV pool (its size, KV cache type and the tokens it
+holds) and its blocks, running / waiting requests,
 generation tok/s (now and plotted over the last minutes), recent TTFTs, the prefix-cache hit rate, draft
 acceptance under speculative decoding, and the active model with its quant and decoding plugins.
 
@@ -45,7 +46,8 @@ class Sample:
     stats: dict[str, Any]  # EngineStats.as_dict(), empty when no model is loaded
     rss_bytes: int
     gpus: list[dict[str, Any]]
-    # dtype, quant and decoding plugins and their options, tp, the configured KV budget (None: automatic)
+    # dtype, quant and decoding plugins and their options, tp, the configured KV budget (None: automatic), the KV
+    # cache type, the tokens of one KV block
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,7 +84,8 @@ class DashboardSampler:
             config = {"dtype": core.dtype, "quant": core.quant, "quant_options": core.quant_options,
                       "decoding": core.decoding or "none", "decoding_options": core.decoding_options,
                       "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching,
-                      "kv_cache_bytes": core.kv_cache_bytes}
+                      "kv_cache_bytes": core.kv_cache_bytes, "kv_cache_dtype": core.kv_cache_dtype,
+                      "block_size": core.block_size}
         return Sample(time.time(), self.host.name, stats, process_rss_bytes(), gpu_memory(), config)
 
     def latest(self) -> Sample:
@@ -97,6 +100,17 @@ class DashboardSampler:
 
     def recent_ttfts(self) -> list[float]:
         return list(self.metrics.recent_ttft) if self.metrics is not None else []
+
+
+def kv_cache_row(s: Sample) -> str:
+    """The KV cache type and the tokens the pool holds: kv_cache_bytes / kv_bytes_per_token (the model card's
+    kv_cache_tokens), read as blocks x block size -- the same number, with no call into the engine (runtime() asks
+    every tensor-parallel rank for its weights)."""
+    st, kv_type = s.stats, s.config.get("kv_cache_dtype") or "auto"
+    tokens = st["kv_blocks_total"] * s.config["block_size"]
+    per_token = human_bytes(round(st["kv_cache_bytes"] / tokens)) if tokens else "-"
+    shown = f"{s.config.get('dtype')} (auto)" if kv_type == "auto" else kv_type  # auto: the model's dtype
+    return f"| KV cache type / tokens held | {shown} / {tokens:,} tokens ({per_token} per token) |"
 
 
 def dashboard_markdown(service: UIService) -> str:
@@ -117,6 +131,7 @@ def dashboard_markdown(service: UIService) -> str:
     lines += [
         f"| KV pool | {human_bytes(st['kv_cache_bytes'])}"
         + (" (automatic)" if s.config.get("kv_cache_bytes") is None else "") + " |",
+        kv_cache_row(s),
         f"| KV blocks used / cached / free | {st['kv_blocks_used']} / {st['kv_blocks_cached']} / "
         f"{st['kv_blocks_free']} |",
         f"| Requests running / waiting | {st['running']} / {st['waiting']} |",

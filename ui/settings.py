@@ -1,5 +1,6 @@
 """The Model settings panel: model, dtype, quant plugin and its options, speculative decoding plugin and its
-options, KV budget, tensor-parallel ranks, and an estimate of weights + KV memory before anything is loaded.
+options, KV budget and KV cache type, tensor-parallel ranks, and an estimate of weights + KV memory before anything
+is loaded.
 
 Apply swaps them through the same ModelHost as the admin API: in-flight replies finish first, a refused choice
 keeps the old model (not when both are tensor-parallel: see ModelHost.load). Each plugin's options are inputs
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.app.cli.cache import human_bytes
 from kvforge.app.models.spec import ModelSpec
-from kvforge.core.config import DTYPE_NAMES, loads_gguf_natively
+from kvforge.core.config import DTYPE_NAMES, KV_CACHE_DTYPES, loads_gguf_natively
 from kvforge.core.estimate import estimate_memory
 from kvforge.core.loader import load_config
 from kvforge.core.plugins import (
@@ -37,24 +38,31 @@ if TYPE_CHECKING:
 
 KV_BUDGET_INFO = ("Empty: the server's --kv-cache-gb, or without one automatic: 1 GiB on CPU; on a GPU, what "
                   "--gpu-memory-utilization leaves after the weights.")
+# bytes per token from core/kv/quant.py's row layout (head_dim 64: 66 or 36 bytes a row against bf16's 128);
+# perplexity from `kvforge bench kv-quant`
+KV_CACHE_INFO = ("How the KV pool stores K and V. auto: the model's dtype, exact. int8 / fp8_e4m3 / fp8_e5m2: about "
+                 "half the bytes per token of bf16 (twice the tokens in the same budget), perplexity within ~1%. q4: "
+                 "about 0.28x (3.5x the tokens), perplexity within ~5-7%.")
 
 
 def memory_estimate_markdown(service: UIService, model: str, dtype: str, context_tokens: float, quant: str = "none",
-                             options: str = "{}", tp: float | None = 1) -> str:
+                             options: str = "{}", tp: float | None = 1, kv_cache_dtype: str | None = "auto") -> str:
     """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
-    the chosen context length, before anything is loaded."""
+    the chosen context length in the chosen KV cache type, before anything is loaded."""
+    kv_cache_dtype = kv_cache_dtype or "auto"
+    kv_type = "" if kv_cache_dtype == "auto" else f" ({kv_cache_dtype})"
     try:
         gguf, running = service.gguf_file(model), service.running_config()
         if gguf is not None and loads_gguf_natively(quant or "none", running is not None and running.gguf_dense):
             from kvforge.app.models.catalog import describe
 
-            entry = describe(model, gguf, int(context_tokens), dtype)
+            entry = describe(model, gguf, int(context_tokens), dtype, kv_cache_dtype)
             if entry.error:
                 raise ValueError(entry.error)
             return (f"Estimate for {int(context_tokens)} tokens of context: weights "
                     f"{human_bytes(entry.weights_bytes)} ({entry.parameters / 1e6:.1f}M parameters, the GGUF's own "
-                    f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - entry.weights_bytes)} = "
-                    f"**{human_bytes(entry.memory_bytes)}**")
+                    f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - entry.weights_bytes)}"
+                    f"{kv_type} = **{human_bytes(entry.memory_bytes)}**")
         path = service.local_model_dir(model)
         if path is None:
             return f"No estimate for {model!r} before it is converted (GGUF)."
@@ -69,12 +77,13 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
         # what loading builds: the method per layer, the LM head and modules_to_not_convert dense
         quant_config = QuantConfig.for_checkpoint(method, quant_options, checkpoint_quantization(hf_config, path))
         ranks = int(tp or 1)
-        e = estimate_memory(hf_config, dtype, int(context_tokens), quant_config, tp_size=ranks)
+        e = estimate_memory(hf_config, dtype, int(context_tokens), quant_config, tp_size=ranks,
+                            kv_cache_dtype=kv_cache_dtype)
     except Exception as exc:  # a broken config or option: say so, never break the page
         return f"No estimate: {type(exc).__name__}: {exc}"
     layers = f"{quant} at {bits:.2f} bits per weight" if bits else f"dense {dtype}"
     return (f"Estimate for {int(context_tokens)} tokens of context: weights {human_bytes(e['weights_bytes'])} "
-            f"({e['parameters'] / 1e6:.1f}M parameters, {layers}) + KV {human_bytes(e['kv_bytes'])} = "
+            f"({e['parameters'] / 1e6:.1f}M parameters, {layers}) + KV {human_bytes(e['kv_bytes'])}{kv_type} = "
             f"**{human_bytes(e['total_bytes'])}**"
             + (f"; on {ranks} tensor-parallel ranks the largest share is **{human_bytes(e['rank_total_bytes'])}** "
                f"(weights {human_bytes(e['rank_weights_bytes'])} + KV {human_bytes(e['rank_kv_bytes'])})"
@@ -187,7 +196,7 @@ class SettingsHandlers:
 
     def settings_values(self):
         # the panel as the running model has it (model, dtype, quant, quant options, decoding, decoding options,
-        # KV budget, tensor-parallel ranks); no docstring: it would become the Gradio API's description
+        # KV budget, tensor-parallel ranks, KV cache type); no docstring: it would become the Gradio API's description
         import gradio as gr
 
         core = self.service.running_config()
@@ -199,22 +208,26 @@ class SettingsHandlers:
                 json.dumps(core.quant_options if core else {}),
                 gr.update(choices=decodings, value=core.decoding if core else "none"),
                 json.dumps(core.decoding_options if core else {}), kv_budget_update(self.service),
-                core.tp_size if core else self.service.last_spec().tp)
+                core.tp_size if core else self.service.last_spec().tp,
+                core.kv_cache_dtype if core else self.service.last_spec().kv_cache_dtype)
 
-    def update_estimate(self, m: str, d: str, c: float | None, q: str, o: str, t: float | None) -> str:
-        # (model, dtype, context tokens, quant, quant options, tensor-parallel ranks); the short names and no
-        # docstring: the Gradio API (/update_estimate) shows them as it always has
-        return memory_estimate_markdown(self.service, m, d, c or 1, q, o, t)
+    def update_estimate(self, m: str, d: str, c: float | None, q: str, o: str, t: float | None,
+                        k: str | None = "auto") -> str:
+        # (model, dtype, context tokens, quant, quant options, tensor-parallel ranks, KV cache type); the short names
+        # and no docstring: the Gradio API (/update_estimate) shows them as it always has. The KV cache type comes
+        # last with a default (the input's initial value, for Gradio clients): a caller of the six others still works
+        return memory_estimate_markdown(self.service, m, d, c or 1, q, o, t, k)
 
     async def apply_settings(self, model: str, dtype: str, quant: str, options: str, decoding: str,
-                             decoding_json: str, kv_gb: float | None, tp: int | None) -> AsyncIterator[str]:
-        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks without a restart; in-flight
-        replies finish first. An empty KV budget (None) keeps the server's default: its --kv-cache-gb, else the
-        automatic size."""
+                             decoding_json: str, kv_gb: float | None, tp: int | None,
+                             kv_cache_dtype: str | None = ModelSpec.kv_cache_dtype) -> AsyncIterator[str]:
+        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks / KV cache type without a
+        restart; in-flight replies finish first. An empty KV budget (None) keeps the server's default: its
+        --kv-cache-gb, else the automatic size."""
         if tp is None:
             yield "Refused: tensor-parallel ranks: enter a whole number >= 1"
             return
-        decoding = decoding or "none"
+        decoding, kv_cache_dtype = decoding or "none", kv_cache_dtype or ModelSpec.kv_cache_dtype
         try:
             parsed = parse_options(options, decoding_json)
         except ValueError as exc:
@@ -224,10 +237,11 @@ class SettingsHandlers:
             parsed["decoding"] = {}  # the box may still hold another plugin's options: they do not apply
         served = self.service.last_spec().served_name if model == self.service.model_choice() else None
         spec = ModelSpec(model=model, dtype=dtype, quant=quant, quant_options=parsed["quant"], served_name=served,
-                         kv_cache_gb=None if kv_gb is None else float(kv_gb), decoding=decoding,
-                         decoding_options=parsed["decoding"], tp=int(tp))
+                         kv_cache_gb=None if kv_gb is None else float(kv_gb), kv_cache_dtype=kv_cache_dtype,
+                         decoding=decoding, decoding_options=parsed["decoding"], tp=int(tp))
         what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
-                + (f", tp {int(tp)}" if int(tp) != 1 else ""))
+                + (f", tp {int(tp)}" if int(tp) != 1 else "")
+                + (f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""))
         started = time.monotonic()
         task = asyncio.ensure_future(self.service.load_model(spec))
         while not task.done():
@@ -256,6 +270,7 @@ class SettingsPanel:
     decoding_help: Any
     decoding_options: Any
     kv_gb: Any
+    kv_cache_dtype: Any
     tp: Any
     context: Any
     estimate: Any
@@ -263,12 +278,13 @@ class SettingsPanel:
     status: Any
 
     def values(self) -> list:
-        """What settings_values fills and apply_settings takes, in that order."""
+        """What settings_values fills and apply_settings takes, in that order (the KV cache type last: the Gradio
+        API's callers of the earlier inputs keep working)."""
         return [self.model, self.dtype, self.quant, self.quant_options, self.decoding, self.decoding_options,
-                self.kv_gb, self.tp]
+                self.kv_gb, self.tp, self.kv_cache_dtype]
 
     def estimate_inputs(self) -> list:
-        return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp]
+        return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp, self.kv_cache_dtype]
 
 
 def plugin_choice(kind: str, label: str, options_label: str, group: str):
@@ -301,6 +317,9 @@ def settings_panel() -> SettingsPanel:
                                                                   "Decoding options (JSON)", DECODING_GROUP)
         kv_gb = gr.Number(label="KV cache budget (GiB; empty: automatic)", minimum=0.01,
                           info=KV_BUDGET_INFO, elem_id="settings-kv-gb")
+        # an initial value: the Gradio API's input is optional (a client sending the eight earlier ones gets auto)
+        kv_cache_dtype = gr.Radio(list(KV_CACHE_DTYPES), value=ModelSpec.kv_cache_dtype, label="KV cache",
+                                  info=KV_CACHE_INFO, elem_id="settings-kv-cache-dtype")
         tp = gr.Number(label="Tensor-parallel ranks", value=1, minimum=1, precision=0, elem_id="settings-tp")
         context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
                             minimum=1, precision=0, elem_id="settings-context")
@@ -308,14 +327,14 @@ def settings_panel() -> SettingsPanel:
         apply = gr.Button("Apply", variant="primary", elem_id="settings-apply")
         status = gr.Markdown(elem_id="settings-status")
     return SettingsPanel(model, dtype, quant, quant_help, quant_options, decoding, decoding_help, decoding_options,
-                         kv_gb, tp, context, estimate, apply, status)
+                         kv_gb, kv_cache_dtype, tp, context, estimate, apply, status)
 
 
 def add_settings(blocks: gr.Blocks, service: UIService) -> None:
     """The Model settings panel, filled from the running model on load and again after each Apply."""
     on, panel = SettingsHandlers(service), settings_panel()
     blocks.load(on.settings_values, outputs=panel.values())
-    for component in (panel.model, panel.dtype, panel.context, panel.quant_options, panel.tp):
+    for component in (panel.model, panel.dtype, panel.context, panel.quant_options, panel.tp, panel.kv_cache_dtype):
         component.change(on.update_estimate, panel.estimate_inputs(), panel.estimate, queue=False)
     panel.quant.change(plugin_help, panel.quant, panel.quant_help, queue=False)
 

@@ -91,6 +91,7 @@ def models_router(context: ServerContext) -> APIRouter:
         except ValueError as exc:  # bad path, unknown plugin, bad dtype, a split the model cannot take
             about_decoding = body.decoding != "none" and f"plugin {body.decoding!r}" in str(exc)
             param = ("decoding_options" if about_decoding else "tp" if "tensor-parallel" in str(exc)
+                     else "kv_cache_dtype" if "kv_cache_dtype" in str(exc)
                      else "kv_cache_gb" if "kv_cache" in str(exc) else "model")
             after = "" if host.engine is not None else " (no model is loaded: the tensor-parallel one went first)"
             raise APIError(400, f"{exc}{after}", param) from None

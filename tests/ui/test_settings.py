@@ -2,7 +2,8 @@
 a memory estimate before applying, a swap to another quant plugin without a restart (a reply in flight
 finishes first; the next uses the new plugin, shown in the dashboard and in /v1/models), a refusal
 of a plugin that cannot run on this device (the old model keeps serving), a swap to speculative
-decoding (n-gram) with its acceptance figures on the dashboard, and the tensor-parallel ranks input."""
+decoding (n-gram) with its acceptance figures on the dashboard, the tensor-parallel ranks input, and the KV cache
+type (the estimate counts it; applied, the pool holds more tokens in the same budget, shown on the dashboard)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvforge.app.cli.cache import human_bytes
 from kvforge.app.models.catalog import describe
+from kvforge.core.config import DTYPES, kv_bytes_per_token
 from kvforge.core.loader import EMBEDDED_MODEL, embedded_gguf_path
 from tests.helpers.chromium import launch_browser
 from tests.helpers.plugin_packages import build_and_install, toy_int8_site
@@ -184,3 +186,34 @@ def test_tensor_parallel_ranks_show_the_running_value_and_below_one_is_refused(p
     assert reply.status_code == 200
     tp.fill("1")
     tp.press("Enter")
+
+
+def estimated_kv_bytes(page) -> float:
+    """The estimate's KV figure: "+ KV 22.5 MiB (int8) = ..." -> bytes."""
+    value, unit = page.locator("#settings-estimate").inner_text().split("+ KV ", 1)[1].split()[:2]
+    return float(value) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+def test_kv_cache_type_changes_the_estimate_and_applied_the_pool_holds_more_tokens(page, server):
+    """int8 chosen: the estimate's KV shrinks by int8's bytes against the model's dtype; applied (the --kv-cache-gb
+    budget kept), the card and the dashboard show int8 and the tokens the pool holds, about twice bf16's."""
+    before = model_card(server)
+    assert before["kv_cache_dtype"] == "auto"
+    page.wait_for_function("document.querySelector('#settings-kv-cache-dtype input[value=auto]').checked")
+    page.locator("#settings-estimate").filter(has_text="Estimate for").wait_for()
+    auto_kv = estimated_kv_bytes(page)
+    page.locator("#settings-kv-cache-dtype label").filter(has_text="int8").click()
+    page.locator("#settings-estimate").filter(has_text="(int8) =").wait_for()
+    int8_per_token = kv_bytes_per_token(30, 3, 64, DTYPES[before["dtype"]], "int8")  # the embedded model's shape
+    ratio = int8_per_token / before["memory"]["kv_bytes_per_token"]
+    assert estimated_kv_bytes(page) / auto_kv == pytest.approx(ratio, rel=0.02)
+
+    status = apply_and_wait(page)
+    assert status.startswith("Loaded") and "KV cache int8" in status, status
+    card = model_card(server)
+    assert card["kv_cache_dtype"] == "int8" and card["memory"]["kv_bytes_per_token"] == int8_per_token, card
+    tokens = card["memory"]["kv_cache_tokens"]
+    assert card["memory"]["kv_cache_bytes"] <= 0.25 * (1 << 30)  # the configured budget is kept
+    assert tokens == pytest.approx(before["memory"]["kv_cache_tokens"] / ratio, abs=32)  # whole blocks of 16
+    page.locator("#dashboard").filter(has_text=f"int8 / {tokens:,} tokens").wait_for()
+    page.wait_for_function("document.querySelector('#settings-kv-cache-dtype input[value=int8]').checked")

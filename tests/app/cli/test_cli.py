@@ -173,6 +173,25 @@ def test_gpu_settings_reach_the_engine(tmp_path, monkeypatch):
         build_parser().parse_args(["generate", "hi", "--kernels", "cuda"])
 
 
+@pytest.mark.parametrize("command", [("generate", "hi"), ("chat",)])
+def test_kv_cache_dtype_reaches_the_engine_of_generate_and_chat(command, capsys, monkeypatch):
+    """--kv-cache-dtype is an engine flag of generate and chat as of serve: the engine is built with it (a stand-in
+    engine stops there, before any model loads); a type it does not know is refused with the choices."""
+    import kvforge.core.engine
+
+    def recording_engine(config, **_):
+        raise ValueError(f"engine built with kv_cache_dtype={config.kv_cache_dtype}")  # main: one line, exit 2
+
+    monkeypatch.setattr(kvforge.core.engine, "LLMEngine", recording_engine)
+    code, _, err = run_main(capsys, monkeypatch, *command, "--kv-cache-dtype", "q4")
+    assert code == 2 and "engine built with kv_cache_dtype=q4" in err, err
+    code, _, err = run_main(capsys, monkeypatch, *command)
+    assert code == 2 and "engine built with kv_cache_dtype=auto" in err, err
+    with pytest.raises(SystemExit):
+        run_main(capsys, monkeypatch, *command, "--kv-cache-dtype", "int4")
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_context_overflow_resolves_like_every_setting_and_takes_its_choices_only(tmp_path, monkeypatch):
     """--context-overflow (a chat longer than its context: truncate or error): flag > KVFORGE_CONTEXT_OVERFLOW >
     the settings file > truncate; a value off its choices is refused wherever it comes from."""

@@ -219,7 +219,51 @@ def test_the_admin_request_takes_every_model_setting():
     api = set(LoadModelRequest.model_fields) - {"served_model_name"} | {"served_name"}
     assert api == {f.name for f in fields(ModelSpec)}
     body = LoadModelRequest(model="m.gguf", dtype="bfloat16", quant="gguf", quant_options={"kernel": "blocks"},
-                            served_model_name="m", kv_cache_gb=0.5, decoding="ngram", decoding_options={"k": 2})
+                            served_model_name="m", kv_cache_gb=0.5, kv_cache_dtype="int8", decoding="ngram",
+                            decoding_options={"k": 2})
     assert asdict(body.spec(default_tp=2)) == {
         "model": "m.gguf", "dtype": "bfloat16", "quant": "gguf", "quant_options": {"kernel": "blocks"},
-        "served_name": "m", "kv_cache_gb": 0.5, "decoding": "ngram", "decoding_options": {"k": 2}, "tp": 2}
+        "served_name": "m", "kv_cache_gb": 0.5, "kv_cache_dtype": "int8", "decoding": "ngram",
+        "decoding_options": {"k": 2}, "tp": 2}
+
+
+def test_a_quantized_kv_cache_holds_more_tokens_in_the_same_budget(server):
+    """The card shows the KV cache type, its bytes per token and the tokens the pool holds: in the same --kv-cache-gb,
+    int8 holds 128 / 66 of bf16's tokens (head_dim 64: 64 codes + a bf16 scale a row against 64 bf16 values), q4
+    128 / 36; each serves."""
+    url, _ = server
+    cards = {}
+    for kv_cache_dtype in ("auto", "int8", "q4"):
+        r = httpx.post(f"{url}/admin/models/load", timeout=120, json={
+            "model": "embedded", "dtype": "bfloat16", "kv_cache_gb": 0.0625, "kv_cache_dtype": kv_cache_dtype})
+        assert r.status_code == 200, r.text
+        cards[kv_cache_dtype] = card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["kv_cache_dtype"] == kv_cache_dtype == httpx.get(f"{url}/admin/models").json()["loaded"][
+            "kv_cache_dtype"]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
+                                                      "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    memory = {k: card["memory"] for k, card in cards.items()}
+    for kv_cache_dtype, row_bytes in (("auto", 128), ("int8", 66), ("q4", 36)):
+        # K and V x 30 layers x 3 KV heads, one row each
+        assert memory[kv_cache_dtype]["kv_bytes_per_token"] == 2 * 30 * 3 * row_bytes, memory
+        assert memory[kv_cache_dtype]["kv_cache_bytes"] <= 0.0625 * (1 << 30)
+    tokens = {k: m["kv_cache_tokens"] for k, m in memory.items()}
+    block = 16  # the pool is whole blocks: the ratio of the budget's tokens, within a block of each
+    assert abs(tokens["int8"] - tokens["auto"] * 128 / 66) <= 2 * block, tokens
+    assert abs(tokens["q4"] - tokens["auto"] * 128 / 36) <= 4 * block, tokens
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"model": "embedded", "kv_cache_dtype": "int4"}, "kv_cache_dtype"),  # not a KV cache type
+    ({"model": "tiny-llama", "kv_cache_dtype": "q4"}, "head_dim 16"),  # q4's groups of 32 values: a 16-wide head
+])
+def test_a_bad_kv_cache_type_is_refused_naming_it_and_the_old_model_keeps_serving(server, body, fragment):
+    url, host = server
+    before = host.name
+    r = httpx.post(f"{url}/admin/models/load", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "kv_cache_dtype" and fragment in error["message"], error
+    assert host.name == before
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
