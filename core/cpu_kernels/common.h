@@ -91,6 +91,13 @@ static inline float fp8_value(uint8_t b, int kv) {
     return kv == KV_E5M2 ? (float)h : (float)h * 256.0f;
 }
 
+// the factor an 8-bit format's codes (as the SIMD loads return them) are multiplied by: the row's scale, for e4m3 times
+// 2^8 (its codes are read as fp16 at 2^-8 of their value); 1 for the others (q4 applies its group scales itself)
+static inline float kv_row_scale(const char *row, int kv, int D) {
+    if (kv == KV_I8 || kv == KV_E5M2) return bf16_at(row + D);
+    return kv == KV_E4M3 ? bf16_at(row + D) * 256.0f : 1.0f;
+}
+
 // one stored KV row (full precision or quantized) -> D fp32 values, exactly core/kv/quant.py's dequantize
 static inline void load_kv_row(const char *row, int kv, int D, float *dst) {
     if (kv <= F16) {
