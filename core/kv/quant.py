@@ -18,11 +18,13 @@ gather a context (core/layers/attention.py) dequantize what they gathered, as th
 - q4: groups of 32 values, s = m / -8 where m is the group's value of largest magnitude, codes round(x / s) in
   [-8, 7] stored + 8, two per byte (value 2i in the low nibble): llama.cpp's q4_0 arithmetic, on rows rotated first.
 
-Rotation (`KVFormat.rotate`, q4): the attention layer multiplies q, k and v by a normalized Hadamard matrix H before
-the store and the output by H after (scores are unchanged: q H (k H)^T = q k^T; the weighted values come out as
-(p v) H). It spreads a head's few large channels over all of them, so 4 bits per value no longer spend their range on
-outliers: on the embedded model, 2048 tokens of held-out text, q4 without it raised perplexity by 15%, with it by 5%
-(asymmetric groups without it: 11%; 16 non-uniform levels: no better). The pool's q4 rows hold the rotated values.
+Rotation (`KVFormat.rotate`, q4): the attention layer multiplies k and v by the Hadamard matrix H (entries +-1) before
+the store, q by H / head_dim, and the output by H / head_dim after (H H^T = head_dim I: scores are unchanged, q H / d
+(k H)^T = q k^T, and the weighted values come out as (p v) H, turned back by H / d). Both matrices are exact in any
+dtype (head_dim a power of two), so each rotation is one matmul in the model's dtype. It spreads a head's few large
+channels over all of them, so 4 bits per value no longer spend their range on outliers: on the embedded model, 2048
+tokens of held-out text, q4 without it raised perplexity by 15%, with it by 5% (asymmetric groups without it: 11%; 16
+non-uniform levels: no better). The pool's q4 rows hold the rotated values.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class KVFormat:
     bits: int  # per value
     group: int  # values per scale; 0: the whole row (one scale per token and head)
     limit: float  # the largest code magnitude
-    rotate: bool = False  # rows hold K and V rotated by `hadamard(head_dim)` (see above)
+    rotate: bool = False  # rows hold K and V times `hadamard(head_dim)` (see above)
 
     def groups(self, head_dim: int) -> int:
         return head_dim // self.group if self.group else 1
@@ -106,12 +108,14 @@ KV_FORMATS = {f.name: f for f in (KVFormat("int8", 3, 8, 0, 127.0), KVFormat("fp
 
 
 @functools.cache
-def hadamard(size: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
-    """The normalized Sylvester Hadamard matrix of a power-of-two `size`: orthogonal and symmetric (H H = I)."""
+def hadamard(size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             inverse: bool = False) -> torch.Tensor:
+    """The Sylvester Hadamard matrix H of a power-of-two `size` (entries +-1, symmetric, H H = size I), or with
+    `inverse` its inverse H / size; both exact in any float dtype."""
     matrix = torch.ones(1, 1, dtype=torch.float64)
     while matrix.shape[0] < size:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
-    return (matrix / size ** 0.5).to(dtype=dtype, device=device)
+    return (matrix / size if inverse else matrix).to(dtype=dtype, device=device)
 
 
 def kv_format(name: str) -> KVFormat | None:

@@ -31,9 +31,9 @@ from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.decode_attention import DECODE_VARIANTS, masked_scores
 
 
-def _rotated(x: torch.Tensor) -> torch.Tensor:
-    """x [..., head_dim] times the normalized Hadamard matrix (its own inverse), in fp32."""
-    return torch.matmul(x.float(), hadamard(x.shape[-1], device=x.device)).to(x.dtype)
+def _rotated(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [..., head_dim] times the Hadamard matrix, or its inverse: one matmul in x's dtype (both matrices exact)."""
+    return torch.matmul(x, hadamard(x.shape[-1], x.dtype, x.device, inverse))
 
 
 def _heads_contiguous(*tensors: torch.Tensor) -> bool:
@@ -65,8 +65,8 @@ class Attention(nn.Module):
         ctx = get_context()
         cache = ctx.kv_cache[self.layer_index]  # [2, kv_heads, blocks, block_size, head_dim]
         if ctx.kv_format is not None and ctx.kv_format.rotate:  # q4's rows hold rotated K / V (core/kv/quant.py)
-            out = self._attend(ctx, cache, *(_rotated(x) for x in (q, k, v)))
-            return _rotated(out.view(-1, self.num_heads, self.head_dim)).view(out.shape)
+            out = self._attend(ctx, cache, _rotated(q, inverse=True), _rotated(k), _rotated(v))
+            return _rotated(out.view(-1, self.num_heads, self.head_dim), inverse=True).view(out.shape)
         return self._attend(ctx, cache, q, k, v)
 
     def _attend(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
