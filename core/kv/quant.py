@@ -21,10 +21,10 @@ gather a context (core/layers/attention.py) dequantize what they gathered, as th
 Rotation (`KVFormat.rotate`, q4): the attention layer multiplies k and v by the Hadamard matrix H (entries +-1) before
 the store, q by H / head_dim, and the output by H / head_dim after (H H^T = head_dim I: scores are unchanged, q H / d
 (k H)^T = q k^T, and the weighted values come out as (p v) H, turned back by H / d). Both matrices are exact in any
-dtype (head_dim a power of two), so each rotation is one matmul in the model's dtype. It spreads a head's few large
-channels over all of them, so 4 bits per value no longer spend their range on outliers: on the embedded model, 2048
-tokens of held-out text, q4 without it raised perplexity by 15%, with it by 5% (asymmetric groups without it: 11%; 16
-non-uniform levels: no better). The pool's q4 rows hold the rotated values.
+dtype (head_dim a power of two): each rotation is one fp32 matmul, rounded once to the model's dtype. It spreads a
+head's few large channels over all of them, so 4 bits per value no longer spend their range on outliers: on the
+embedded model, 2048 tokens of held-out text, q4 without it raised perplexity by 15%, with it by 5% (asymmetric groups
+without it: 11%; 16 non-uniform levels: no better). The pool's q4 rows hold the rotated values.
 """
 
 from __future__ import annotations
