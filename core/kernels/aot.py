@@ -21,11 +21,10 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvforge.core.kernels.runtime import Launch, triton
+from kvforge.core.kernels.runtime import Kernel, Launch, triton
 
 if TYPE_CHECKING:
     from triton.backends.compiler import GPUTarget
@@ -61,14 +60,14 @@ def _target(target: GPUTarget | None) -> GPUTarget:
 
 
 @functools.cache
-def _jit(fn: Callable):
+def _jit(kernel: Kernel):
     from triton.runtime.jit import JITFunction
 
     if not isinstance(triton.language.standard._sum_combine, JITFunction):
         raise RuntimeError("triton was imported with TRITON_INTERPRET=1: its own jitted helpers are interpreted "
                            "and cannot be compiled; compile in a process started without it")
     # JITFunction directly, not triton.jit: under TRITON_INTERPRET=1 that would give an interpreted function
-    return JITFunction(fn)
+    return JITFunction(kernel.with_helpers(JITFunction))
 
 
 def launch_signature(launch: Launch, target: GPUTarget | None = None,
@@ -77,7 +76,7 @@ def launch_signature(launch: Launch, target: GPUTarget | None = None,
     from triton.compiler import make_backend
     from triton.runtime.jit import native_specialize_impl
 
-    jit = _jit(launch.kernel.fn)
+    jit = _jit(launch.kernel)
     backend = make_backend(_target(target))
     names = set(jit.arg_names)
     options = {k: v for k, v in launch.kwargs.items() if k not in names}
@@ -104,7 +103,7 @@ def compile_launch(launch: Launch, target: GPUTarget | None = None) -> Compiled:
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs, options = launch_signature(launch, target)
-    kernel = triton.compile(ASTSource(_jit(launch.kernel.fn), signature, constexprs, attrs),
+    kernel = triton.compile(ASTSource(_jit(launch.kernel), signature, constexprs, attrs),
                             target=_target(target), options=options)
     ptx = kernel.asm["ptx"]
     registers, spills = _resource_usage(kernel.asm["cubin"])

@@ -38,7 +38,8 @@ import functools
 
 import torch
 
-from kvforge.core.kernels.checks import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, KV_NONE, KV_Q4, check_paged_attention
+from kvforge.core.kernels.checks import KV_NONE, check_paged_attention
+from kvforge.core.kernels.kv_tiles import load_kv_tile
 from kvforge.core.kernels.runtime import Kernel, check_runnable, fp32_dots, next_power_of_2, tl
 from kvforge.core.kv.quant import KVFormat
 
@@ -87,13 +88,6 @@ def _split_fn(
 
     k_head = k_ptr + kv_head * stride_kvh
     v_head = v_ptr + kv_head * stride_kvh
-    # a quantized row (core/kv/quant.py): its codes, then its bf16 scales; the byte holding each value's code
-    if KV_FORMAT == KV_Q4:
-        code_cols = offs_d // 2  # value 2i in the low nibble of byte i
-        nibble = (offs_d % 2) * 4
-        scale_cols = HEAD_DIM // 2 + 2 * (offs_d // KV_GROUP)
-    else:
-        code_cols = offs_d
     table = block_tables_ptr + b * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
     # tl.full, not tl.zeros, and tl.reduce with the standard combine functions, not tl.max / tl.sum: those
@@ -108,42 +102,16 @@ def _split_fn(
         block = tl.load(table + (pos // BLOCK_SIZE) * stride_btw, mask=valid, other=0).to(tl.int64)
         # int64: block * stride can pass 2**31 in a large pool
         rows = block * stride_kvn + (pos % BLOCK_SIZE).to(tl.int64) * stride_kvs
-        kv_offs = rows[:, None] + offs_d[None, :] * stride_kvd
-        kv_mask = valid[:, None] & mask_d[None, :]
         if KV_FORMAT == KV_NONE:
+            kv_offs = rows[:, None] + offs_d[None, :] * stride_kvd
+            kv_mask = valid[:, None] & mask_d[None, :]
             k = tl.load(k_head + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_head + kv_offs, mask=kv_mask, other=0.0)
-        else:  # dequantized here, in registers: code value * bf16 scale in fp32, as KVFormat.dequantize
-            code_offs = rows[:, None] + code_cols[None, :] * stride_kvd
-            if KV_FORMAT == KV_Q4:  # a scale per value's group
-                scale_offs = rows[:, None] + scale_cols[None, :] * stride_kvd
-                scale_mask = kv_mask
-            else:  # one scale per row
-                scale_offs = rows[:, None] + HEAD_DIM * stride_kvd
-                scale_mask = valid[:, None]
-            for which in tl.static_range(2):  # K, then V: one copy of the dequantization
-                base = k_head if which == 0 else v_head
-                c = tl.load(base + code_offs, mask=kv_mask, other=0)
-                # the scale's two bytes (little-endian), loaded one by one: no alignment asked of the cache
-                bits = (tl.load(base + scale_offs, mask=scale_mask, other=0).to(tl.uint32)
-                        | (tl.load(base + scale_offs + stride_kvd, mask=scale_mask, other=0).to(tl.uint32) << 8))
-                if KV_FORMAT == KV_INT8:
-                    x = c.to(tl.int8, bitcast=True).to(tl.float32)
-                elif KV_FORMAT == KV_Q4:
-                    x = ((c >> nibble[None, :]) & 15).to(tl.float32) - 8.0
-                elif KV_FORMAT == KV_FP8_E5M2:  # e5m2 is fp16's top byte
-                    x = (c.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
-                else:  # e4m3's bits placed in an fp16 are its value / 2**8 (biases 7 and 15), subnormals too
-                    tl.static_assert(KV_FORMAT == KV_FP8_E4M3)
-                    half = ((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << 7)
-                    x = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-                x = x * (bits << 16).to(tl.float32, bitcast=True)
-                if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
-                    x = x.to(q.dtype)
-                if which == 0:
-                    k = x
-                else:
-                    v = x
+        else:  # dequantized here, in registers (core/kernels/kv_tiles.py)
+            k = load_kv_tile(k_head, rows, offs_d, valid, mask_d, stride_kvd, HEAD_DIM, KV_GROUP, KV_FORMAT)
+            v = load_kv_tile(v_head, rows, offs_d, valid, mask_d, stride_kvd, HEAD_DIM, KV_GROUP, KV_FORMAT)
+            if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
+                k, v = k.to(q.dtype), v.to(q.dtype)
 
         if DOT_FP32:
             scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -203,7 +171,7 @@ def _combine_fn(
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-_split_kernel = Kernel(_split_fn)
+_split_kernel = Kernel(_split_fn, helpers=(load_kv_tile,))
 _combine_kernel = Kernel(_combine_fn)
 
 

@@ -37,7 +37,8 @@ from __future__ import annotations  # keeps the kernel's `tl.constexpr` annotati
 
 import torch
 
-from kvforge.core.kernels.checks import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, KV_NONE, KV_Q4, check_paged_attention
+from kvforge.core.kernels.checks import KV_NONE, check_paged_attention
+from kvforge.core.kernels.kv_tiles import load_kv_tile
 from kvforge.core.kernels.runtime import Kernel, check_runnable, fp32_dots, next_power_of_2, tl, triton
 from kvforge.core.kv.quant import KVFormat
 
@@ -92,13 +93,6 @@ def _paged_prefill_fn(
 
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = k_base + stride_kv
-    # a quantized row (core/kv/quant.py): its codes, then its bf16 scales; the byte holding each value's code
-    if KV_FORMAT == KV_Q4:
-        code_cols = offs_d // 2  # value 2i in the low nibble of byte i
-        nibble = (offs_d % 2) * 4
-        scale_cols = D // 2 + 2 * (offs_d // KV_GROUP)
-    else:
-        code_cols = offs_d
     table = block_tables_ptr + seq.to(tl.int64) * stride_btp
 
     # tl.full, not tl.zeros, and tl.reduce with the standard combine functions, not tl.max / tl.sum: those
@@ -112,42 +106,16 @@ def _paged_prefill_fn(
         mask_n = offs_n < hi  # never read past the causal limit: those slots may hold anything
         block = tl.load(table + (offs_n // BS) * stride_btw, mask=mask_n, other=0)
         slots = block.to(tl.int64) * stride_kb + (offs_n % BS) * stride_ks
-        kv_offs = slots[:, None] + offs_d[None, :] * stride_kd
-        kv_mask = mask_n[:, None] & mask_d[None, :]
         if KV_FORMAT == KV_NONE:
+            kv_offs = slots[:, None] + offs_d[None, :] * stride_kd
+            kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
-        else:  # dequantized here, in registers: code value * bf16 scale in fp32, as KVFormat.dequantize
-            code_offs = slots[:, None] + code_cols[None, :] * stride_kd
-            if KV_FORMAT == KV_Q4:  # a scale per value's group
-                scale_offs = slots[:, None] + scale_cols[None, :] * stride_kd
-                scale_mask = kv_mask
-            else:  # one scale per row
-                scale_offs = slots[:, None] + D * stride_kd
-                scale_mask = mask_n[:, None]
-            for which in tl.static_range(2):  # K, then V: one copy of the dequantization
-                base = k_base if which == 0 else v_base
-                c = tl.load(base + code_offs, mask=kv_mask, other=0)
-                # the scale's two bytes (little-endian), loaded one by one: no alignment asked of the cache
-                bits = (tl.load(base + scale_offs, mask=scale_mask, other=0).to(tl.uint32)
-                        | (tl.load(base + scale_offs + stride_kd, mask=scale_mask, other=0).to(tl.uint32) << 8))
-                if KV_FORMAT == KV_INT8:
-                    x = c.to(tl.int8, bitcast=True).to(tl.float32)
-                elif KV_FORMAT == KV_Q4:
-                    x = ((c >> nibble[None, :]) & 15).to(tl.float32) - 8.0
-                elif KV_FORMAT == KV_FP8_E5M2:  # e5m2 is fp16's top byte
-                    x = (c.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
-                else:  # e4m3's bits placed in an fp16 are its value / 2**8 (biases 7 and 15), subnormals too
-                    tl.static_assert(KV_FORMAT == KV_FP8_E4M3)
-                    half = ((c & 0x80).to(tl.uint16) << 8) | ((c & 0x7F).to(tl.uint16) << 7)
-                    x = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-                x = x * (bits << 16).to(tl.float32, bitcast=True)
-                if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
-                    x = x.to(q.dtype)
-                if which == 0:
-                    k = x
-                else:
-                    v = x
+        else:  # dequantized here, in registers (core/kernels/kv_tiles.py)
+            k = load_kv_tile(k_base, slots, offs_d, mask_n, mask_d, stride_kd, D, KV_GROUP, KV_FORMAT)
+            v = load_kv_tile(v_base, slots, offs_d, mask_n, mask_d, stride_kd, D, KV_GROUP, KV_FORMAT)
+            if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
+                k, v = k.to(q.dtype), v.to(q.dtype)
 
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -180,7 +148,7 @@ def _paged_prefill_fn(
              mask=q_mask)
 
 
-_kernel = Kernel(_paged_prefill_fn)
+_kernel = Kernel(_paged_prefill_fn, helpers=(load_kv_tile,))
 
 
 def _check_block(name: str, value: int) -> None:

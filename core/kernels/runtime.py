@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -81,10 +82,12 @@ def check_runnable(*tensors: torch.Tensor, name: str) -> None:
 
 
 class Kernel:
-    """A Triton kernel function, jitted lazily per interpreter setting: `Kernel(fn)[grid](*args)`."""
+    """A Triton kernel function, jitted lazily per interpreter setting: `Kernel(fn)[grid](*args)`. `helpers`: the
+    device functions it calls, jitted with it in the same setting and seen by it under their names (a function
+    jitted at import would stay in the mode of that moment)."""
 
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable, helpers: tuple[Callable, ...] = ()) -> None:
+        self.fn, self.helpers = fn, helpers
         self._jitted: dict[bool, object] = {}
 
     def __getitem__(self, grid):
@@ -95,8 +98,19 @@ class Kernel:
     def _jit(self):
         interpret = interpreting()
         if interpret not in self._jitted:
-            self._jitted[interpret] = _triton().jit(self.fn)
+            self._jitted[interpret] = _triton().jit(self.with_helpers(_triton().jit))
         return self._jitted[interpret]
+
+    def with_helpers(self, jit: Callable) -> Callable:
+        """The kernel function to jit: itself, or a copy over its module's names plus its helpers jitted by `jit`
+        (triton.jit here; aot.py's compiler takes JITFunction)."""
+        if not self.helpers:
+            return self.fn
+        fn = self.fn
+        names = {**fn.__globals__, **{helper.__name__: jit(helper) for helper in self.helpers}}
+        copy = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__annotations__, copy.__qualname__, copy.__module__ = fn.__annotations__, fn.__qualname__, fn.__module__
+        return copy
 
     def _record(self, into: list[Launch], dry_run: bool, grid, *args, **kwargs) -> None:
         into.append(Launch(self, grid, args, kwargs))

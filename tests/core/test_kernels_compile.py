@@ -45,32 +45,41 @@ def _triton_here():
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _paged(dtype: torch.dtype, kv_heads: int, head_dim: int, seqs: int, tokens: int, block_size: int = 16):
-    """A head-major paged cache [2, KVH, NB, BS, D] (one layer, a view into a 2-layer pool as in the engine)
-    and block tables giving each of `seqs` sequences room for `tokens` tokens."""
+def _paged(dtype: torch.dtype, kv_heads: int, head_dim: int, seqs: int, tokens: int, block_size: int = 16,
+           kv_format=None):
+    """A head-major paged cache [2, KVH, NB, BS, D] (one layer, a view into a 2-layer pool as in the engine; a
+    quantized format's uint8 rows instead of D values) and block tables giving each of `seqs` sequences room for
+    `tokens` tokens."""
     per_seq = -(-tokens // block_size)
-    pool = torch.zeros(2, 2, kv_heads, seqs * per_seq + 1, block_size, head_dim, dtype=dtype)
+    row, dtype = (head_dim, dtype) if kv_format is None else (kv_format.row_bytes(head_dim), torch.uint8)
+    pool = torch.zeros(2, 2, kv_heads, seqs * per_seq + 1, block_size, row, dtype=dtype)
     tables = torch.arange(1, seqs * per_seq + 1, dtype=torch.int32).view(seqs, per_seq)
     return pool[1], tables
 
 
-def _decode(dtype: str, head_dim: int, group: int, splits: int) -> None:
+def _decode(dtype: str, head_dim: int, group: int, splits: int, kv: str | None = None) -> None:
     from kvforge.core.kernels.paged_decode import paged_decode_attention
+    from kvforge.core.kv.quant import KV_FORMATS
 
-    kv_cache, tables = _paged(DTYPES[dtype], 8, head_dim, seqs=3, tokens=300)
+    kv_format = KV_FORMATS[kv] if kv else None
+    kv_cache, tables = _paged(DTYPES[dtype], 8, head_dim, seqs=3, tokens=300, kv_format=kv_format)
     q = torch.zeros(3, 8 * group, head_dim, dtype=DTYPES[dtype])
     lens = torch.tensor([300, 17, 0], dtype=torch.int32)
-    paged_decode_attention(q, kv_cache, tables, lens, head_dim**-0.5, num_splits=splits)
+    paged_decode_attention(q, kv_cache, tables, lens, head_dim**-0.5, num_splits=splits, kv_format=kv_format)
 
 
-def _prefill(dtype: str, head_dim: int, group: int, chunk: int, window: int | None = None) -> None:
+def _prefill(dtype: str, head_dim: int, group: int, chunk: int, window: int | None = None,
+             kv: str | None = None) -> None:
     from kvforge.core.kernels.paged_prefill import paged_prefill_attention
+    from kvforge.core.kv.quant import KV_FORMATS
 
-    kv_cache, tables = _paged(DTYPES[dtype], 8, head_dim, seqs=2, tokens=chunk + 40)
+    kv_format = KV_FORMATS[kv] if kv else None
+    kv_cache, tables = _paged(DTYPES[dtype], 8, head_dim, seqs=2, tokens=chunk + 40, kv_format=kv_format)
     q = torch.zeros(2 * chunk, 8 * group, head_dim, dtype=DTYPES[dtype])
     starts = torch.tensor([0, chunk, 2 * chunk], dtype=torch.int32)
     lens = torch.tensor([chunk, chunk + 40], dtype=torch.int32)  # the second has a cached prefix
-    paged_prefill_attention(q, kv_cache, tables, starts, lens, chunk, head_dim**-0.5, sliding_window=window)
+    paged_prefill_attention(q, kv_cache, tables, starts, lens, chunk, head_dim**-0.5, sliding_window=window,
+                            kv_format=kv_format)
 
 
 def _rms_norm(dtype: str, residual: bool) -> None:
@@ -139,6 +148,12 @@ for _dt in ("bf16", "fp16"):
         (f"dequant_gemm-gptq4-{_dt}-m1", lambda dt=_dt: _dequant_gemm(dt, 1), ("_dequant_gemm_kernel",), True),
         (f"dequant_gemm-gptq4-{_dt}-m64", lambda dt=_dt: _dequant_gemm(dt, 64), ("_dequant_gemm_kernel",), True),
     ]
+# a quantized KV pool: its rows dequantized in registers (core/kernels/kv_tiles.py, jitted with each kernel)
+for _kv in ("int8", "q4"):
+    CASES += [(f"decode-bf16-d128-g4-splits4-{_kv}", lambda kv=_kv: _decode("bf16", 128, 4, 4, kv),
+               ("_split_fn", "_combine_fn"), True),
+              (f"prefill-bf16-d128-g4-chunk128-{_kv}", lambda kv=_kv: _prefill("bf16", 128, 4, 128, kv=kv),
+               ("_paged_prefill_fn",), True)]
 # fp32 models: prefill dots in IEEE fp32 on GPUs too (FMA units), with a sliding window
 CASES.append(("prefill-fp32-d128-g4-chunk128-window", lambda: _prefill("fp32", 128, 4, 128, window=64),
               ("_paged_prefill_fn",), False))
