@@ -270,19 +270,6 @@ static inline __attribute__((always_inline)) void pv_avx512_impl(
     }
 }
 
-#define QK_AVX512(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores, KV) \
-    qk_avx512_impl(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, KV, rb, scale, qf, kf, scores)
-#define PV_AVX512(v_plane, rows, n, G, D, scores, acc, KV) pv_avx512_impl(v_plane, rows, n, G, D, KV, scores, acc)
-
-static void qk_avx512(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
-                      int D, int dtype, size_t es, int kv, size_t rb, float scale, float *qf, float *kf, float *scores) {
-    KV_COPIES(QK_AVX512, q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores)
-}
-
-static void pv_avx512(const char *v_plane, const size_t *rows, int n, int G, int D, int kv, const float *scores,
-                      float *acc) {
-    KV_COPIES(PV_AVX512, v_plane, rows, n, G, D, scores, acc)
-}
 #endif
 
 // ---- AVX2 path (where there is no AVX-512: D a multiple of 32): the AVX-512 path's method at 8 lanes. The plain C
@@ -389,30 +376,33 @@ static inline __attribute__((always_inline)) void pv_avx2_impl(const char *v_pla
     }
 }
 
-#define QK_AVX2(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores, KV) \
-    qk_avx2_impl(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, KV, rb, scale, qf, kf, scores)
-#define PV_AVX2(v_plane, rows, n, G, D, scores, acc, KV) pv_avx2_impl(v_plane, rows, n, G, D, KV, scores, acc)
-
-static void qk_avx2(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
-                    int D, int dtype, size_t es, int kv, size_t rb, float scale, float *qf, float *kf, float *scores) {
-    KV_COPIES(QK_AVX2, q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores)
-}
-
-static void pv_avx2(const char *v_plane, const size_t *rows, int n, int G, int D, int kv, const float *scores,
-                    float *acc) {
-    KV_COPIES(PV_AVX2, v_plane, rows, n, G, D, scores, acc)
-}
 #endif
 
 // the SIMD path of this build, where there is one: qk / pv and the head sizes it takes (a multiple of SIMD_HEAD_DIM)
 #if defined(__AVX512F__)
 #define SIMD_HEAD_DIM 64
-#define qk_simd qk_avx512
-#define pv_simd pv_avx512
+#define qk_simd_impl qk_avx512_impl
+#define pv_simd_impl pv_avx512_impl
 #elif defined(__AVX2__)
 #define SIMD_HEAD_DIM 32
-#define qk_simd qk_avx2
-#define pv_simd pv_avx2
+#define qk_simd_impl qk_avx2_impl
+#define pv_simd_impl pv_avx2_impl
+#endif
+
+#if defined(SIMD_HEAD_DIM)  // this build's qk / pv, each dispatched to its copy for the storage format
+#define QK_SIMD(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores, KV) \
+    qk_simd_impl(q_row, k_plane, v_plane, rows, n, G, D, dtype, es, KV, rb, scale, qf, kf, scores)
+#define PV_SIMD(v_plane, rows, n, G, D, scores, acc, KV) pv_simd_impl(v_plane, rows, n, G, D, KV, scores, acc)
+
+static void qk_simd(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
+                    int D, int dtype, size_t es, int kv, size_t rb, float scale, float *qf, float *kf, float *scores) {
+    KV_COPIES(QK_SIMD, q_row, k_plane, v_plane, rows, n, G, D, dtype, es, rb, scale, qf, kf, scores)
+}
+
+static void pv_simd(const char *v_plane, const size_t *rows, int n, int G, int D, int kv, const float *scores,
+                    float *acc) {
+    KV_COPIES(PV_SIMD, v_plane, rows, n, G, D, scores, acc)
+}
 #endif
 
 #define ATTEND_WITH_HEAD_DIM(name, HEAD_DIM)                                                                     \
