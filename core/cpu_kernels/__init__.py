@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.core.kv.quant import KVFormat
+from kvforge.core.kv.quant import KVFormat, check_kv_cache
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.c"))  # paged_attention.c, elementwise.c, dequant.c, gguf_blocks.c; all include common.h
@@ -145,17 +145,14 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
 
 def check_kv_storage(name: str, x: torch.Tensor, cache: torch.Tensor, kv_format: KVFormat | None) -> int:
     """The kernels' code of the cache's storage: x's dtype for a full-precision cache, the format's for a quantized
-    one (uint8 rows of its row_bytes); a ValueError naming both otherwise."""
-    head_dim = x.shape[-1]
-    if kv_format is None:
-        if cache.dtype != x.dtype or x.dtype not in DTYPE_CODES:
-            raise ValueError(f"{name}: a cache of {cache.dtype} for {x.dtype} values; without a quantized KV format "
-                             f"both must be one of float32 / bfloat16 / float16, the same")
-        return DTYPE_CODES[x.dtype]
-    if cache.dtype != torch.uint8 or cache.shape[-1] != kv_format.row_bytes(head_dim):
-        raise ValueError(f"{name}: a {kv_format.name} KV cache is uint8 rows of {kv_format.row_bytes(head_dim)} bytes "
-                         f"for head_dim {head_dim}, got {cache.dtype} rows of {cache.shape[-1]}")
-    return kv_format.code
+    one (core/kv/quant.py check_kv_cache); a ValueError naming both otherwise."""
+    check_kv_cache(name, kv_format, cache, x.shape[-1])
+    if kv_format is not None:
+        return kv_format.code
+    if cache.dtype != x.dtype or x.dtype not in DTYPE_CODES:
+        raise ValueError(f"{name}: a cache of {cache.dtype} for {x.dtype} values; without a quantized KV format "
+                         f"both must be one of float32 / bfloat16 / float16, the same")
+    return DTYPE_CODES[x.dtype]
 
 
 @functools.cache

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.core.kernels.runtime import tl
-from kvforge.core.kv.quant import KV_FORMATS, KVFormat
+from kvforge.core.kv.quant import KV_FORMATS, KVFormat, check_kv_cache
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -25,22 +25,15 @@ KV_Q4 = _constexpr(KV_FORMATS["q4"].code)
 def check_kv_format(name: str, kv_format: KVFormat | None, kv_cache: torch.Tensor, head_dim: int) -> int:
     """The KV_FORMAT code of a cache stored as `kv_format`, or a ValueError naming the cache and the format when
     they do not go together. None (full precision) only refuses a uint8 cache here: the callers check its dtype
-    and width against the model's. A format needs a uint8 cache of kv_format.row_bytes(head_dim) per row."""
-    if kv_format is None:
-        if kv_cache.dtype == torch.uint8:
-            raise ValueError(f"{name}: kv_cache is uint8 (a quantized pool) but kv_format is None")
-        return NO_FORMAT
-    if not (isinstance(kv_format, KVFormat) and kv_format.name in READ_FORMATS
-            and KV_FORMATS.get(kv_format.name) == kv_format):
+    and width against the model's. A format needs a uint8 cache of kv_format.row_bytes(head_dim) per row (core/kv/
+    quant.py check_kv_cache, as the C kernels check it) and a head size it takes, its rotation's included."""
+    if kv_format is not None and not (isinstance(kv_format, KVFormat) and kv_format.name in READ_FORMATS
+                                      and KV_FORMATS.get(kv_format.name) == kv_format):
         raise ValueError(f"{name}: the kernels read no KV format {kv_format!r}; they read {', '.join(READ_FORMATS)}")
-    if kv_cache.dtype != torch.uint8:
-        raise ValueError(f"{name}: kv_format {kv_format.name} stores uint8 rows, but kv_cache is {kv_cache.dtype}")
-    if (why := kv_format.unsupported(head_dim)) is not None:
+    check_kv_cache(name, kv_format, kv_cache, head_dim)
+    if kv_format is not None and (why := kv_format.unsupported(head_dim)) is not None:
         raise ValueError(f"{name}: {why}")
-    if kv_cache.shape[-1] != kv_format.row_bytes(head_dim):
-        raise ValueError(f"{name}: kv_format {kv_format.name} stores rows of {kv_format.row_bytes(head_dim)} bytes "
-                         f"at head_dim {head_dim}, but kv_cache rows have {kv_cache.shape[-1]}")
-    return kv_format.code
+    return NO_FORMAT if kv_format is None else kv_format.code
 
 
 def check_paged_attention(name: str, q: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | None,

@@ -54,11 +54,17 @@ class KVFormat:
         """Bytes of one token's K (or V) for one head: codes, then bf16 scales."""
         return self.value_bytes(head_dim) + 2 * self.groups(head_dim)
 
-    def unsupported(self, head_dim: int) -> str | None:
-        """Why a model with this head size cannot store its KV in this format, or None."""
+    def unstorable(self, head_dim: int) -> str | None:
+        """Why rows of this head size cannot be laid out in this format (a group cut in two), or None."""
         if self.group and head_dim % self.group:
             return (f"{self.name} KV stores groups of {self.group} values; the model's head_dim {head_dim} is not a "
                     "multiple")
+        return None
+
+    def unsupported(self, head_dim: int) -> str | None:
+        """Why a model with this head size cannot store its KV in this format (its rows, or their rotation), or None."""
+        if (why := self.unstorable(head_dim)) is not None:
+            return why
         if self.rotate and head_dim & (head_dim - 1):
             return (f"{self.name} KV rotates rows by a Hadamard matrix, which needs a power-of-two head_dim, not "
                     f"{head_dim}")
@@ -116,6 +122,23 @@ def hadamard(size: int, dtype: torch.dtype = torch.float32, device: str | torch.
     while matrix.shape[0] < size:
         matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
     return (matrix / size if inverse else matrix).to(dtype=dtype, device=device)
+
+
+def check_kv_cache(name: str, kv_format: KVFormat | None, kv_cache: torch.Tensor, head_dim: int) -> None:
+    """A ValueError naming the kernel `name`, the cache and the format where they do not go together: a format needs a
+    uint8 cache of its row_bytes(head_dim) per row (whole groups); full precision (None) refuses a uint8 cache (the
+    kernels check a float cache's dtype against their own inputs). The C and the Triton kernels' one check."""
+    if kv_format is None:
+        if kv_cache.dtype == torch.uint8:
+            raise ValueError(f"{name}: kv_cache is uint8 (a quantized pool) but kv_format is None")
+        return
+    if kv_cache.dtype != torch.uint8:
+        raise ValueError(f"{name}: kv_format {kv_format.name} stores uint8 rows, but kv_cache is {kv_cache.dtype}")
+    if (why := kv_format.unstorable(head_dim)) is not None:
+        raise ValueError(f"{name}: {why}")
+    if kv_cache.shape[-1] != kv_format.row_bytes(head_dim):
+        raise ValueError(f"{name}: kv_format {kv_format.name} stores rows of {kv_format.row_bytes(head_dim)} bytes "
+                         f"at head_dim {head_dim}, but kv_cache rows have {kv_cache.shape[-1]}")
 
 
 def kv_format(name: str) -> KVFormat | None:

@@ -133,10 +133,11 @@ def test_a_cache_and_format_that_do_not_match_are_refused(kernels):
     fmt = KV_FORMATS["int8"]
     q, out = torch.zeros(1, 2, 64), torch.zeros(1, 128)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="uint8 rows of 66 bytes for head_dim 64, got torch.float32 rows of 64"):
+    with pytest.raises(ValueError, match="kv_format int8 stores uint8 rows, but kv_cache is torch.float32"):
         paged_attention(q, torch.zeros(2, 1, 4, 16, 64), tables, lens, 0.1, None, out, kv_format=fmt)
-    with pytest.raises(ValueError, match="uint8 rows of 66 bytes for head_dim 64, got torch.uint8 rows of 36"):
+    with pytest.raises(ValueError, match="kv_format int8 stores rows of 66 bytes at head_dim 64, but kv_cache rows "
+                                         "have 36"):
         paged_attention(q, torch.zeros(2, 1, 4, 16, 36, dtype=torch.uint8), tables, lens, 0.1, None, out,
                         kv_format=fmt)
-    with pytest.raises(ValueError, match="a cache of torch.uint8 for torch.float32 values; without a quantized"):
+    with pytest.raises(ValueError, match=r"kv_cache is uint8 \(a quantized pool\) but kv_format is None"):
         paged_attention(q, torch.zeros(2, 1, 4, 16, 66, dtype=torch.uint8), tables, lens, 0.1, None, out)
