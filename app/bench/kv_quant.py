@@ -16,6 +16,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from kvforge.app.bench.arguments import bench_parser, checked_model, use_threads
 from kvforge.app.bench.runs import bench_engine, run_batch
 from kvforge.app.bench.workloads import eval_text, prompt_ids, random_prompts
@@ -83,8 +85,6 @@ def run_kv_quant(args: argparse.Namespace) -> list[KVQuantRow]:
     batch_prompts = None if args.no_speed else random_prompts(args.batch, args.context, seed=0)
     b1_prompt = prompt_ids(tokenizer, 64)
     say = (lambda *a, **k: None) if args.json else print
-    import torch
-
     say(f"model {path.name} ({args.dtype}); perplexity on {len(text_ids)} held-out tokens; top-1 agreement over "
         f"{args.generate} generated tokens; decode {args.decode_tokens} tokens at batch 1 (median of {args.repeats}) "
         + ("" if args.no_speed else f"and at batch {args.batch} over {args.context}-token contexts ")
