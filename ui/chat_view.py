@@ -28,15 +28,20 @@ def tool_result_title(name: str | None, call_id: str | None) -> str:
 
 
 def reply_stats_markdown(message: dict | None, truncation: Truncation | None = None) -> str:
-    """Per-reply stats under the chat, and the notice of a reply whose prompt left older messages out."""
-    line = reply_stats_line(message)
+    """Per-reply stats under the chat, and the notice of a reply whose prompt left older messages out: `truncation`
+    while it streams, else what the stored reply kept (so a reloaded conversation says it again)."""
+    line = reply_stats_line(message, left_out=False)
     shown = [f"Last reply: {line}"] if line else []
-    return "\n\n".join(shown + ([truncation_notice(truncation)] if truncation is not None else []))
+    stored = (message or {}).get("context_truncated") or {}
+    count = truncation.dropped_messages if truncation is not None else stored.get("dropped_messages")
+    if count:
+        shown.append(truncation_notice(count))
+    return "\n\n".join(shown)
 
 
-def truncation_notice(truncation: Truncation) -> str:
-    """What a reply to a conversation longer than the model's context says (app/generate/context_fit.py)."""
-    count = truncation.dropped_messages
+def truncation_notice(count: int) -> str:
+    """What a reply to a conversation longer than the model's context says (app/generate/context_fit.py): `count`
+    messages were left out of its prompt."""
     return (f"⚠ Older messages were left out of the model's context: the {count} oldest "
             f"message{'' if count == 1 else 's'} did not fit, so the model saw the system prompt and the newest "
             "turns only. They stay in the conversation.")

@@ -131,6 +131,21 @@ async def _queue(context: ServerContext, request: GenerateRequest, ticket: Ticke
                     rendered.truncation)
 
 
+def sent_prompt(context: ServerContext, engine: AsyncEngine, request: GenerateRequest
+                ) -> tuple[list[int], Truncation | None]:
+    """The token ids a chat request would be queued with, and what they leave out of a conversation longer than its
+    context: its prompt rendered and fitted as _queue does, nothing compiled or queued (what a token count counts).
+    Blocking work (render, tokenize): run it off the event loop, under an admission ticket for `engine`."""
+    prompt = request.prompt
+    if not isinstance(prompt, ChatPrompt):
+        raise TypeError("sent_prompt: a chat request's prompt only")
+    budget = fit_budget(context, engine, request)
+    if budget is None:
+        check_prompt_chars(engine, prompt.chars(), prompt.field)
+    plan, truncation = prompt.sent_plan(engine, budget)
+    return plan.prompt, truncation
+
+
 def fit_budget(context: ServerContext, engine: AsyncEngine, request: GenerateRequest) -> ContextBudget | None:
     """The budget a chat is fitted into when it outgrows its context (app/generate/context_fit.py: its window, the
     room for the reply); None where nothing is cut: a prompt taken as it is, a request or a server

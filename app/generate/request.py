@@ -79,14 +79,17 @@ class ChatPrompt:
         if self.reasoning_field and reasoning_syntax(engine.tokenizer) is None:
             raise APIError(400, f"{self.reasoning_field}: {model!r} does not think (its template and vocabulary "
                            "have no think markers)", self.reasoning_field)
-        truncation = None
-        if budget is None:
-            plan = self.plan(engine.tokenizer)
-        else:
-            plan, truncation = self._fitted(engine, budget)
+        plan, truncation = self.sent_plan(engine, budget)
         if plan.constraint is not None:
             compile_constraint(engine, plan.constraint, plan.constraint_field)
         return Rendered(plan.prompt, plan.constraint, plan, truncation=truncation)
+
+    def sent_plan(self, engine: AsyncEngine, budget: ContextBudget | None) -> tuple[ChatPlan, Truncation | None]:
+        """The plan of the prompt sent, and what it left out: the conversation whole (`budget` None), or fitted to
+        `budget` (see render); its constraint not compiled (a token count needs none)."""
+        if budget is None:
+            return self.plan(engine.tokenizer), None
+        return self._fitted(engine, budget)
 
     def _fitted(self, engine: AsyncEngine, budget: ContextBudget) -> tuple[ChatPlan, Truncation | None]:
         tokenizer, bound = engine.tokenizer, prompt_chars_bound(engine)

@@ -115,13 +115,18 @@ class Message(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     ttft_s: Mapped[float | None] = mapped_column(Float)
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    # a reply to a conversation longer than the context: what its prompt left out, {"dropped_messages",
+    # "dropped_turns"}; named as the API's field (app/generate/context_fit.py FIELD), which stores it; None: nothing
+    context_truncated: Mapped[dict | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
     conversation: Mapped[Conversation] = relationship(back_populates="nodes")
     # not a column: the ids of the messages sharing this one's parent (itself included, in creation order), set
     # by Conversations on what it returns, so that a client can show "< 2/3 >"
     siblings = None
 
-    STATS = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "ttft_s", "tokens_per_s")
+    # a reply's figures: kept, exported and shown (to_dict) where known
+    STATS = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "ttft_s", "tokens_per_s",
+             "context_truncated")
 
     def to_dict(self) -> dict[str, Any]:
         out = {"id": self.id, "parent_id": self.parent_id, "role": self.role, "content": self.content,

@@ -3,11 +3,13 @@
     {"format": "kvforge.conversation", "version": 1, "title", "model", "settings", "created_at", "updated_at",
      "current_message_id", "messages": [{"id", "parent_id", "role", "content", "reasoning_content", "tool_calls",
      "tool_call_id", "created_at", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
-     "ttft_s", "tokens_per_s"}, ...]}
+     "ttft_s", "tokens_per_s", "context_truncated"}, ...]}
 
 `messages` holds every message of every branch in creation order, so a message's parent comes before it;
 `current_message_id` is the last message of the branch shown. An export always writes every key (null where a
 message has none); an import needs only format, version, title and each message's id, role and content.
+`context_truncated` ({"dropped_messages", "dropped_turns"}: what a reply's prompt left out of a conversation longer
+than the context) came after version 1's first files; it is optional, so they still import.
 
 Import makes a NEW conversation (new ids, created and updated now, so it tops the list) with the same tree,
 branch shown, settings (checked as a session's: SessionSettings), model and per-message metadata (times, token
@@ -48,6 +50,20 @@ CallId = Annotated[str, Field(min_length=1, max_length=200), Storable]
 FinishReason = Annotated[str, Field(min_length=1, max_length=16), Storable]
 
 
+class LeftOut(BaseModel):
+    """A reply's context_truncated: what its prompt left out (app/generate/context_fit.py Truncation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    dropped_messages: Annotated[int, Field(ge=1, le=INT32)]
+    dropped_turns: Annotated[int, Field(ge=1, le=INT32)]
+
+    @model_validator(mode="after")
+    def _whole_turns(self) -> LeftOut:
+        if self.dropped_turns > self.dropped_messages:  # a turn is at least one message
+            raise ValueError("dropped_turns: at most dropped_messages (a turn is one message or more)")
+        return self
+
+
 class ExportedMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     id: int  # the exporting store's: only links parent_id and current_message_id within the document
@@ -64,12 +80,15 @@ class ExportedMessage(BaseModel):
     finish_reason: FinishReason | None = None
     ttft_s: Seconds | None = None
     tokens_per_s: Seconds | None = None
+    context_truncated: LeftOut | None = None
 
     @model_validator(mode="after")
     def _role_fields(self) -> ExportedMessage:
-        # as the sessions API stores them: only a reply calls tools, only a tool message answers a call
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"tool_calls: only an assistant message has them, not a {self.role} message")
+        # as the sessions API stores them: only a reply calls tools or has a prompt that left messages out, only a
+        # tool message answers a call
+        for name in ("tool_calls", "context_truncated"):
+            if getattr(self, name) and self.role != "assistant":
+                raise ValueError(f"{name}: only on an assistant message, not on a {self.role} message")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("tool_call_id: a tool message needs one (the call it answers), other messages have none")
         return self

@@ -1,9 +1,10 @@
 """The sessions API's request bodies: a conversation's settings (system prompt, sampling defaults, tools: checked as
-a chat request's), its creation and update, and a reply's fields (a new message, a regeneration)."""
+a chat request's; the context window its replies' prompts are fitted to), its creation and update, and a reply's
+fields (a new message, a regeneration)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -11,14 +12,19 @@ from kvforge.app.dialects.openai.fields import MAX_SYSTEM_PROMPT_CHARS
 from kvforge.app.dialects.openai.protocol import SamplingFields
 from kvforge.app.dialects.openai.tools import ToolFields
 
+# Ollama's num_ctx, as the chat routes take it: the context window a reply's prompt and the reply share (a conversation
+# longer loses its oldest whole turns: app/generate/context_fit.py); above the model's context, the model's
+NumCtx = Annotated[int, Field(ge=1)]
+
 
 class SessionSettings(ToolFields):
-    """A conversation's own settings: its system prompt, sampling defaults (SamplingFields names), and the tools
-    its replies may call (ToolFields: checked as a chat request's)."""
+    """A conversation's own settings: its system prompt, sampling defaults (SamplingFields names), the tools
+    its replies may call (ToolFields: checked as a chat request's), its context window (num_ctx)."""
 
     model_config = ConfigDict(extra="forbid")
     system_prompt: str | None = Field(default=None, max_length=MAX_SYSTEM_PROMPT_CHARS)
     sampling: dict[str, Any] = Field(default_factory=dict)
+    num_ctx: NumCtx | None = None  # None: the model's context
 
     @field_validator("sampling")
     @classmethod
@@ -26,11 +32,11 @@ class SessionSettings(ToolFields):
         return check_sampling(sampling)
 
     def stored(self) -> dict[str, Any]:
-        """The settings as a conversation keeps them: the system prompt and sampling always, the tool fields only
-        where set (a conversation without tools keeps none)."""
-        tool_fields = set(ToolFields.model_fields) & self.model_fields_set
+        """The settings as a conversation keeps them: the system prompt and sampling always, the tool fields and
+        num_ctx only where set (a conversation without tools keeps none)."""
+        optional = (set(ToolFields.model_fields) | {"num_ctx"}) & self.model_fields_set
         return {"system_prompt": self.system_prompt, "sampling": self.sampling,
-                **self.model_dump(include=tool_fields, exclude_none=True)}
+                **self.model_dump(include=optional, exclude_none=True)}
 
 
 def check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +70,7 @@ class SessionUpdateRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None  # checked with the rest, as SessionSettings
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    num_ctx: NumCtx | None = None  # null: back to the model's context
     # show another branch: the one through this message, down to its most recent reply (Conversations.switch)
     current_message_id: int | None = None
 
@@ -87,15 +94,17 @@ class SessionUpdateRequest(BaseModel):
 
 
 # a session reply's fields that are not sampling overrides
-NOT_SAMPLING = frozenset({"role", "content", "tool_call_id", "tool_choice", "stream", "model", "parent_id"})
+NOT_SAMPLING = frozenset({"role", "content", "tool_call_id", "tool_choice", "stream", "model", "parent_id",
+                          "num_ctx"})
 
 
 class SessionReplyFields(SamplingFields):
     """What a session reply takes: fields given here override the conversation's sampling settings (and
-    tool_choice) for this reply. Streams by default."""
+    tool_choice, num_ctx) for this reply. Streams by default."""
 
     # this reply's, instead of the conversation's (e.g. "required" to start, "auto" once the results are in)
     tool_choice: str | dict[str, Any] | None = None
+    num_ctx: NumCtx | None = None  # this reply's context window, instead of the conversation's
     stream: bool = True
 
     def overrides(self) -> dict[str, Any]:

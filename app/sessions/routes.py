@@ -37,9 +37,10 @@ message follows. Every message carries `parent_id` (the message it follows; null
   recent reply (its newest child at each level); 400 naming current_message_id for an unknown id. This is not
   an update: the session keeps its place in the list.
 - GET .../messages?branches=all lists every message of every branch (creation order) instead of the one shown.
-A conversation longer than the context: its oldest whole turns are left out of the prompt (they stay stored); the
-done event (and a whole reply) carries `context_truncated` {"dropped_messages", "dropped_turns"}, the response the
-X-KVForge-Dropped-Messages header.
+A conversation longer than the context (the model's, or a smaller `num_ctx`: Ollama's option, as a session's setting
+or a reply's field) loses its oldest whole turns from the prompt (they stay stored); the done event (and a whole
+reply) carries `context_truncated` {"dropped_messages", "dropped_turns"}, the response the X-KVForge-Dropped-Messages
+header, and the stored reply keeps `context_truncated` (GET, export and import carry it; the UI shows it again).
 Each reply is stored under the message it answers, whatever branch another client shows meanwhile. Going back to
 an earlier branch renders the very prompt it had, so its KV is still in the prefix cache (memory or the persisted
 tier): the next message there computes only itself.
@@ -141,7 +142,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
         parent_id = body.parent_id if "parent_id" in body.model_fields_set else CURRENT  # null: a new first message
         # the fields this request sets override the conversation's sampling settings
         turn = await chat.start_turn(session_id, body.content, body.overrides(), body.tool_call_id, body.tool_choice,
-                                     parent_id)
+                                     parent_id, body.num_ctx)
         posted = {"type": body.role, "message": turn.posted.to_dict()}
         if isinstance(turn, AwaitingResults):  # other calls of the reply still wait for their results
             waiting = {"type": "awaiting_tool_results", "tool_call_ids": turn.open_calls}
@@ -155,7 +156,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
         body = body or SessionRegenerateRequest()
         if body.n != 1:
             raise APIError(400, "n: a session reply has one sample (n = 1)", "n")
-        turn = await chat.regenerate(session_id, message_id, body.overrides(), body.tool_choice)
+        turn = await chat.regenerate(session_id, message_id, body.overrides(), body.tool_choice, body.num_ctx)
         return await reply_response(turn, body.stream, [], {})
 
     return router

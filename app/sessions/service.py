@@ -53,7 +53,7 @@ from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import ChatPlan
 from kvforge.app.generate.context_fit import Truncation, truncation_field
-from kvforge.app.generate.request import ChatPrompt, GenerateRequest
+from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest
 from kvforge.app.generate.stream import Failed, RequestTimedOut
 from kvforge.app.http.errors import APIError
 from kvforge.app.sessions.conversations import (
@@ -125,13 +125,15 @@ def open_tool_calls(history: list[Message]) -> list[str]:
     return []
 
 
-def reply_stats(out: RequestOutput, prompt_tokens: int, called_tools: bool = False) -> dict:
+def reply_stats(out: RequestOutput, prompt_tokens: int, called_tools: bool = False,
+                truncation: Truncation | None = None) -> dict:
+    """A finished reply's figures as stored (Message.STATS), with what its prompt left out (None: nothing)."""
     m = out.metrics or {}
     tpot = m.get("tpot")
     reason = finish_reason(out, called_tools) if out.finish_reason in ("stop", "length") else out.finish_reason
     return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
             "cached_tokens": out.num_cached_tokens, "finish_reason": reason,
-            "ttft_s": m.get("ttft"), "tokens_per_s": (1 / tpot) if tpot else None}
+            "ttft_s": m.get("ttft"), "tokens_per_s": (1 / tpot) if tpot else None, **truncation_field(truncation)}
 
 
 def title_from(content: str, limit: int = 60) -> str:
@@ -210,7 +212,8 @@ class Turn:
                     conversations.add_message(self.session_id, "assistant", **reply, parent_id=self.posted.id,
                                               finish_reason=ended, prompt_tokens=self.prompt_tokens,
                                               completion_tokens=len(last.token_ids),
-                                              cached_tokens=last.num_cached_tokens)
+                                              cached_tokens=last.num_cached_tokens,
+                                              **truncation_field(self.truncation))
                 except NotFound:
                     pass  # the conversation was deleted meanwhile
         if final.finish_reason == "abort" and not final.text:
@@ -219,7 +222,7 @@ class Turn:
         try:
             message = await run_in_threadpool(conversations.add_message, self.session_id, "assistant", **reply,
                                               parent_id=self.posted.id,
-                                              **reply_stats(final, self.prompt_tokens, called))
+                                              **reply_stats(final, self.prompt_tokens, called, self.truncation))
         except NotFound as exc:
             raise not_found(exc, " (deleted during the reply)") from None
         yield {"type": "done", "message": message.to_dict(), "usage": usage([final], self.prompt_tokens),
@@ -240,7 +243,8 @@ class ChatService:
 
     async def start_turn(self, session_id: str, content: str, overrides: dict[str, Any] | None = None,
                          tool_call_id: str | None = None, tool_choice: str | dict | None = None,
-                         parent_id: int | None | Leaf = CURRENT) -> Turn | AwaitingResults:
+                         parent_id: int | None | Leaf = CURRENT, num_ctx: int | None = None
+                         ) -> Turn | AwaitingResults:
         """Validate and queue the reply to `content` (a user message; with `tool_call_id`, a tool's result),
         then store `content`; APIError (nothing stored) for an unknown session, bad sampling fields, a tool
         result for no open call, or a conversation too long for the model. A tool result while other calls of
@@ -250,7 +254,10 @@ class ChatService:
         the last message of the branch shown). The history rendered is the branch down to it, `content` is
         stored under it (a sibling of its other children: an edit that keeps the old branch), and the reply under
         `content`; both become the branch shown. APIError 400 naming parent_id for a message not in this
-        conversation, or a user message under a user message."""
+        conversation, or a user message under a user message.
+
+        `num_ctx`: this reply's context window, instead of the conversation's (its settings' num_ctx; neither: the
+        model's); a history longer than it loses its oldest whole turns from the prompt."""
         self.admission.check_open()  # a full server refuses before reading the conversation
         conv = await run_in_threadpool(self.get, session_id)
         tools = tool_settings(conv, tool_choice)
@@ -272,7 +279,7 @@ class ChatService:
             if len(open_calls) > 1:
                 message = await self._store(session_id, conv, posted, parent)
                 return AwaitingResults(message, [c for c in open_calls if c != tool_call_id])
-        admitted = await self._admit(conv, chat_messages(conv, history, posted), overrides, tools, "content")
+        admitted = await self._admit(conv, chat_messages(conv, history, posted), overrides, tools, "content", num_ctx)
         try:
             message = await self._store(session_id, conv, posted, parent, prompt_tokens=len(admitted.prompt))
         except BaseException:
@@ -281,7 +288,7 @@ class ChatService:
         return Turn(self, session_id, message, admitted)
 
     async def regenerate(self, session_id: str, message_id: int, overrides: dict[str, Any] | None = None,
-                         tool_choice: str | dict | None = None) -> Turn:
+                         tool_choice: str | dict | None = None, num_ctx: int | None = None) -> Turn:
         """Queue another reply to a stored user (or tool) message, or, given a reply, to the message it answers:
         the history rendered is the branch down to that message, nothing new is posted, and the reply is stored
         under it beside the earlier replies (and shown). APIError: 404 naming message_id for a message not in
@@ -302,16 +309,20 @@ class ChatService:
         if answered.role == "tool" and open_tool_calls(history):
             raise APIError(400, f"message_id: tool result {answered.id} leaves calls of its reply open "
                            f"({', '.join(open_tool_calls(history))}): it was not answered", "message_id")
-        admitted = await self._admit(conv, chat_messages(conv, history), overrides, tools, "message_id")
+        admitted = await self._admit(conv, chat_messages(conv, history), overrides, tools, "message_id", num_ctx)
         return Turn(self, session_id, answered, admitted)
 
     async def _admit(self, conv: Conversation, messages: list[ChatMessage], overrides: dict[str, Any] | None,
-                     tools: ToolFields, field: str) -> Admitted:
+                     tools: ToolFields, field: str, num_ctx: int | None = None) -> Admitted:
         """Check the sampling fields (the conversation's, then this reply's), render and queue the reply; `field`:
-        the request field a prompt the template rejects (or too long) is blamed on."""
+        the request field a prompt the template rejects (or too long) is blamed on; the context window is
+        `num_ctx`, else the conversation's num_ctx, else the model's (as Ollama's num_ctx: the prompt fitted to it,
+        the reply ending where it does, a newest turn that cannot fit a 400 naming num_ctx)."""
         fields = SamplingFields.model_validate({**(conv.settings or {}).get("sampling", {}), **(overrides or {})})
+        num_ctx = num_ctx or (conv.settings or {}).get("num_ctx")
         return await admit(self.context, GenerateRequest(prompt=ChatPrompt(messages=messages, tools=tools, field=field),
-                                                         sampling=fields))
+                                                         sampling=fields,
+                                                         window=ContextWindow(num_ctx, "num_ctx") if num_ctx else None))
 
     async def _store(self, session_id: str, conv: Conversation, posted: dict[str, Any], parent_id: int | None,
                      **stats: Any) -> Message:

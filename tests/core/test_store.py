@@ -167,6 +167,44 @@ def test_a_data_file_of_revision_0003_becomes_a_message_tree(db_url):
         store.engine.dispose()
 
 
+def test_revision_0006_keeps_what_a_reply_left_out_and_the_search_index(db_url):
+    """Revision 0006 adds the replies' context_truncated (NULL for those of a 0005 database) in place: on SQLite the
+    search index's triggers survive it both ways (a batch copy of messages would drop them)."""
+    from kvforge.app.sessions.search import ConversationSearch
+
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(conn), "0005")
+            conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
+                                 "VALUES ('c1', 'old', '{}', 1, 1)"))
+            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
+                                 "VALUES ('c1', 1, 'assistant', 'an older harbour', 1)"))
+    finally:
+        engine.dispose()
+    store = Store(db_url)
+    try:
+        conversations, left_out = Conversations(store), {"dropped_messages": 4, "dropped_turns": 2}
+        [old] = conversations.get("c1").nodes
+        assert old.context_truncated is None and "context_truncated" not in old.to_dict()
+        conversations.add_message("c1", "assistant", "a newer lighthouse", context_truncated=left_out)
+        assert conversations.get("c1").nodes[-1].to_dict()["context_truncated"] == left_out
+        with store.engine.connect() as conn:
+            assert models_vs_schema(conn) == []
+        search = ConversationSearch(store)
+        assert [h.conversation.id for h in search.search("harbour")] == ["c1"]
+        assert [h.conversation.id for h in search.search("lighthouse")] == ["c1"]  # the insert trigger kept
+
+        with store.engine.begin() as conn:
+            command.downgrade(alembic_config(conn), "0005")
+            assert "context_truncated" not in {c["name"] for c in sa.inspect(conn).get_columns("messages")}
+            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
+                                 "VALUES ('c1', 3, 'user', 'a quay', 1)"))
+        assert [h.conversation.id for h in ConversationSearch(store).search("quay")] == ["c1"]
+    finally:
+        store.engine.dispose()
+
+
 # --- the persisted-KV index ----------------------------------------------------------------------
 
 def kv_entry(name: str, fingerprint: bytes, last_access: float, nbytes: int = 1000) -> KVEntry:

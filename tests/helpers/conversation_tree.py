@@ -8,7 +8,7 @@ what the history tests (export, import, search) work on.
     │   └── u3 And the capital of Spain?                 (an edit of u2)
     │       └── a3 (calls weather)
     │           └── t1 21 C                              (the tool's result)
-    │               └── a4 Madrid, 21 C and sunny.       (the last message shown)
+    │               └── a4 Madrid, 21 C and sunny.       (the last message shown; its prompt left 2 out)
     └── a1b The capital is Paris.                        (a regenerated reply)
 """
 
@@ -21,6 +21,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "description
                                                  "parameters": {"type": "object",
                                                                 "properties": {"city": {"type": "string"}}}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Madrid"}'}}
+LEFT_OUT = {"dropped_messages": 2, "dropped_turns": 1}  # what the last reply's prompt left out (context_fit.py)
 SETTINGS = SessionSettings.model_validate({"system_prompt": "Answer briefly.", "sampling": {"temperature": 0.3},
                                            "tools": [WEATHER_TOOL], "tool_choice": "auto"}).stored()
 
@@ -39,5 +40,5 @@ def build_tree(conversations: Conversations, title: str = "Capitals of Europe") 
     add(conv.id, "assistant", "", tool_calls=[CALL], completion_tokens=9, finish_reason="tool_calls")
     add(conv.id, "tool", "21 C", tool_call_id="call_1")
     add(conv.id, "assistant", "Madrid, 21 C and sunny.", completion_tokens=1, cached_tokens=0, ttft_s=0.0404,
-        tokens_per_s=12.0, finish_reason="stop")
+        tokens_per_s=12.0, finish_reason="stop", context_truncated=LEFT_OUT)
     return conversations.get(conv.id)

@@ -30,6 +30,8 @@ No field is silently ignored:
     num_ctx (our extra, Ollama's option)                                 the request's context window: the reply
                                                                            ends where it does, a conversation
                                                                            longer loses its oldest turns
+    count_tokens: num_ctx and max_tokens (our extras)                    what /v1/messages would keep of a long
+                                                                           conversation: its window, its reply's room
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvforge.app.dialects.anthropic.context_edits import ContextManagement
 from kvforge.app.dialects.openai.fields import FORBID, TEXT_ONLY, refuse_kinds
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
+from kvforge.app.generate.request import UNBOUNDED
 from kvforge.app.http.errors import validated
 
 
@@ -199,6 +202,7 @@ class ConversationFields(BaseModel):
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None  # accepted, no effect: the prefix cache here is automatic
     context_management: ContextManagement | None = None  # edits of the history (context_edits.py)
+    num_ctx: int | None = Field(default=None, ge=1)  # our extra, Ollama's option: the request's context window
 
     @model_validator(mode="after")
     def _no_prefill(self) -> ConversationFields:
@@ -239,11 +243,22 @@ class MessagesRequest(ConversationFields):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # accepted, no effect
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, no effect
-    num_ctx: int | None = Field(default=None, ge=1)  # our extra, Ollama's option: the request's context window
 
     def generation_fields(self) -> dict[str, Any]:
         return {"stream": self.stream, "max_tokens": self.max_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences or None}
+
+
+class CountTokensRequest(ConversationFields):
+    """POST /v1/messages/count_tokens: the prompt's fields, and what decides how much of a conversation longer than
+    the context /v1/messages would keep: num_ctx, and our extra max_tokens (the reply's room, as /v1/messages'
+    max_tokens; Anthropic's count_tokens takes none)."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def generation_fields(self) -> dict[str, Any]:
+        # none given: any max_tokens the context cuts (Claude Code's 32000), whose reply keeps the most room
+        return {"max_tokens": self.max_tokens or UNBOUNDED}
 
 
 def openai_messages(body: ConversationFields, messages: list[AnthropicMessage] | None = None) -> list[dict[str, Any]]:

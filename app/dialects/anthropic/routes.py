@@ -7,7 +7,10 @@ admission gate, the chat template, tools, constraints (`output_config.format`) a
 
 A conversation longer than its context (the model's, or our extra `num_ctx`) loses its oldest whole turns
 (app/generate/context_fit.py): the response says so in the X-KVForge-Dropped-Messages header and an extension field
-`context_truncated` on the message (message_start's when streamed).
+`context_truncated` on the message (message_start's when streamed). count_tokens counts what /v1/messages would send,
+as Anthropic's counts what a request would send: the tokens the model would see after that cut (for the same
+`num_ctx`, and the same `max_tokens`: our extra there, the reply's room; absent, the most room any max_tokens gets),
+said by the same header and field.
 
 A reply's content is a thinking block (a reasoning model's thinking; its signature is empty: nothing here checks
 one), a text block and a tool_use block per call, in that order. stop_reason: "tool_use" (it called tools),
@@ -32,9 +35,14 @@ from fastapi import APIRouter, Response
 
 from kvforge.app.context import ServerContext
 from kvforge.app.dialects.anthropic.context_edits import apply_edits
-from kvforge.app.dialects.anthropic.protocol import ANTHROPIC_NAMES, ConversationFields, MessagesRequest
+from kvforge.app.dialects.anthropic.protocol import (
+    ANTHROPIC_NAMES,
+    ConversationFields,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
-from kvforge.app.generate.admit import Admitted, admit
+from kvforge.app.generate.admit import Admitted, admit, sent_prompt
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.context_fit import truncation_field, truncation_headers
 from kvforge.app.generate.off_loop import off_loop
@@ -138,15 +146,18 @@ def anthropic_router(context: ServerContext) -> APIRouter:
             ticket.release()
         return body.chat_request(messages), {"context_management": {"applied_edits": applied}}
 
+    def generate_request(body: ConversationFields, request: ChatCompletionRequest) -> GenerateRequest:
+        """The canonical request of /v1/messages (and what count_tokens counts): max_tokens is Anthropic's upper
+        bound, cut to what the context leaves (Claude Code asks 32000 of any model); the context is the model's, or
+        our extra num_ctx's."""
+        window = ContextWindow(body.num_ctx, "num_ctx") if body.num_ctx else ContextWindow(UNBOUNDED, "messages")
+        return GenerateRequest(prompt=ChatPrompt.of(request), sampling=request, model=body.model, window=window)
+
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, response: Response):
         context.admission.check_model(body.model)
         request, edits = await edited(body)
-        # max_tokens is Anthropic's upper bound, cut to what the context leaves (Claude Code asks 32000 of any model);
-        # the context is the model's, or our extra num_ctx's
-        window = ContextWindow(body.num_ctx, "num_ctx") if body.num_ctx else ContextWindow(UNBOUNDED, "messages")
-        admitted = await admit(context, GenerateRequest(prompt=ChatPrompt.of(request), sampling=request,
-                                                        model=body.model, window=window))
+        admitted = await admit(context, generate_request(body, request))
         message_id = "msg_" + uuid.uuid4().hex[:24]
         headers = truncation_headers(admitted.truncation)
         if body.stream:
@@ -183,16 +194,15 @@ def anthropic_router(context: ServerContext) -> APIRouter:
                 yield event("message_stop")
 
     @router.post("/v1/messages/count_tokens")
-    async def count_tokens(body: ConversationFields):
+    async def count_tokens(body: CountTokensRequest, response: Response):
         context.admission.check_model(body.model)
         request, _ = await edited(body)
-        prompt = ChatPrompt.of(request)
         ticket = await context.admission.enter(body.model)
-        try:
-            check_prompt_chars(ticket.engine, prompt.chars(), prompt.field)
-            plan = await off_loop(prompt.plan, ticket.engine.tokenizer)
+        try:  # a conversation longer than the context: what is left of it after /v1/messages' cut
+            prompt, truncation = await off_loop(sent_prompt, context, ticket.engine, generate_request(body, request))
         finally:
             ticket.release()
-        return {"input_tokens": len(plan.prompt)}
+        response.headers.update(truncation_headers(truncation))
+        return {"input_tokens": len(prompt), **truncation_field(truncation)}
 
     return router

@@ -1,8 +1,9 @@
 """Long conversations over real HTTP (uvicorn on 127.0.0.1, the embedded model), through the official clients: a chat
 longer than its window (num_ctx, on every dialect) loses its oldest whole turns instead of getting a 400, says so in
 the X-KVForge-Dropped-Messages header and the `context_truncated` field, whole and streamed; the next turn after a cut
-keeps the same start and reads it from the prefix cache; the Responses API's `truncation` is honoured; a server started
-with --context-overflow error refuses as before, and so does any server for a newest turn that cannot fit."""
+keeps the same start and reads it from the prefix cache; the Responses API's `truncation` is honoured; Anthropic's
+count_tokens counts what /v1/messages would send; a server started with --context-overflow error refuses as before,
+and so does any server for a newest turn that cannot fit."""
 
 from __future__ import annotations
 
@@ -143,6 +144,35 @@ def test_anthropic_messages_take_num_ctx_and_cut_the_same_way(url, client, engin
         events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
     assert events[0]["type"] == "message_start" and events[0]["message"][FIELD] == expected.model_extra[FIELD]
     assert wait_idle(engine)
+
+
+def test_anthropic_count_tokens_counts_what_messages_would_send(url):
+    """count_tokens, as Anthropic's, counts what /v1/messages would send: after the cut, with the same header and
+    field; our extras num_ctx and max_tokens (the reply's room) as /v1/messages takes them, and without max_tokens
+    the room any large max_tokens gets."""
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    fields = {"model": MODEL, "system": SYSTEM["content"], "messages": conversation(12)[1:]}
+    counted = claude.messages.with_raw_response.count_tokens(**fields, extra_body={"num_ctx": WINDOW, "max_tokens": 4})
+    sent = claude.messages.with_raw_response.create(**fields, max_tokens=4,
+                                                    extra_body={"num_ctx": WINDOW, "temperature": 0})
+    count, message = counted.parse(), sent.parse()
+    usage = message.usage
+    assert count.input_tokens == usage.input_tokens + usage.cache_read_input_tokens < WINDOW  # what the model saw
+    assert count.model_extra[FIELD] == message.model_extra[FIELD] and counted.headers[HEADER] == sent.headers[HEADER]
+
+    def count_of(**extra) -> anthropic.types.MessageTokensCount:
+        return claude.messages.count_tokens(**fields, extra_body={"num_ctx": WINDOW, **extra})
+
+    # no max_tokens: a quarter of the window kept for the reply, as for any max_tokens of at least that
+    roomy = count_of()
+    assert roomy == count_of(max_tokens=WINDOW // 4) == count_of(max_tokens=32000)
+    assert roomy.input_tokens <= WINDOW - WINDOW // 4 and roomy.model_extra[FIELD]["dropped_turns"] > 0
+    whole = claude.messages.with_raw_response.count_tokens(model=MODEL, messages=conversation(12)[1:])
+    assert HEADER not in whole.headers and FIELD not in (whole.parse().model_extra or {})  # the model's window: fits
+    for bad in ({"num_ctx": 0}, {"max_tokens": 0}):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            count_of(**bad)
+        assert next(iter(bad)) in refused.value.body["error"]["message"]
 
 
 def test_ollama_chat_cuts_to_its_num_ctx(url, engine):

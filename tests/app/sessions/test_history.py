@@ -27,7 +27,7 @@ from kvforge.app.sessions.markdown import conversation_markdown
 from kvforge.app.sessions.search import ConversationSearch, snippet
 from kvforge.core.store import MIGRATIONS, Store, upgrade
 from kvforge.ui.service import UIService
-from tests.helpers.conversation_tree import SETTINGS, build_tree
+from tests.helpers.conversation_tree import LEFT_OUT, SETTINGS, build_tree
 
 
 @pytest.fixture
@@ -55,7 +55,8 @@ def test_an_imported_export_is_the_same_tree_in_a_new_conversation(conversations
         "id": original.nodes[1].id, "parent_id": original.nodes[0].id, "role": "assistant", "content": "Paris.",
         "reasoning_content": "The user asks for France's capital.", "tool_calls": None, "tool_call_id": None,
         "created_at": original.nodes[1].created_at, "prompt_tokens": 40, "completion_tokens": 24,
-        "cached_tokens": 12, "finish_reason": "stop", "ttft_s": 0.085, "tokens_per_s": 31.2}
+        "cached_tokens": 12, "finish_reason": "stop", "ttft_s": 0.085, "tokens_per_s": 31.2, "context_truncated": None}
+    assert exported["messages"][-1]["context_truncated"] == LEFT_OUT  # what the last reply's prompt left out
 
     before = time.time()
     document = json.loads(json.dumps(exported))  # as a file holds it
@@ -135,7 +136,7 @@ And the capital of Spain?
 
 Madrid, 21 C and sunny.
 
-*1 token · 12.0 tok/s · TTFT 40 ms · 0 cached tokens*
+*1 token · 12.0 tok/s · TTFT 40 ms · 0 cached tokens · 2 older messages left out*
 """
         regenerated = conv.nodes[4]  # on another branch: shown once the user switches to it
         conv = Conversations(store).switch(conv.id, regenerated.id)
@@ -276,6 +277,12 @@ def test_ui_service_history_methods(tmp_path):
         new_id = service.import_conversation(text)
         assert by_position(export_conversation(conversations.get(new_id)))["messages"] == \
             by_position(json.loads(text))["messages"]
+        # reloaded, the chat says again that the last reply's prompt left older messages out (the store kept it)
+        from kvforge.ui.chat import ChatHandlers
+
+        for shown in (tree.id, new_id):
+            stats = ChatHandlers(service).show(shown)[3]
+            assert stats.startswith("Last reply: 1 token") and "left out of the model's context: the 2 oldest" in stats
         name, markdown = service.export_conversation(tree.id, "markdown")
         assert name == "kvforge-capitals-of-europe.md" and markdown.startswith("# Capitals of Europe\n")
         with pytest.raises(ValueError, match="unknown export format"):

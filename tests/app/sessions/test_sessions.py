@@ -675,6 +675,59 @@ def test_a_session_longer_than_the_context_leaves_its_oldest_turns_out_and_says_
     shown = asyncio.run(send())
     assert "Older messages were left out of the model's context" in shown[0][2]  # from the reply's start
     assert shown[-1][2].startswith("Last reply:") and "left out" in shown[-1][2]
+
+    # the replies keep what their prompts left out: the API returns it, and the chat says it again once reloaded
+    replies = [m for m in get(http, session["id"])["messages"] if m["role"] == "assistant"]
+    assert replies[-2][FIELD] == cut and FIELD not in replies[0]
+    reloaded = handlers.show(session["id"])
+    assert reloaded[3] == shown[-1][2]  # the stats and the notice, as when the reply ended
+    assert "older messages left out" in json.loads(
+        reloaded[-1].split('data-titles="')[1].split('"')[0].replace("&quot;", '"'))[-1]  # the reply's tooltip
+    assert wait_idle(engine)
+
+
+def test_a_session_fits_its_turns_to_its_num_ctx(sqlite_server, engine):
+    """num_ctx, Ollama's option, as a session's setting and a reply's field: the session's turns are fitted to that
+    window (the oldest whole turns left out, the reply saying so), a reply's num_ctx wins over the session's, a newest
+    turn that cannot fit is a 400 naming num_ctx with nothing stored, and bad values are a 400 naming num_ctx."""
+    from kvforge.app.generate.context_fit import FIELD, HEADER
+
+    http, _ = sqlite_server
+    for bad in (0, -5, "many", 1.5):
+        assert_error(http.post("/v1/sessions", json={"num_ctx": bad}), 400, "num_ctx")
+    window = 128
+    session = create(http, system_prompt="You are terse.", num_ctx=window,
+                     sampling={"temperature": 0, "max_tokens": 4})
+    assert session["settings"]["num_ctx"] == window
+    url = f"/v1/sessions/{session['id']}/messages"
+
+    def ask(n: int, **fields) -> httpx.Response:
+        return http.post(url, json={"content": f"Question {n}: " + "describe the box, its colour and size. " * 3,
+                                    "stream": False, **fields})
+
+    replies = [ask(n) for n in range(3)]  # about 50 tokens a turn: the third outgrows the window
+    assert all(r.status_code == 200 for r in replies), replies[-1].text
+    assert FIELD not in replies[0].json() and HEADER not in replies[0].headers
+    cut = replies[-1].json()[FIELD]
+    assert cut["dropped_messages"] == 2 * cut["dropped_turns"] > 0 and int(replies[-1].headers[HEADER]) == \
+        cut["dropped_messages"]
+    assert replies[-1].json()["usage"]["prompt_tokens"] <= window - 4
+
+    whole = ask(3, num_ctx=MAX_MODEL_LEN)  # this reply's window instead of the session's: the history fits it
+    assert whole.status_code == 200 and FIELD not in whole.json(), whole.text
+    assert whole.json()["usage"]["prompt_tokens"] > window
+    stored = len(get(http, session["id"])["messages"])
+    error = assert_error(ask(4, num_ctx=20), 400, "num_ctx")  # not even the newest turn fits
+    assert error["code"] == "context_length_exceeded" and len(get(http, session["id"])["messages"]) == stored
+    assert_error(ask(4, num_ctx=0), 400, "num_ctx")
+    last = get(http, session["id"])["messages"][-1]["id"]
+    assert_error(http.post(f"{url}/{last}/regenerate", json={"num_ctx": "big"}), 400, "num_ctx")
+    again = http.post(f"{url}/{last}/regenerate", json={"stream": False})  # the session's window again
+    assert again.status_code == 200 and again.json()[FIELD]["dropped_turns"] > 0, again.text
+
+    assert_error(http.patch(f"/v1/sessions/{session['id']}", json={"num_ctx": 0}), 400, "num_ctx")
+    r = http.patch(f"/v1/sessions/{session['id']}", json={"num_ctx": None})  # null: the model's context again
+    assert r.status_code == 200 and "num_ctx" not in r.json()["settings"], r.text
     assert wait_idle(engine)
 
 
