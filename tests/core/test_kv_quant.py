@@ -141,3 +141,59 @@ def test_a_cache_and_format_that_do_not_match_are_refused(kernels):
                         kv_format=fmt)
     with pytest.raises(ValueError, match=r"kv_cache is uint8 \(a quantized pool\) but kv_format is None"):
         paged_attention(q, torch.zeros(2, 1, 4, 16, 66, dtype=torch.uint8), tables, lens, 0.1, None, out)
+
+
+def half_ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half a unit in the last place of each of x's values in `dtype` (bf16 / fp16): the rounding of an exact result."""
+    mantissa = 8 if dtype == torch.bfloat16 else 11
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - mantissa)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256)])
+def test_the_integer_and_bf16_paths_stay_within_their_tolerance(kernels, fmt, dtype, heads, kv_heads, head_dim):
+    """The paged kernel's SIMD paths for bf16 / fp16 activations (core/cpu_kernels/paged_attention.c): int8 and q4 with
+    q and the weights as int16 codes, fp8 as bf16 (subnormal codes read as 0). Against fp64 attention over the
+    dequantized cache, beyond the output's own rounding (half an ulp): int8 / q4 within 2^-9 of the largest output
+    (measured 8e-4 at peaked scores: q's int16 rounding, <= max|q| / 65534, moves a score by up to ~1e-3), fp8 within
+    2^-12 (measured 1e-6; rows with subnormal codes included). Contexts cross the 256-key blocks of the weights'
+    scales, with odd lengths; q scaled up gives peaked softmaxes."""
+    torch.manual_seed(3)
+    block, num_blocks, batch = 16, 80, 4
+    values = torch.randn(2, kv_heads, num_blocks, block, head_dim) * torch.rand(2, kv_heads, num_blocks, block, 1) * 4
+    values[:, :, ::3, :, ::2] *= 1e-5  # fp8: codes below the normal range (e4m3 subnormals) in every third block
+    cache = fmt.quantize(values)
+    dequantized = fmt.dequantize(cache, head_dim)
+    lens = torch.tensor([1, 255, 513, 1100], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:70] for _ in range(batch)]).int()
+    tolerance = 2 ** -9 if fmt.name in ("int8", "q4") else 2 ** -12
+    for q_scale in (1.0, 8.0):
+        q = (torch.randn(batch, heads, head_dim) * q_scale).to(dtype)
+        out = torch.empty(batch, heads * head_dim, dtype=dtype)
+        paged_attention(q, cache, tables, lens, head_dim ** -0.5, None, out, kv_format=fmt)
+        expected = reference(q, dequantized, tables, lens, head_dim ** -0.5, None)
+        beyond = (out.double() - expected).abs() - half_ulp(expected, dtype)
+        assert beyond.max().item() <= tolerance * expected.abs().max().item(), (q_scale, beyond.max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_a_quantized_rows_result_does_not_depend_on_the_batch(kernels, fmt):
+    """Each row alone and the same rows in one call (two threads): the same bits, in every format's SIMD path."""
+    torch.manual_seed(4)
+    cache, _ = quantized_cache(fmt, 3, 60, 16, 64)
+    lens = torch.tensor([300, 1, 77, 512, 129], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(60)[:40] for _ in range(len(lens))]).int()
+    q = torch.randn(len(lens), 9, 64).bfloat16()
+    together = torch.empty(len(lens), 9 * 64, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        paged_attention(q, cache, tables, lens, 0.125, None, together, kv_format=fmt)
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(len(lens)):
+        alone = torch.empty(1, 9 * 64, dtype=torch.bfloat16)
+        paged_attention(q[r:r + 1], cache, tables[r:r + 1].contiguous(), lens[r:r + 1], 0.125, None, alone,
+                        kv_format=fmt)
+        assert torch.equal(alone[0], together[r]), r
