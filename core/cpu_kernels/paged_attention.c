@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void attend(
     prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i++) {  // scores[g][i] = q_g . k_i
         if ((i & 3) == 0) prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
-        load_kv_row(k_plane + rows[i], kv, D, row);
+        load_kv_row(k_plane + rows[i], v_plane + rows[i], kv, D, row);
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
             float s = 0.0f;
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void attend(
     softmax_rows(scores, G, n);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < n; i++) {  // acc[g] = sum_i p[g][i] v_i
-        load_kv_row(v_plane + rows[i], kv, D, row);
+        load_kv_row(v_plane + rows[i], NULL, kv, D, row);
         for (int g = 0; g < G; g++) {
             const float p = scores[(size_t)g * n + i];
             float *a = acc + g * D;
@@ -154,6 +154,20 @@ static inline __attribute__((always_inline)) __m512 load16_kv(const char *row, i
     w = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),  // e4m3 as fp16 * 2^-8
                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
     return _mm512_cvtph_ps(w);
+}
+
+// 16 values of a stored K row from value c -> fp32, as load16_kv; v: the V row of its token and head (q4's K has
+// 5-bit codes, the fifth bits after the nibbles, and its scales in the V row)
+static inline __attribute__((always_inline)) __m512 load16_k(const char *k, const char *v, int c, const int kv, int D) {
+    if (kv != KV_Q4) return load16_kv(k, c, kv, D);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(k + c / 2)), low = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    uint16_t fifth;
+    memcpy(&fifth, k + D / 2 + c / 8, 2);
+    __m512i wide = _mm512_cvtepu8_epi32(codes);
+    wide = _mm512_mask_add_epi32(wide, (__mmask16)fifth, wide, _mm512_set1_epi32(16));
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, _mm512_set1_epi32(16)));
+    return _mm512_mul_ps(x, _mm512_set1_ps(bf16_at(q4_key_scales(v, D) + 2 * (c / KV_Q4_GROUP))));
 }
 
 // scores[g * n + i] = scale * q_g . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
@@ -225,9 +239,10 @@ static inline __attribute__((always_inline)) void qk_avx512_impl(
         prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
         float ks[4];
         for (int j = 0; j < 4; j++) {  // four K rows -> fp32, once for all G queries
-            const char *k = k_plane + rows[i + j < n ? i + j : n - 1];
+            const size_t r = rows[i + j < n ? i + j : n - 1];
+            const char *k = k_plane + r;
             ks[j] = kv_row_scale(k, kv, D);
-            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16_kv(k, c, kv, D));
+            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16_k(k, v_plane + r, c, kv, D));
         }
         const __m128 key_scales = _mm_loadu_ps(ks);
         for (int g = 0; g < G; g++) {
@@ -312,6 +327,21 @@ static inline __attribute__((always_inline)) __m256 load8_kv(const char *row, in
     return _mm256_cvtph_ps(w);
 }
 
+// 8 values of a stored K row from value c -> fp32, as load16_k
+static inline __attribute__((always_inline)) __m256 load8_k(const char *k, const char *v, int c, const int kv, int D) {
+    if (kv != KV_Q4) return load8_kv(k, c, kv, D);
+    int32_t word;
+    memcpy(&word, k + c / 2, 4);
+    const __m128i b = _mm_cvtsi32_si128(word), low = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i fifth = _mm256_and_si256(_mm256_set1_epi32((uint8_t)k[D / 2 + c / 8]), bits);  // value c + i: bit i
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi32(fifth, bits), _mm256_set1_epi32(16));
+    const __m256i wide = _mm256_add_epi32(_mm256_cvtepu8_epi32(codes), high);
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, _mm256_set1_epi32(16)));
+    return _mm256_mul_ps(x, _mm256_set1_ps(bf16_at(q4_key_scales(v, D) + 2 * (c / KV_Q4_GROUP))));
+}
+
 // scores[g * n + i] = (q_g * scale) . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
 static inline __attribute__((always_inline)) void qk_avx2_impl(const char *q_row, const char *k_plane,
                                                                const char *v_plane, const size_t *rows, int n, int G,
@@ -324,16 +354,17 @@ static inline __attribute__((always_inline)) void qk_avx2_impl(const char *q_row
                                                           _mm256_set1_ps(scale)));
     for (int i = 0; i < n; i += 4) {
         prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
-        const char *k[4];
+        const char *k[4], *v[4];
         float ks[4];
         for (int j = 0; j < 4; j++) {
             k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
+            v[j] = v_plane + rows[i + j < n ? i + j : n - 1];
             ks[j] = kv_row_scale(k[j], kv, D);
         }
         const __m128 key_scales = _mm_loadu_ps(ks);
         if (kv != F32)  // four K rows -> fp32, once for all G queries
             for (int j = 0; j < 4; j++)
-                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + j * D + c, load8_kv(k[j], c, kv, D));
+                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + j * D + c, load8_k(k[j], v[j], c, kv, D));
         for (int g = 0; g < G; g++) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int c = 0; c < D; c += 8) {
