@@ -100,7 +100,7 @@ class EngineConfig:
     cuda_graphs: bool = knob(True, "CUDA + Triton kernels: replay captured graphs for decode batches (False: eager)")
     kv_cache_dtype: str = knob("auto", "how the KV pool stores K and V: auto (the model's dtype), int8, fp8_e4m3, "
                                "fp8_e5m2 (8 bits and a scale per token and head: about half the bytes of bf16) or "
-                               "q4 (4 bits, a scale per 32 values: about 0.28x); see core/kv/quant.py",
+                               "q4 (V in 4 bits, K in 5, a scale per 32 values: about 0.31x); see core/kv/quant.py",
                                choices=KV_CACHE_DTYPES)
     num_kv_blocks: int | None = knob(None, "the KV pool's size in blocks (instead of kv_cache_bytes)", ge=1)
     max_model_len: int | None = knob(None, "default: the model's max_position_embeddings", ge=1)

@@ -80,7 +80,7 @@ static inline float bf16_at(const void *p) { uint16_t h; memcpy(&h, p, 2); retur
 // bytes of one stored KV row of D values: a full-precision dtype's, or a format's codes and fp16 scales
 static inline size_t kv_row_bytes(int kv, int D) {
     if (kv <= F16) return (size_t)D * dtype_size(kv);
-    return kv == KV_Q4 ? (size_t)D / 2 + 2 * (size_t)(D / KV_Q4_GROUP) : (size_t)D + 2;
+    return kv == KV_Q4 ? (size_t)D * 5 / 8 : (size_t)D + 2;  // q4: K's 5-bit codes; V's 4-bit codes, V's and K's scales
 }
 
 // an fp8 code -> fp32 (e4m3 is placed in fp16's bits at 2^-8 of its value, and the factor given back after)
@@ -98,18 +98,22 @@ static inline float kv_row_scale(const char *row, int kv, int D) {
     return kv == KV_E4M3 ? bf16_at(row + D) * 256.0f : 1.0f;
 }
 
-// one stored KV row (full precision or quantized) -> D fp32 values, exactly core/kv/quant.py's dequantize
-static inline void load_kv_row(const char *row, int kv, int D, float *dst) {
+// q4's K scales: in the V row of the same token and head, after V's codes and V's scales (core/kv/quant.py)
+static inline const char *q4_key_scales(const char *v_row, int D) { return v_row + D / 2 + 2 * (D / KV_Q4_GROUP); }
+
+// one stored KV row (full precision or quantized) -> D fp32 values, exactly core/kv/quant.py's dequantize; key_v_row:
+// for a q4 K row, the V row of its token and head (which holds K's scales), else NULL
+static inline void load_kv_row(const char *row, const char *key_v_row, int kv, int D, float *dst) {
     if (kv <= F16) {
         load_row(row, kv, D, dst);
     } else if (kv == KV_Q4) {
-        for (int g = 0; g < D / KV_Q4_GROUP; g++) {
-            const float s = bf16_at(row + D / 2 + 2 * g);
-            const uint8_t *b = (const uint8_t *)row + g * KV_Q4_GROUP / 2;
-            for (int i = 0; i < KV_Q4_GROUP / 2; i++) {
-                dst[g * KV_Q4_GROUP + 2 * i] = (float)((int)(b[i] & 15) - 8) * s;
-                dst[g * KV_Q4_GROUP + 2 * i + 1] = (float)((int)(b[i] >> 4) - 8) * s;
-            }
+        const uint8_t *b = (const uint8_t *)row, *fifth = key_v_row ? b + D / 2 : NULL;
+        const char *scales = key_v_row ? q4_key_scales(key_v_row, D) : row + D / 2;
+        const int low = key_v_row ? 16 : 8;  // K's codes have 5 bits, V's 4
+        for (int i = 0; i < D; i++) {
+            int code = (b[i / 2] >> (4 * (i & 1))) & 15;
+            if (fifth) code |= ((fifth[i / 8] >> (i & 7)) & 1) << 4;
+            dst[i] = (float)(code - low) * bf16_at(scales + 2 * (i / KV_Q4_GROUP));
         }
     } else {
         const float s = bf16_at(row + D);

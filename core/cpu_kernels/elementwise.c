@@ -153,35 +153,39 @@ static inline float store_bf16(float x, uint8_t *dst) {
     return bf16_at(dst);
 }
 
-// one row of D fp32 values -> its stored bytes in quantized format kv, exactly core/kv/quant.py's quantize
-static void quantize_row(const float *x, int D, int kv, uint8_t *out) {
-    const int size = kv == KV_Q4 ? KV_Q4_GROUP : D, value_bytes = kv == KV_Q4 ? D / 2 : D;
-    const float limit = kv == KV_I8 ? 127.0f : kv == KV_E4M3 ? 448.0f : 57344.0f;
+// one row of D fp32 values -> its codes and scales in quantized format kv, exactly core/kv/quant.py's quantize: q4's
+// codes are `bits` wide (K 5, V 4: the low nibbles, then for 5 bits one byte of fifth bits per 8 values); scales go to
+// `scales` (an 8-bit format's right after its codes)
+static void quantize_row(const float *x, int D, int kv, int bits, uint8_t *out, uint8_t *scales) {
+    const int size = kv == KV_Q4 ? KV_Q4_GROUP : D;
+    const float limit = kv == KV_I8 ? 127.0f : kv == KV_E4M3 ? 448.0f : 57344.0f, low = (float)(1 << (bits - 1));
+    if (kv == KV_Q4) memset(out, 0, (size_t)D * bits / 8);
     for (int g = 0; g < D / size; g++) {
         const float *xg = x + g * size;
         float wide;
-        if (kv == KV_Q4) {  // the value of largest magnitude (the first of equals) maps to -8
+        if (kv == KV_Q4) {  // the value of largest magnitude (the first of equals) maps to the lowest code
             float biggest = xg[0];
             for (int i = 1; i < size; i++) biggest = fabsf(xg[i]) > fabsf(biggest) ? xg[i] : biggest;
-            wide = store_bf16(biggest / -8.0f, out + value_bytes + 2 * g);
+            wide = store_bf16(biggest / -low, scales + 2 * g);
         } else {
             float amax = 0.0f;
             for (int i = 0; i < size; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
-            wide = store_bf16(amax / limit, out + value_bytes + 2 * g);
+            wide = store_bf16(amax / limit, scales + 2 * g);
         }
         const float divisor = wide == 0.0f ? 1.0f : wide;
         for (int i = 0; i < size; i++) {
             const float y = xg[i] / divisor;
+            const int at = g * size + i;
             if (kv == KV_I8) {
                 const float r = rintf(y);
-                out[g * size + i] = (uint8_t)(int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+                out[at] = (uint8_t)(int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
             } else if (kv == KV_Q4) {
                 const float r = rintf(y);
-                const uint8_t c = (uint8_t)((r > 7.0f ? 7.0f : r < -8.0f ? -8.0f : r) + 8.0f);
-                uint8_t *byte = out + (g * size + i) / 2;
-                *byte = (i & 1) ? (uint8_t)(*byte | (c << 4)) : c;
+                const uint8_t c = (uint8_t)((r > low - 1.0f ? low - 1.0f : r < -low ? -low : r) + low);
+                out[at / 2] |= (uint8_t)((c & 15) << (4 * (at & 1)));
+                if (bits == 5) out[D / 2 + at / 8] |= (uint8_t)((c >> 4) << (at & 7));
             } else {
-                out[g * size + i] = fp8_code(y > limit ? limit : y < -limit ? -limit : y, kv);
+                out[at] = fp8_code(y > limit ? limit : y < -limit ? -limit : y, kv);
             }
         }
     }
@@ -196,20 +200,28 @@ void kvf_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
                   int64_t tokens, int32_t kv_heads, int32_t head_dim, int32_t dtype, int32_t kv) {
     const size_t size = dtype_size(dtype), bytes = kv_row_bytes(kv, head_dim);
     float *row = kv > F16 ? scratch_floats((size_t)head_dim) : NULL;
-    for (int plane = 0; plane < 2; plane++) {
-        const char *src = plane ? (const char *)v : (const char *)k;
-        const int64_t row_stride = plane ? v_stride : k_stride;
-        for (int64_t t = 0; t < tokens; t++)
-            for (int h = 0; h < kv_heads; h++) {
-                char *dst = (char *)cache + rows[(plane * tokens + t) * kv_heads + h] * bytes;
-                const char *from = src + (t * row_stride + (int64_t)h * head_dim) * size;
-                if (row == NULL) {
-                    memcpy(dst, from, bytes);
-                } else {
-                    load_row(from, dtype, head_dim, row);
-                    quantize_row(row, head_dim, kv, (uint8_t *)dst);
-                }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int h = 0; h < kv_heads; h++) {  // K then V of one token's head: q4's V row also holds K's scales
+            char *k_dst = (char *)cache + rows[t * kv_heads + h] * bytes;
+            char *v_dst = (char *)cache + rows[(tokens + t) * kv_heads + h] * bytes;
+            const char *k_src = (const char *)k + (t * k_stride + (int64_t)h * head_dim) * size;
+            const char *v_src = (const char *)v + (t * v_stride + (int64_t)h * head_dim) * size;
+            if (row == NULL) {
+                memcpy(k_dst, k_src, bytes);
+                memcpy(v_dst, v_src, bytes);
+            } else if (kv == KV_Q4) {
+                const size_t scales = (size_t)head_dim / 2;  // V's scales, then K's, after V's codes
+                load_row(v_src, dtype, head_dim, row);
+                quantize_row(row, head_dim, kv, 4, (uint8_t *)v_dst, (uint8_t *)v_dst + scales);
+                load_row(k_src, dtype, head_dim, row);
+                quantize_row(row, head_dim, kv, 5, (uint8_t *)k_dst,
+                             (uint8_t *)v_dst + scales + 2 * (size_t)(head_dim / KV_Q4_GROUP));
+            } else {
+                load_row(k_src, dtype, head_dim, row);
+                quantize_row(row, head_dim, kv, 8, (uint8_t *)k_dst, (uint8_t *)k_dst + head_dim);
+                load_row(v_src, dtype, head_dim, row);
+                quantize_row(row, head_dim, kv, 8, (uint8_t *)v_dst, (uint8_t *)v_dst + head_dim);
             }
-    }
+        }
     free(row);
 }

@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void attend(
     prefetch_kv(k_plane, v_plane, rows, 0, PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i++) {  // scores[g][i] = q_g . k_i
         if ((i & 3) == 0) prefetch_kv(k_plane, v_plane, rows, i + PREFETCH_KEYS, i + PREFETCH_KEYS + 4, n, rb);
-        load_kv_row(k_plane + rows[i], kv, D, row);
+        load_kv_row(k_plane + rows[i], v_plane + rows[i], kv, D, row);
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
             float s = 0.0f;
@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void attend(
     softmax_rows(scores, G, n);
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int i = 0; i < n; i++) {  // acc[g] = sum_i p[g][i] v_i
-        load_kv_row(v_plane + rows[i], kv, D, row);
+        load_kv_row(v_plane + rows[i], NULL, kv, D, row);
         for (int g = 0; g < G; g++) {
             const float p = scores[(size_t)g * n + i];
             float *a = acc + g * D;
@@ -315,6 +315,20 @@ static inline __attribute__((always_inline)) __m512 load16_kv(const char *row, i
     return _mm512_cvtph_ps(w);
 }
 
+// 16 values of a stored K row from value c -> fp32, as load16_kv; v: the V row of its token and head (q4's K has
+// 5-bit codes, the fifth bits after the nibbles, and its scales in the V row)
+static inline __attribute__((always_inline)) __m512 load16_k(const char *k, const char *v, int c, const int kv, int D) {
+    if (kv != KV_Q4) return load16_kv(k, c, kv, D);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(k + c / 2)), low = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    uint16_t fifth;
+    memcpy(&fifth, k + D / 2 + c / 8, 2);
+    __m512i wide = _mm512_cvtepu8_epi32(codes);
+    wide = _mm512_mask_add_epi32(wide, (__mmask16)fifth, wide, _mm512_set1_epi32(16));
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, _mm512_set1_epi32(16)));
+    return _mm512_mul_ps(x, _mm512_set1_ps(bf16_at(q4_key_scales(v, D) + 2 * (c / KV_Q4_GROUP))));
+}
+
 // scores[g * n + i] = scale * q_g . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
 static inline __attribute__((always_inline)) void qk_avx512_impl(
         const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, int D, int dtype,
@@ -386,9 +400,10 @@ static inline __attribute__((always_inline)) void qk_avx512_impl(
         prefetch_kv(k_plane, v_plane, rows, i + ahead, i + ahead + 4, n, rb);
         float ks[4];
         for (int j = 0; j < 4; j++) {  // four K rows -> fp32, once for all G queries
-            const char *k = k_plane + rows[i + j < n ? i + j : n - 1];
+            const size_t r = rows[i + j < n ? i + j : n - 1];
+            const char *k = k_plane + r;
             ks[j] = kv_row_scale(k, kv, D);
-            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16_kv(k, c, kv, D));
+            for (int c = 0; c < D; c += 16) _mm512_storeu_ps(kf + j * D + c, load16_k(k, v_plane + r, c, kv, D));
         }
         const __m128 key_scales = _mm_loadu_ps(ks);
         for (int g = 0; g < G; g++) {
@@ -580,9 +595,25 @@ static inline __attribute__((always_inline)) void qk_int8_16(
 }
 #endif
 
-// q4 K: per 64 values (32 bytes, two groups) one vector of 32 zero-extended bytes, its low nibbles (values 2w) and high
-// nibbles (2w + 1) against q's even and odd codes; lanes 0-7 sum the first group, 8-15 the second, each times its
-// scale; the int32 sums start at -8 * (q's codes of the lane's values): the stored codes' + 8 taken out
+// the even and the odd bits of a 64-bit word, each packed into 32 (bit w of *even: bit 2w of x)
+static inline void unzip_bits(uint64_t x, uint32_t *even, uint32_t *odd) {
+#if defined(__BMI2__)
+    *even = (uint32_t)_pext_u64(x, 0x5555555555555555ull);
+    *odd = (uint32_t)_pext_u64(x, 0xAAAAAAAAAAAAAAAAull);
+#else
+    uint32_t e = 0, o = 0;
+    for (int w = 0; w < 32; w++) {
+        e |= (uint32_t)((x >> (2 * w)) & 1) << w;
+        o |= (uint32_t)((x >> (2 * w + 1)) & 1) << w;
+    }
+    *even = e, *odd = o;
+#endif
+}
+
+// q4 K (5-bit codes): per 64 values (32 bytes of low nibbles, two groups) one vector of 32 zero-extended bytes, its low
+// nibbles (values 2w) and high nibbles (2w + 1), each plus 16 where the value's fifth bit is set (a masked add), against
+// q's even and odd codes; lanes 0-7 sum the first group, 8-15 the second, each times its scale (K's scales: in the V row
+// of the key); the int32 sums start at -16 * (q's codes of the lane's values): the stored codes' + 16 taken out
 static inline __attribute__((always_inline)) void qk_q4_512(
         const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, const int D,
         int dtype, size_t rb, float scale, char *qbuf, float *x, float *scores, uint16_t *vraw) {
@@ -594,12 +625,12 @@ static inline __attribute__((always_inline)) void qk_q4_512(
         for (int c = 0; c < D / 64; c++)
             for (int k = 0; k < 16; k++) {
                 const int16_t *e = qi + (size_t)g * D + 64 * c, *o = e + 32;
-                corr[((size_t)g * (D / 64) + c) * 16 + k] = -8 * (e[2 * k] + e[2 * k + 1] + o[2 * k] + o[2 * k + 1]);
+                corr[((size_t)g * (D / 64) + c) * 16 + k] = -16 * (e[2 * k] + e[2 * k + 1] + o[2 * k] + o[2 * k + 1]);
             }
     // two bf16 group scales (one 32-bit word) -> fp32: lanes 0-7 the first, 8-15 the second (odd words; even words 0)
     const __m512i spread = _mm512_set_epi16(1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0,
                                             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i low = _mm512_set1_epi16(15);
+    const __m512i low = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
     prefetch_short(k_plane, v_plane, rows, 0, QUANT_PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i += 4) {
         prefetch_short(k_plane, v_plane, rows, i + QUANT_PREFETCH_KEYS, i + QUANT_PREFETCH_KEYS + 4, n, rb);
@@ -607,13 +638,18 @@ static inline __attribute__((always_inline)) void qk_q4_512(
         __m512i lo[4][4], hi[4][4];
         __m512 sv[4][4];
         for (int j = 0; j < 4; j++) {
-            const char *k = k_plane + rows[i + j < n ? i + j : n - 1];
+            const size_t r = rows[i + j < n ? i + j : n - 1];
+            const char *k = k_plane + r, *key_scales = q4_key_scales(v_plane + r, D);
             for (int c = 0; c < D / 64; c++) {
                 const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(k + 32 * c)));
-                lo[j][c] = _mm512_and_si512(w, low);
-                hi[j][c] = _mm512_srli_epi16(w, 4);
+                uint64_t fifth;
+                uint32_t even, odd;
+                memcpy(&fifth, k + D / 2 + 8 * c, 8);
+                unzip_bits(fifth, &even, &odd);
+                lo[j][c] = _mm512_mask_add_epi16(_mm512_and_si512(w, low), even, _mm512_and_si512(w, low), sixteen);
+                hi[j][c] = _mm512_mask_add_epi16(_mm512_srli_epi16(w, 4), odd, _mm512_srli_epi16(w, 4), sixteen);
                 int32_t s2;
-                memcpy(&s2, k + D / 2 + 4 * c, 4);
+                memcpy(&s2, key_scales + 4 * c, 4);
                 const __m512i s = _mm512_castsi128_si512(_mm_cvtsi32_si128(s2));
                 sv[j][c] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread, s));
             }
@@ -917,6 +953,21 @@ static inline __attribute__((always_inline)) __m256 load8_kv(const char *row, in
     return _mm256_cvtph_ps(w);
 }
 
+// 8 values of a stored K row from value c -> fp32, as load16_k
+static inline __attribute__((always_inline)) __m256 load8_k(const char *k, const char *v, int c, const int kv, int D) {
+    if (kv != KV_Q4) return load8_kv(k, c, kv, D);
+    int32_t word;
+    memcpy(&word, k + c / 2, 4);
+    const __m128i b = _mm_cvtsi32_si128(word), low = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i fifth = _mm256_and_si256(_mm256_set1_epi32((uint8_t)k[D / 2 + c / 8]), bits);  // value c + i: bit i
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi32(fifth, bits), _mm256_set1_epi32(16));
+    const __m256i wide = _mm256_add_epi32(_mm256_cvtepu8_epi32(codes), high);
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, _mm256_set1_epi32(16)));
+    return _mm256_mul_ps(x, _mm256_set1_ps(bf16_at(q4_key_scales(v, D) + 2 * (c / KV_Q4_GROUP))));
+}
+
 // scores[g * n + i] = (q_g * scale) . k_(first + i) for the n visible keys; rows[i]: byte offset of key i's K row
 static inline __attribute__((always_inline)) void qk_avx2_impl(const char *q_row, const char *k_plane,
                                                                const char *v_plane, const size_t *rows, int n, int G,
@@ -930,16 +981,17 @@ static inline __attribute__((always_inline)) void qk_avx2_impl(const char *q_row
                                                           _mm256_set1_ps(scale)));
     for (int i = 0; i < n; i += 4) {
         prefetch_kv(k_plane, v_plane, rows, i + ahead, i + ahead + 4, n, rb);
-        const char *k[4];
+        const char *k[4], *v[4];
         float ks[4];
         for (int j = 0; j < 4; j++) {
             k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
+            v[j] = v_plane + rows[i + j < n ? i + j : n - 1];
             ks[j] = kv_row_scale(k[j], kv, D);
         }
         const __m128 key_scales = _mm_loadu_ps(ks);
         if (kv != F32)  // four K rows -> fp32, once for all G queries
             for (int j = 0; j < 4; j++)
-                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + j * D + c, load8_kv(k[j], c, kv, D));
+                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + j * D + c, load8_k(k[j], v[j], c, kv, D));
         for (int g = 0; g < G; g++) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int c = 0; c < D; c += 8) {
@@ -1025,7 +1077,7 @@ static inline __attribute__((always_inline)) void qk_int8_256(
     }
 }
 
-// q4 K, as qk_q4_512 with one group (16 bytes) a vector: its low nibbles against q's even codes, high against odd
+// q4 K, as qk_q4_512 with one group (16 bytes) a vector, the fifth bits added by compare masks (AVX2 has no masked add)
 static inline __attribute__((always_inline)) void qk_q4_256(
         const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, const int D,
         int dtype, size_t rb, float scale, char *qbuf, float *x, float *scores, uint16_t *vraw) {
@@ -1037,15 +1089,24 @@ static inline __attribute__((always_inline)) void qk_q4_256(
         for (int c = 0; c < D / 32; c++)
             for (int k = 0; k < 8; k++) {
                 const int16_t *e = qi + (size_t)g * D + 32 * c, *o = e + 16;
-                corr[((size_t)g * (D / 32) + c) * 8 + k] = -8 * (e[2 * k] + e[2 * k + 1] + o[2 * k] + o[2 * k + 1]);
+                corr[((size_t)g * (D / 32) + c) * 8 + k] = -16 * (e[2 * k] + e[2 * k + 1] + o[2 * k] + o[2 * k + 1]);
             }
-    const __m256i low = _mm256_set1_epi16(15);
+    const __m256i low = _mm256_set1_epi16(15), sixteen = _mm256_set1_epi16(16);
+    // word w: the byte holding bits 2w and 2w + 1 of the group's fifth bits (byte w / 4; the same 4 bytes in both
+    // 128-bit lanes), and those two bits' masks within it
+    const __m256i byte_of_word = _mm256_setr_epi8(0, -128, 0, -128, 0, -128, 0, -128, 1, -128, 1, -128, 1, -128, 1, -128,
+                                                  2, -128, 2, -128, 2, -128, 2, -128, 3, -128, 3, -128, 3, -128, 3, -128);
+    const __m256i even_bit = _mm256_setr_epi16(1, 4, 16, 64, 1, 4, 16, 64, 1, 4, 16, 64, 1, 4, 16, 64);
+    const __m256i odd_bit = _mm256_setr_epi16(2, 8, 32, 128, 2, 8, 32, 128, 2, 8, 32, 128, 2, 8, 32, 128);
     prefetch_short(k_plane, v_plane, rows, 0, QUANT_PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i += 4) {
         prefetch_short(k_plane, v_plane, rows, i + QUANT_PREFETCH_KEYS, i + QUANT_PREFETCH_KEYS + 4, n, rb);
         gather_scales(v_plane, rows, i, i + 4, n, D, KV_Q4, vraw);
-        const char *k[4];
-        for (int j = 0; j < 4; j++) k[j] = k_plane + rows[i + j < n ? i + j : n - 1];
+        const char *k[4], *key_scales[4];
+        for (int j = 0; j < 4; j++) {
+            const size_t r = rows[i + j < n ? i + j : n - 1];
+            k[j] = k_plane + r, key_scales[j] = q4_key_scales(v_plane + r, D);
+        }
         for (int g = 0; g < G; g++) {
             __m256 f[4];
             for (int c = 0; c < D / 32; c++) {
@@ -1054,8 +1115,16 @@ static inline __attribute__((always_inline)) void qk_q4_256(
                 const __m256i c0 = _mm256_loadu_si256((const __m256i *)(corr + ((size_t)g * (D / 32) + c) * 8));
                 for (int j = 0; j < 4; j++) {
                     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(k[j] + 16 * c)));
-                    const __m256i a = dot16_256(dot16_256(c0, _mm256_and_si256(w, low), qe), _mm256_srli_epi16(w, 4), qo);
-                    const __m256 sv = _mm256_set1_ps(bf16_at(k[j] + D / 2 + 2 * c));
+                    int32_t fifth;  // the group's 32 fifth bits: word w of the nibbles' vectors gets bits 2w and 2w + 1
+                    memcpy(&fifth, k[j] + D / 2 + 4 * c, 4);
+                    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(fifth), byte_of_word);
+                    const __m256i add_even = _mm256_and_si256(
+                        _mm256_cmpeq_epi16(_mm256_and_si256(bytes, even_bit), even_bit), sixteen);
+                    const __m256i add_odd = _mm256_and_si256(
+                        _mm256_cmpeq_epi16(_mm256_and_si256(bytes, odd_bit), odd_bit), sixteen);
+                    const __m256i a = dot16_256(dot16_256(c0, _mm256_add_epi16(_mm256_and_si256(w, low), add_even), qe),
+                                                _mm256_add_epi16(_mm256_srli_epi16(w, 4), add_odd), qo);
+                    const __m256 sv = _mm256_set1_ps(bf16_at(key_scales[j] + 2 * c));
                     f[j] = c == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(a), sv) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sv, f[j]);
                 }
             }

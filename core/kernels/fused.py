@@ -330,7 +330,7 @@ def _store_kv_quantized(
             # that one value and -infs keeps its sign, a zero's too
             first = tl.reduce(tl.where(tl.abs(x) == top[:, None], cols, D), 1, tl.standard._elementwise_min)
             biggest = tl.reduce(tl.where(cols == first[:, None], x, float("-inf")), 1, tl.standard._elementwise_max)
-            scale = biggest * -0.125  # exact, as / -8 is
+            scale = biggest * (-0.0625 if which == 0 else -0.125)  # exact, as / -16 (K's 5 bits) and / -8 (V's) are
         else:
             scale = tl.math.div_rn(top, tl.full((GROUPS,), LIMIT, tl.float32))
         b = scale.to(tl.uint32, bitcast=True)
@@ -340,7 +340,10 @@ def _store_kv_quantized(
         y = tl.math.div_rn(x, wide)
         # clamped before rounding: the same as clamping the rounded int8 / q4 codes, whose bounds are integers
         if KV_FORMAT == KV_Q4:
-            y = tl.minimum(tl.maximum(y, -8.0), 7.0)
+            if which == 0:
+                y = tl.minimum(tl.maximum(y, -16.0), 15.0)
+            else:
+                y = tl.minimum(tl.maximum(y, -8.0), 7.0)
         else:
             y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
         if KV_FORMAT == KV_INT8 or KV_FORMAT == KV_Q4:
@@ -360,13 +363,20 @@ def _store_kv_quantized(
             steps = ((tiny * (2.0 ** (B + M - 1)) + 12582912.0) - 12582912.0).to(tl.int32)
             codes = tl.where(mag < ((128 - B) << 23), steps, normal) | ((bits >> 24) & 0x80)
         if KV_FORMAT == KV_Q4:
-            low, high = tl.split(tl.reshape(codes + 8, (GROUPS, GROUP // 2, 2)))  # value 2i in byte i's low nibble
+            codes = codes + (16 if which == 0 else 8)
+            low, high = tl.split(tl.reshape(codes & 15, (GROUPS, GROUP // 2, 2)))  # value 2i in byte i's low nibble
             pairs = group[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
             tl.store(dst + pairs * stride_cd, (low | (high << 4)).to(tl.uint8), mask=pairs * 2 < D)
+            if which == 0:  # K's fifth bits after its nibbles: value 8j + i in bit i of byte j
+                fifth = tl.reshape((codes >> 4) << (cols % 8), (GROUPS, GROUP // 8, 8))
+                octets = group[:, None] * (GROUP // 8) + tl.arange(0, GROUP // 8)[None, :]
+                tl.store(dst + (VALUE_BYTES + octets) * stride_cd, tl.sum(fifth, 2).to(tl.uint8), mask=octets * 8 < D)
+            # the scales after V's codes: V's, then K's (in the V row: both rows keep one width)
+            scales = row + stride_ckv + (VALUE_BYTES + 2 * (1 - which) * (D // GROUP) + 2 * group) * stride_cd
         else:
             tl.store(dst + cols * stride_cd, (codes & 0xFF).to(tl.uint8), mask=mask)
-        # the bf16 scales after the codes, byte by byte (little-endian): no alignment asked of the cache
-        scales = dst + (VALUE_BYTES + 2 * group) * stride_cd
+            # the bf16 scales after the codes, byte by byte (little-endian): no alignment asked of the cache
+            scales = dst + (VALUE_BYTES + 2 * group) * stride_cd
         tl.store(scales, (b & 0xFF).to(tl.uint8), mask=group * GROUP < D)
         tl.store(scales + stride_cd, (b >> 8).to(tl.uint8), mask=group * GROUP < D)
 

@@ -108,8 +108,10 @@ def _split_fn(
             k = tl.load(k_head + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_head + kv_offs, mask=kv_mask, other=0.0)
         else:  # dequantized here, in registers (core/kernels/kv_tiles.py)
-            k = load_kv_tile(k_head, rows, offs_d, valid, mask_d, stride_kvd, HEAD_DIM, KV_GROUP, KV_FORMAT)
-            v = load_kv_tile(v_head, rows, offs_d, valid, mask_d, stride_kvd, HEAD_DIM, KV_GROUP, KV_FORMAT)
+            k = load_kv_tile(k_head, v_head, rows, offs_d, valid, mask_d, stride_kvd, HEAD_DIM, KV_GROUP, KV_FORMAT,
+                              True)
+            v = load_kv_tile(v_head, v_head, rows, offs_d, valid, mask_d, stride_kvd, HEAD_DIM, KV_GROUP, KV_FORMAT,
+                              False)
             if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
                 k, v = k.to(q.dtype), v.to(q.dtype)
 

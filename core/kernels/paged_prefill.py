@@ -112,8 +112,8 @@ def _paged_prefill_fn(
             k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_base + kv_offs, mask=kv_mask, other=0.0)
         else:  # dequantized here, in registers (core/kernels/kv_tiles.py)
-            k = load_kv_tile(k_base, slots, offs_d, mask_n, mask_d, stride_kd, D, KV_GROUP, KV_FORMAT)
-            v = load_kv_tile(v_base, slots, offs_d, mask_n, mask_d, stride_kd, D, KV_GROUP, KV_FORMAT)
+            k = load_kv_tile(k_base, v_base, slots, offs_d, mask_n, mask_d, stride_kd, D, KV_GROUP, KV_FORMAT, True)
+            v = load_kv_tile(v_base, v_base, slots, offs_d, mask_n, mask_d, stride_kd, D, KV_GROUP, KV_FORMAT, False)
             if not DOT_FP32:  # tensor cores take the model's dtype (a torch path converts to it too)
                 k, v = k.to(q.dtype), v.to(q.dtype)
 

@@ -139,7 +139,7 @@ class PersistedKV:
         self._deferred: OrderedDict[bytes, _Deferred] = OrderedDict()  # hash -> where it is, oldest first
         self._block_shape = tuple(pool.kv_block_shape)
         self._dtype = pool.kv_dtype
-        self._format = None if pool.kv_format is None else pool.kv_format.name  # in each file's header
+        self._format = None if pool.kv_format is None else pool.kv_format.stored_as  # in each file's header
         self._model_dir = private_dir(private_dir(self.directory) / fingerprint.hex())
         self._lock = threading.Lock()
         self._block_nbytes = math.prod(self._block_shape) * torch.empty((), dtype=self._dtype).element_size()

@@ -10,6 +10,7 @@ import json
 import torch
 
 from kvforge.core.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvforge.core.kv.quant import kv_format
 from kvforge.core.loader import weight_files
 from kvforge.core.metrics import available_memory_bytes
 from kvforge.core.runner_api import Runner
@@ -43,8 +44,10 @@ def model_fingerprint(config: EngineConfig, model_path, tokenizer: Tokenizer) ->
     identity = {
         "weights": weights, "config": (model_path / "config.json").read_text(),
         "dtype": str(config.torch_dtype), "quant": config.quant, "quant_options": config.quant_options,
-        # a quantized pool's format by name (a block written in one is never read as another); the model's dtype else
-        "kv_dtype": str(config.torch_dtype) if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        # a quantized pool's format and layout by name (a block written in one is never read as another); the model's
+        # dtype else
+        "kv_dtype": str(config.torch_dtype) if config.kv_cache_dtype == "auto" else kv_format(
+            config.kv_cache_dtype).stored_as,
         "block_size": config.block_size, "tp_size": config.tp_size, "tokenizer": tokenizer.fingerprint(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).digest()[:16]

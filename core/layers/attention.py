@@ -78,10 +78,11 @@ class Attention(nn.Module):
             # one pass: ~18 us a layer less per decode step
             cpu_kernels.store_kv(k, v, cache, ctx.write_rows, ctx.kv_format)
         else:
-            new_kv = torch.stack((k, v)).view(-1, self.head_dim)  # rows (K/V, token, head)
+            new_kv = torch.stack((k, v))
             if ctx.kv_format is not None:
                 new_kv = ctx.kv_format.quantize(new_kv)
-            cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.write_rows, new_kv)
+            cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.write_rows, new_kv.view(-1, cache.shape[-1]))  # rows
+            # (K/V, token, head)
         if not ctx.prefills or (self.decode.mask is None and
                                 all(seq.end - seq.start <= SHORT_CHUNK for seq in ctx.prefills)):
             return self.decode_rows(ctx, cache, q)  # a decode step, or the paged kernel: every row in one call
@@ -137,7 +138,7 @@ class Attention(nn.Module):
         if seq.context_len == new:  # nothing cached before this chunk: use the fresh K/V (as stored)
             keys, values = k[seq.start:seq.end].transpose(0, 1), v[seq.start:seq.end].transpose(0, 1)
             if ctx.kv_format is not None:
-                keys, values = self._as_stored(ctx, keys), self._as_stored(ctx, values)
+                keys, values = self._as_stored(ctx, torch.stack((keys, values))).unbind(0)
         else:
             gathered = self._gather(cache, seq.gather_rows, 1)[:, 0, :, : seq.context_len]
             keys, values = self._values(ctx, gathered, torch.float32).unbind(0)
@@ -192,9 +193,9 @@ class Attention(nn.Module):
 
     @staticmethod
     def _as_stored(ctx: StepContext, kv: torch.Tensor) -> torch.Tensor:
-        """Fresh K / V [..., head_dim] as a quantized pool holds them (fp32: its dequantized rows), so a chunk attends
-        to what every later read of the same tokens sees -- a prompt sent again, continued from the prefix cache, or
-        decoded; a full-precision pool's as they are."""
+        """Fresh K and V [2, ..., head_dim] as a quantized pool holds them (fp32: its dequantized rows), so a chunk
+        attends to what every later read of the same tokens sees -- a prompt sent again, continued from the prefix
+        cache, or decoded; a full-precision pool's as they are."""
         fmt = ctx.kv_format
         return kv if fmt is None else fmt.dequantize(fmt.quantize(kv), kv.shape[-1])
 

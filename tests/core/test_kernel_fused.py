@@ -208,14 +208,14 @@ FORMATS = list(KV_FORMATS.values())
 FORMAT_IDS = list(KV_FORMATS)
 
 
-def _store_rows(fmt, x: torch.Tensor) -> torch.Tensor:
-    """x [tokens, kv_heads, D] stored by the kernel, token t at slot t of a one-block cache: [tokens, kv_heads,
-    row_bytes] (K's; V gets x * 2, checked the same)."""
-    tokens, kv_heads, d = x.shape
+def _check_store(fmt, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    """k [tokens, kv_heads, D] (and v, by default k * 2) stored by the kernel, token t at slot t of a one-block cache:
+    both rows' bytes are KVFormat.quantize's."""
+    tokens, kv_heads, d = k.shape
+    v = k * 2 if v is None else v
     cache = torch.zeros(2, kv_heads, 1, tokens, fmt.row_bytes(d), dtype=torch.uint8, device=DEVICE)
-    _fused().store_kv(x, x * 2, cache, torch.arange(tokens, device=DEVICE), kv_format=fmt)
-    assert torch.equal(cache[1, :, 0].transpose(0, 1).cpu(), fmt.quantize(x.cpu() * 2))
-    return cache[0, :, 0].transpose(0, 1).cpu()
+    _fused().store_kv(k.to(DEVICE), v.to(DEVICE), cache, torch.arange(tokens, device=DEVICE), kv_format=fmt)
+    assert torch.equal(cache[:, :, 0].transpose(1, 2).cpu(), fmt.quantize(torch.stack((k.cpu(), v.cpu()))))
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=lambda d: str(d)[6:])
@@ -243,8 +243,8 @@ def test_store_kv_quantized_writes_the_references_bytes(fmt, dtype):
     v = qkv[:, 2 * kv_width:].view(tokens, kv_heads, head_dim)
     for t, slot in enumerate(slots.tolist()):
         if 0 <= slot < blocks * block_size:
-            expected[1, 0, :, slot // block_size, slot % block_size] = fmt.quantize(k[t].cpu()).to(DEVICE)
-            expected[1, 1, :, slot // block_size, slot % block_size] = fmt.quantize(v[t].cpu()).to(DEVICE)
+            expected[1, :, :, slot // block_size, slot % block_size] = fmt.quantize(
+                torch.stack((k[t], v[t])).cpu()).to(DEVICE)
     assert _fused().store_kv(k, v, pool[1], slots.to(DEVICE), kv_format=fmt) is None
     assert torch.equal(pool, expected)
 
@@ -265,22 +265,26 @@ def test_store_kv_fp8_rounds_as_torch_over_the_whole_range(name):
     x = torch.zeros(rows * per_row)
     x[:len(xs)] = xs
     x = torch.cat((x.view(rows, per_row), torch.full((rows, 1), fmt.limit)), 1).view(rows, 1, per_row + 1)
-    assert torch.equal(_store_rows(fmt, x.to(DEVICE)), fmt.quantize(x))
+    _check_store(fmt, x)
 
 
 def test_store_kv_int8_and_q4_round_half_to_even():
-    """Scales of exactly 1 (int8: 127 in the row; q4: -8 the group's largest) and -1 (q4: +8 first, and -8 later
-    of the same magnitude: the first of equals sets the sign), every half-integer between the bounds, zero groups
-    of either sign (q4's scale keeps the sign of the zero it came from)."""
+    """Scales of exactly 1 (int8: 127 in the row; q4: -8 the group's largest in V, -16 in K) and -1 (q4: +8 first,
+    and -8 later of the same magnitude: the first of equals sets the sign), every half-integer between the bounds, zero
+    groups of either sign (q4's scale keeps the sign of the zero it came from)."""
     halves = torch.arange(-127, 127) + 0.5
     x = torch.cat((halves, torch.full((2,), 127.0))).view(2, 1, 128)
-    assert torch.equal(_store_rows(KV_FORMATS["int8"], x.to(DEVICE)), KV_FORMATS["int8"].quantize(x))
+    _check_store(KV_FORMATS["int8"], x)
     halves = torch.arange(-8, 8) + 0.5
     groups = torch.stack((torch.cat((torch.tensor([-8.0]), halves, torch.zeros(15))),
                           torch.cat((torch.tensor([8.0, 3.0, -8.0]), halves, -halves[:13])),
                           torch.zeros(32), torch.full((32,), -0.0)))
-    x = torch.cat((groups, groups.flip(0))).view(2, 1, 128)
-    assert torch.equal(_store_rows(KV_FORMATS["q4"], x.to(DEVICE)), KV_FORMATS["q4"].quantize(x))
+    v = torch.cat((groups, groups.flip(0))).view(2, 1, 128)
+    halves = torch.arange(-16, 15) + 0.5  # K's 5-bit codes: -16 the group's largest, scale 1
+    groups = torch.stack((torch.cat((torch.tensor([-16.0]), halves)),
+                          torch.cat((torch.tensor([16.0, 3.0, -16.0]), halves[:29])),
+                          torch.zeros(32), torch.full((32,), -0.0)))
+    _check_store(KV_FORMATS["q4"], torch.cat((groups, groups.flip(0))).view(2, 1, 128), v)
 
 
 # ---------------------------------------------------------------- every kernel follows its input

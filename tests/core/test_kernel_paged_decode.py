@@ -261,7 +261,7 @@ def test_quantized_cache_and_format_must_match():
         ({"kv_format": int8}, "kv_format int8 stores uint8 rows, but kv_cache is torch.float32"),
         ({"kv_cache": rows[..., :33], "kv_format": int8},
          "kv_format int8 stores rows of 34 bytes at head_dim 32, but kv_cache rows have 33"),
-        ({"kv_cache": rows, "kv_format": KV_FORMATS["q4"]}, "kv_format q4 stores rows of 18 bytes .* rows have 34"),
+        ({"kv_cache": rows, "kv_format": KV_FORMATS["q4"]}, "kv_format q4 stores rows of 20 bytes .* rows have 34"),
         ({"kv_cache": rows, "kv_format": replace(int8, code=9)}, "the kernels read no KV format .*code=9"),
         ({"q": args["q"][..., :24], "kv_cache": rows[..., :14], "kv_format": KV_FORMATS["q4"]},
          "q4 KV stores groups of 32 values; the model.s head_dim 24 is not a multiple"),

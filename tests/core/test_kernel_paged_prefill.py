@@ -249,11 +249,9 @@ def _quantized(case, fmt) -> dict:
     pool[..., :rows.shape[-1]] = rows
     head_dim = case["q"].shape[-1]
 
-    def dequantized(values):
-        return [fmt.dequantize(fmt.quantize(x), head_dim) for x in values]
-
-    return {**case, "kv_cache": pool.to(DEVICE)[..., :rows.shape[-1]], "keys": dequantized(case["keys"]),
-            "values": dequantized(case["values"])}
+    stored = [fmt.dequantize(fmt.quantize(torch.stack(kv)), head_dim) for kv in zip(case["keys"], case["values"])]
+    return {**case, "kv_cache": pool.to(DEVICE)[..., :rows.shape[-1]], "keys": [kv[0] for kv in stored],
+            "values": [kv[1] for kv in stored]}
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)

@@ -22,25 +22,32 @@ def kernels():
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_round_trip_error_is_bounded_per_format(fmt):
-    """A row comes back within its format's step: half a code step for int8 (relative to the row's largest value);
-    for q4 a step (of the group's largest value / 8: a value of the other sign as large as the largest is clamped to
-    code 7), fp8's relative rounding; zero rows stay zero; bytes per row as documented."""
+    """K and V rows come back within their format's step: half a code step for int8 (relative to the row's largest
+    value); for q4 a step of the group's largest value / 16 for K's 5-bit codes and / 8 for V's 4-bit ones (a value of
+    the other sign as large as the largest is clamped to the top code); fp8's relative rounding; zero rows stay zero;
+    bytes per row as documented."""
     torch.manual_seed(0)
-    x = torch.randn(64, 4, 128) * torch.logspace(-3, 3, 64).view(64, 1, 1)
-    x[0, 0] = 0
+    x = torch.randn(2, 64, 4, 128) * torch.logspace(-3, 3, 64).view(1, 64, 1, 1)
+    x[:, 0, 0] = 0
     back = fmt.dequantize(fmt.quantize(x), 128)
-    assert back[0, 0].abs().max() == 0
+    assert back[:, 0, 0].abs().max() == 0
     size = fmt.group or 128
-    grouped_max = x.view(64, 4, -1, size).abs().amax(-1, keepdim=True)
-    error = (back - x).view(64, 4, -1, size).abs()
+    grouped_max = x.view(2, 64, 4, -1, size).abs().amax(-1, keepdim=True)
+    error = (back - x).view(2, 64, 4, -1, size).abs()
     bound = {"int8": 0.5 / 127 + 1e-3, "q4": 1 / 8 + 1e-3, "fp8_e4m3": 2 ** -4 + 1e-3,
              "fp8_e5m2": 2 ** -3 + 1e-3}[fmt.name]
     if fmt.name.startswith("fp8"):  # relative to each value (above the subnormal range of the scaled format)
-        assert bool((error <= bound * x.view(64, 4, -1, size).abs() + grouped_max * 2 ** -12).all())
+        assert bool((error <= bound * x.view(2, 64, 4, -1, size).abs() + grouped_max * 2 ** -12).all())
+    elif fmt.key_bits:
+        assert bool((error[0] <= (1 / 16 + 1e-3) * grouped_max[0]).all())
+        assert bool((error[1] <= bound * grouped_max[1]).all())
+        assert error[0].pow(2).mean() < error[1].pow(2).mean() / 3  # a bit more per K value: a quarter the error
     else:
         assert bool((error <= bound * grouped_max).all())
-    assert fmt.row_bytes(128) == {"int8": 130, "fp8_e4m3": 130, "fp8_e5m2": 130, "q4": 72}[fmt.name]
+    assert fmt.row_bytes(128) == {"int8": 130, "fp8_e4m3": 130, "fp8_e5m2": 130, "q4": 80}[fmt.name]
     assert fmt.unsupported(128) is None
+    with pytest.raises(ValueError, match="K and V stacked"):
+        fmt.quantize(x[0])
 
 
 def test_format_names_and_head_sizes_are_checked():

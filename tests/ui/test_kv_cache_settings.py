@@ -76,7 +76,7 @@ def test_the_gguf_estimate_counts_the_kv_cache_type_as_kvforge_models_does(servi
 
 def test_the_checkpoint_estimate_counts_the_kv_cache_type(service):
     """A quant plugin other than gguf loads the conversion: estimate_memory's KV at the type's bytes, 8-bit about half
-    of bf16's, q4 about 0.28x (head_dim 64: 66 and 36 bytes a row against 128)."""
+    of bf16's, q4 about 0.31x (head_dim 64: 66 and 40 bytes a row against 128)."""
     kv = {}
     for kv_cache_dtype in ("auto", "int8", "q4"):
         text = memory_estimate_markdown(service, EMBEDDED_MODEL, "bfloat16", 4096, "bnb-int8", "{}", 1, kv_cache_dtype)
@@ -84,7 +84,7 @@ def test_the_checkpoint_estimate_counts_the_kv_cache_type(service):
         value, unit = kv_part(text).split()[:2]
         kv[kv_cache_dtype] = float(value) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
     assert kv["int8"] / kv["auto"] == pytest.approx(66 / 128, rel=0.01)
-    assert kv["q4"] / kv["auto"] == pytest.approx(36 / 128, rel=0.01)
+    assert kv["q4"] / kv["auto"] == pytest.approx(40 / 128, rel=0.01)
 
 
 def test_apply_loads_the_kv_cache_type_chosen_and_keeps_the_default_for_older_callers(service):

@@ -20,8 +20,8 @@ def test_every_kv_type_has_its_figures(embedded_path):
     rows = {row["kv_cache_dtype"]: row for row in json.loads(result.stdout)}
     assert list(rows) == ["auto", "q4", "int8"]  # full precision first: the reference
     auto, int8, q4 = rows["auto"], rows["int8"], rows["q4"]
-    # fp32, head_dim 64: 256 bytes a row against 66 and 36
-    assert int8["pool_tokens"] / auto["pool_tokens"] > 3.8 and q4["pool_tokens"] / auto["pool_tokens"] > 6.9
+    # fp32, head_dim 64: 256 bytes a row against 66 and 40
+    assert int8["pool_tokens"] / auto["pool_tokens"] > 3.8 and q4["pool_tokens"] / auto["pool_tokens"] > 6.3
     assert auto["kv_bytes_per_token"] / int8["kv_bytes_per_token"] == 256 / 66
     assert auto["top1_agreement"] is None and 0.8 <= int8["top1_agreement"] <= 1 and 0.5 <= q4["top1_agreement"] <= 1
     assert 1 < auto["perplexity"] and abs(int8["perplexity"] / auto["perplexity"] - 1) < 0.03

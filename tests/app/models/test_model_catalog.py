@@ -108,7 +108,7 @@ def test_a_listing_with_a_deadline_answers_with_what_it_has(tmp_path):
 
 def test_kvforge_models_counts_the_kv_cache_type(tmp_path, embedded_path, capsys):
     """`kvforge models --kv-cache-dtype`: the KV part of each estimate at the type's bytes (head_dim 64: int8 66 bytes a
-    row, q4 36, against bf16's 128), the weights unchanged; the GGUF and its converted checkpoint alike."""
+    row, q4 40, against bf16's 128), the weights unchanged; the GGUF and its converted checkpoint alike."""
     link_or_copy(embedded_path, tmp_path / "smol-dense")
     listed = {}
     for kv_cache_dtype in ("auto", "int8", "q4"):
@@ -120,6 +120,6 @@ def test_kvforge_models_counts_the_kv_cache_type(tmp_path, embedded_path, capsys
         kv = {k: entries[name]["memory_bytes"] - weights for k, entries in listed.items()}
         assert {entries[name]["weights_bytes"] for entries in listed.values()} == {weights}
         assert kv["auto"] == 4096 * 2 * 30 * 3 * 128, kv
-        assert (kv["int8"], kv["q4"]) == (kv["auto"] * 66 // 128, kv["auto"] * 36 // 128), kv
+        assert (kv["int8"], kv["q4"]) == (kv["auto"] * 66 // 128, kv["auto"] * 40 // 128), kv
         assert listed["q4"][name]["memory_bytes"] < listed["int8"][name]["memory_bytes"] < listed["auto"][name][
             "memory_bytes"]
