@@ -41,8 +41,8 @@ KV_BUDGET_INFO = ("Empty: the server's --kv-cache-gb, or without one automatic: 
 # bytes per token from core/kv/quant.py's row layout (head_dim 64: 66 or 40 bytes a row against bf16's 128);
 # perplexity from `kvforge bench kv-quant`
 KV_CACHE_INFO = ("How the KV pool stores K and V. auto: the model's dtype, exact. int8 / fp8_e4m3 / fp8_e5m2: about "
-                 "half the bytes per token of bf16 (twice the tokens in the same budget), perplexity within ~1%. q4 (V in "
-                 "4 bits, K in 5): about 0.31x (3.2x the tokens), perplexity within ~1-3%.")
+                 "half the bytes per token of bf16 (twice the tokens in the same budget), perplexity within ~1%. q4 "
+                 "(V in 4 bits, K in 5): about 0.31x (3.2x the tokens), perplexity within ~1-3%.")
 
 
 def memory_estimate_markdown(service: UIService, model: str, dtype: str, context_tokens: float, quant: str = "none",
