@@ -370,7 +370,7 @@ def _store_kv_quantized(
             if which == 0:  # K's fifth bits after its nibbles: value 8j + i in bit i of byte j
                 fifth = tl.reshape((codes >> 4) << (cols % 8), (GROUPS, GROUP // 8, 8))
                 octets = group[:, None] * (GROUP // 8) + tl.arange(0, GROUP // 8)[None, :]
-                fifth_bits = tl.reduce(fifth, 2, tl.standard._sum_combine)  # tl.reduce, not tl.sum: see the RMSNorm kernel
+                fifth_bits = tl.reduce(fifth, 2, tl.standard._sum_combine)  # not tl.sum: see the RMSNorm kernel
                 tl.store(dst + (VALUE_BYTES + octets) * stride_cd, fifth_bits.to(tl.uint8), mask=octets * 8 < D)
             # the scales after V's codes: V's, then K's (in the V row: both rows keep one width)
             scales = row + stride_ckv + (VALUE_BYTES + 2 * (1 - which) * (D // GROUP) + 2 * group) * stride_cd
