@@ -881,33 +881,6 @@ static inline __attribute__((always_inline)) void attend_quant_impl(
     pv_quant_512(v_plane, rows, n, G, D, kv, scores, acc, wbuf, vraw);
 }
 
-// one (row, KV head) item on the paths above: a copy per format and head size
-static void attend_quant(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
-                         int D, int dtype, int kv, size_t rb, float scale, float softcap, char *qbuf, float *x,
-                         float *scores, float *acc, char *wbuf) {
-#define QUANT_HEAD(KV)                                                                                              \
-    do {                                                                                                            \
-        if (D == 64)                                                                                                \
-            attend_quant_impl(q_row, k_plane, v_plane, rows, n, G, 64, dtype, KV, rb, scale, softcap, qbuf, x,     \
-                              scores, acc, wbuf);                                                                   \
-        else if (D == 128)                                                                                          \
-            attend_quant_impl(q_row, k_plane, v_plane, rows, n, G, 128, dtype, KV, rb, scale, softcap, qbuf, x,    \
-                              scores, acc, wbuf);                                                                   \
-        else                                                                                                        \
-            attend_quant_impl(q_row, k_plane, v_plane, rows, n, G, 256, dtype, KV, rb, scale, softcap, qbuf, x,    \
-                              scores, acc, wbuf);                                                                   \
-    } while (0)
-    switch (kv) {
-        case KV_I8: QUANT_HEAD(KV_I8); break;
-        case KV_Q4: QUANT_HEAD(KV_Q4); break;
-#if defined(__AVX512BF16__)
-        case KV_E4M3: QUANT_HEAD(KV_E4M3); break;
-        case KV_E5M2: QUANT_HEAD(KV_E5M2); break;
-#endif
-        default: break;
-    }
-#undef QUANT_HEAD
-}
 #define QUANT_PATH 1
 #endif
 
@@ -1224,6 +1197,12 @@ static inline __attribute__((always_inline)) void attend_quant_impl(
     pv_quant_256(v_plane, rows, n, G, D, kv, scores, acc, wbuf, vraw);
 }
 
+#define QUANT_PATH 1
+#endif
+
+#if defined(QUANT_PATH)
+// one (row, KV head) item on this build's integer / bf16 paths (AVX-512 or AVX2 above): a copy per format and
+// head size
 static void attend_quant(const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G,
                          int D, int dtype, int kv, size_t rb, float scale, float softcap, char *qbuf, float *x,
                          float *scores, float *acc, char *wbuf) {
@@ -1239,12 +1218,17 @@ static void attend_quant(const char *q_row, const char *k_plane, const char *v_p
             attend_quant_impl(q_row, k_plane, v_plane, rows, n, G, 256, dtype, KV, rb, scale, softcap, qbuf, x,    \
                               scores, acc, wbuf);                                                                   \
     } while (0)
-    if (kv == KV_I8) QUANT_HEAD(KV_I8);
-    else QUANT_HEAD(KV_Q4);
+    switch (kv) {
+        case KV_I8: QUANT_HEAD(KV_I8); break;
+        case KV_Q4: QUANT_HEAD(KV_Q4); break;
+#if defined(__AVX512BF16__)
+        case KV_E4M3: QUANT_HEAD(KV_E4M3); break;
+        case KV_E5M2: QUANT_HEAD(KV_E5M2); break;
+#endif
+        default: break;
+    }
 #undef QUANT_HEAD
 }
-#define QUANT_PATH 1
-
 #endif
 
 // the SIMD path of this build, where there is one: qk / pv and the head sizes it takes (a multiple of SIMD_HEAD_DIM)
