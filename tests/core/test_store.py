@@ -46,6 +46,20 @@ def alembic_config(connection) -> Config:
     return config
 
 
+def database_at(db_url: str, revision: str, role: str, content: str, title: str = "old") -> None:
+    """A database migrated to `revision` only, holding conversation c1 (`title`) with one message at position 1."""
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(conn), revision)
+            conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
+                                 "VALUES ('c1', :title, '{}', 1, 1)"), {"title": title})
+            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
+                                 "VALUES ('c1', 1, :role, :content, 1)"), {"role": role, "content": content})
+    finally:
+        engine.dispose()
+
+
 def test_migrations_create_the_schema_and_reopening_is_a_noop(db_url):
     first = Store(db_url)
     conv = Conversations(first).create("kept")
@@ -81,16 +95,7 @@ def test_migrations_create_the_schema_and_reopening_is_a_noop(db_url):
 def test_a_data_file_of_the_first_schema_is_upgraded_with_its_messages(db_url):
     """A database written at revision 0001 (before replies kept their reasoning and tool calls apart) opens with its
     rows, and takes both."""
-    engine = sa.create_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            command.upgrade(alembic_config(conn), "0001")
-            conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
-                                 "VALUES ('c1', 'old', '{}', 1, 1)"))
-            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
-                                 "VALUES ('c1', 1, 'assistant', 'kept', 1)"))
-    finally:
-        engine.dispose()
+    database_at(db_url, "0001", "assistant", "kept")
     store = Store(db_url)
     try:
         conversations = Conversations(store)
@@ -172,16 +177,7 @@ def test_revision_0006_keeps_what_a_reply_left_out_and_the_search_index(db_url):
     search index's triggers survive it both ways (a batch copy of messages would drop them)."""
     from kvforge.app.sessions.search import ConversationSearch
 
-    engine = sa.create_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            command.upgrade(alembic_config(conn), "0005")
-            conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
-                                 "VALUES ('c1', 'old', '{}', 1, 1)"))
-            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
-                                 "VALUES ('c1', 1, 'assistant', 'an older harbour', 1)"))
-    finally:
-        engine.dispose()
+    database_at(db_url, "0005", "assistant", "an older harbour")
     store = Store(db_url)
     try:
         conversations, left_out = Conversations(store), {"dropped_messages": 4, "dropped_turns": 2}

@@ -12,8 +12,6 @@ from datetime import datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import event
 
 from kvforge.app.models.factory import default_engine_factory
@@ -25,8 +23,9 @@ from kvforge.app.sessions.date_groups import MONTHS
 from kvforge.app.sessions.history import ConversationExport, export_conversation, import_conversation
 from kvforge.app.sessions.markdown import conversation_markdown
 from kvforge.app.sessions.search import ConversationSearch, snippet
-from kvforge.core.store import MIGRATIONS, Store, upgrade
+from kvforge.core.store import Store, upgrade
 from kvforge.ui.service import UIService
+from tests.core.test_store import database_at
 from tests.helpers.conversation_tree import LEFT_OUT, SETTINGS, build_tree
 
 
@@ -221,19 +220,7 @@ def test_a_sqlite_without_fts5_gets_no_index_and_searches_with_like(tmp_path):
 
 def test_a_data_file_of_revision_0004_is_searchable_at_once(db_url):
     """Migration 0005 indexes the messages and titles already there."""
-    engine = sa.create_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            config = Config()
-            config.set_main_option("script_location", str(MIGRATIONS))
-            config.attributes["connection"] = conn
-            command.upgrade(config, "0004")
-            conn.execute(sa.text("INSERT INTO conversations (id, title, settings, created_at, updated_at) "
-                                 "VALUES ('c1', 'Old trip notes', '{}', 1, 1)"))
-            conn.execute(sa.text("INSERT INTO messages (conversation_id, position, role, content, created_at) "
-                                 "VALUES ('c1', 1, 'user', 'The Colosseum at night', 1)"))
-    finally:
-        engine.dispose()
+    database_at(db_url, "0004", "user", "The Colosseum at night", title="Old trip notes")
     store = Store(db_url)
     try:
         search = ConversationSearch(store)
