@@ -78,11 +78,11 @@ class Attention(nn.Module):
             # one pass: ~18 us a layer less per decode step
             cpu_kernels.store_kv(k, v, cache, ctx.write_rows, ctx.kv_format)
         else:
-            new_kv = torch.stack((k, v))
+            new_kv = torch.stack((k, v))  # K and V together: a format may quantize them as a pair (q4)
             if ctx.kv_format is not None:
                 new_kv = ctx.kv_format.quantize(new_kv)
-            cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.write_rows, new_kv.view(-1, cache.shape[-1]))  # rows
-            # (K/V, token, head)
+            rows = new_kv.view(-1, cache.shape[-1])  # (K/V, token, head), the order of write_rows
+            cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.write_rows, rows)
         if not ctx.prefills or (self.decode.mask is None and
                                 all(seq.end - seq.start <= SHORT_CHUNK for seq in ctx.prefills)):
             return self.decode_rows(ctx, cache, q)  # a decode step, or the paged kernel: every row in one call
