@@ -1,7 +1,8 @@
 """`kvforge bench kv-quant`: per KV cache type (kv_cache_dtype), in one run against the full-precision KV: bytes per
 token and the tokens a KV budget holds, perplexity on a held-out text, teacher-forced top-1 agreement over a long greedy
-generation, and decode tok/s at batch 1 and at a large batch over a long context (prefill excluded). Each engine is
-built and dropped in turn; only same-run ratios mean anything on a shared machine.
+generation, and decode tok/s at batch 1 and at a large batch over a long context (prefill excluded; the batch's
+steps timed with every sequence in them). Each engine is built and dropped in turn; only same-run ratios mean
+anything on a shared machine.
 
 Agreement: the full-precision model writes `--generate` tokens greedily after a chat prompt; each type then reads the
 prompt and those tokens teacher-forced, and the share of positions whose top-1 token equals full precision's is
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvforge.app.bench.arguments import bench_parser, checked_model, use_threads
-from kvforge.app.bench.runs import bench_engine, run_batch
+from kvforge.app.bench.runs import bench_engine, run_batch, steady_decode
 from kvforge.app.bench.workloads import eval_text, prompt_ids, random_prompts
 from kvforge.core.config import KV_CACHE_DTYPES
 
@@ -60,7 +61,7 @@ def measure(kv_cache_dtype: str, args, text_ids: list[int], story: list[int], re
         b1 = None if args.no_speed else statistics.median(
             run_batch(engine, [b1_prompt], args.decode_tokens)["decode_tok_s"] or 0.0 for _ in range(args.repeats))
         batch = None if args.no_speed or not batch_prompts else \
-            run_batch(engine, batch_prompts, args.decode_tokens)["decode_tok_s"]
+            steady_decode(engine, batch_prompts, args.batch_steps)["tok_s"]
         tokens = engine.stats().kv_blocks_total * engine.config.block_size
         return KVQuantRow(kv_cache_dtype, runtime.kv_bytes_per_token, tokens, perplexity, agreement, b1,
                           batch), reference
@@ -71,7 +72,7 @@ def measure(kv_cache_dtype: str, args, text_ids: list[int], story: list[int], re
 def run_kv_quant(args: argparse.Namespace) -> list[KVQuantRow]:
     from kvforge.core.tokenizer import Tokenizer
 
-    path = checked_model(args, ("generate", "decode_tokens", "batch", "context", "repeats"))
+    path = checked_model(args, ("generate", "decode_tokens", "batch", "context", "repeats", "batch_steps"))
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     unknown = sorted(set(types) - set(KV_CACHE_DTYPES))
     if unknown:
@@ -87,7 +88,8 @@ def run_kv_quant(args: argparse.Namespace) -> list[KVQuantRow]:
     say = (lambda *a, **k: None) if args.json else print
     say(f"model {path.name} ({args.dtype}); perplexity on {len(text_ids)} held-out tokens; top-1 agreement over "
         f"{args.generate} generated tokens; decode {args.decode_tokens} tokens at batch 1 (median of {args.repeats}) "
-        + ("" if args.no_speed else f"and at batch {args.batch} over {args.context}-token contexts ")
+        + ("" if args.no_speed else f"and at batch {args.batch} over {args.context}-token contexts (median of "
+                                   f"{args.batch_steps} steps with every sequence decoding) ")
         + f"in a {args.kv_gb:g} GiB KV budget; {torch.get_num_threads()} threads")
     rows, reference = [], None
     for kv_cache_dtype in types:
@@ -131,6 +133,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=64, help="sequences decoded at once (default: 64)")
     parser.add_argument("--context", type=int, default=2048, help="each batch sequence's prompt tokens (default 2048)")
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs; the median is kept")
+    parser.add_argument("--batch-steps", type=int, default=9, help="batch decode steps timed once every sequence "
+                        "decodes; the median is kept (default: 9)")
     parser.add_argument("--kv-gb", type=float, default=4.0, help="the KV budget of every engine (default: 4 GiB)")
     parser.add_argument("--no-speed", action="store_true", help="accuracy and capacity only")
     return parser

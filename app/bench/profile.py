@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from kvforge.app.bench.arguments import bench_parser, checked_model, int_list, use_threads
 from kvforge.app.bench.report import emit
-from kvforge.app.bench.runs import bench_engine
+from kvforge.app.bench.runs import bench_engine, decode_ready, lasting_max_tokens
 from kvforge.app.bench.workloads import chat_messages
 
 # op class -> the aten / extension op names (the part after "::") that fall in it; the first class that names an
@@ -48,24 +48,11 @@ def op_class(name: str) -> str:
     return "other ops"
 
 
-def decode_ready(engine, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    """Submit the prompts and step until each has its first token: from here every step is a decode step."""
-    from kvforge.core import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    started: set[str] = set()
-    while len(started) < len(ids):
-        started.update(out.request_id for out in engine.step() if out.token_ids)
-    engine.step()  # the step after the last prefill: decode only
-    return ids
-
-
 def profile_batch(engine, prompts: list[list[int]], steps: int, top: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    ids = decode_ready(engine, prompts, max_tokens=2 * steps + 8)
+    ids = decode_ready(engine, prompts, max_tokens=lasting_max_tokens(engine, prompts))
     try:
         start = time.perf_counter()
         for _ in range(steps):

@@ -88,3 +88,49 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, logprobs: int |
     return {"wall_s": end - start, "generated_tokens": generated, "output_tok_s": generated / (end - start),
             "decode_tok_s": decoded / (end - decode_start) if decode_start is not None and decoded > 0 else None,
             "token_ids": [finals[rid] for rid in ids], "logprobs": [tops[rid] for rid in ids]}
+
+
+def decode_ready(engine, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Submit the prompts (greedy, EOS ignored) and step until each has its first token: from here every step is
+    a decode step. Long prompts prefill over many steps while the first ones already decode: `max_tokens` must
+    outlast that, or they finish before the rest start."""
+    from kvforge.core import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in engine.step() if out.token_ids)
+    engine.step()  # the step after the last prefill: decode only
+    return ids
+
+
+def lasting_max_tokens(engine, prompts: list[list[int]]) -> int:
+    """The most tokens a request for each prompt may ask for (its sequence within the context and the KV pool):
+    enough that none finishes while the others still prefill."""
+    window = min(engine.max_model_len, engine.stats().kv_blocks_total * engine.config.block_size)
+    return window - max(len(p) for p in prompts)
+
+
+def steady_decode(engine, prompts: list[list[int]], steps: int) -> dict:
+    """Decode steps with every prompt's sequence in the batch (none finished, none waiting or preempted): the
+    prompts prefill, then `steps` steps are timed one by one and every request is aborted. Returns the median
+    step's ms and the batch's tok/s at that step."""
+    import statistics
+
+    ids = decode_ready(engine, prompts, max_tokens=lasting_max_tokens(engine, prompts))
+    try:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            outputs = engine.step()
+            times.append(time.perf_counter() - start)
+            if len(outputs) != len(prompts) or engine.stats().running != len(prompts):
+                raise RuntimeError(f"{len(outputs)} of {len(prompts)} sequences decoded in a step: the KV budget is "
+                                   "too small for the batch (preempted) or a sequence ended")
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    step_s = statistics.median(times)
+    return {"step_ms": step_s * 1000, "tok_s": len(prompts) / step_s}
+

@@ -14,7 +14,8 @@ def test_every_kv_type_has_its_figures(embedded_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "kvforge.app.cli", "bench", "kv-quant", "--types", "q4,int8",
                              "--dtype", "float32", "--text-tokens", "128", "--generate", "16", "--decode-tokens", "4",
-                             "--batch", "2", "--context", "64", "--repeats", "1", "--kv-gb", "0.0625", "--json"],
+                             "--batch", "2", "--context", "64", "--repeats", "1", "--batch-steps", "3", "--kv-gb",
+                             "0.0625", "--json"],
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["kv_cache_dtype"]: row for row in json.loads(result.stdout)}
