@@ -39,11 +39,11 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I32, _I64, _PTR, _F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32,
-                        _F32, _I32, _I32, _I32, _I32],
+                        _F32, _I32, _I32, _I32, _I32, _I32],
     "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I32, _I32, _I32],
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I32, _F32, _I32, _I32],
     "rotary": [_PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32],
-    "store_kv": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32],
+    "store_kv": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I32, _I32, _I32, _I32, _I32],
     "dequant_int4": [_PTR, _PTR, _PTR, _I64, _I32, _I32],
     "int8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32, _I32, _I32],
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
@@ -113,7 +113,8 @@ def unavailable() -> str | None:
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     scale: float, window: int | None, out: torch.Tensor, row_seqs: torch.Tensor | None = None,
-                    portable: bool = False, softcap: float | None = None, kv_format: KVFormat | None = None) -> None:
+                    portable: bool = False, softcap: float | None = None, kv_format: KVFormat | None = None,
+                    rotate: bool = False) -> None:
     """Each query row over its sequence's paged K/V, read in place (core/cpu_kernels/paged_attention.c).
     q [rows, heads, head_dim] (rows may be strided); cache [2, kv_heads, blocks, block_size, head_dim] one layer,
     contiguous; block_tables int32 [seqs, width]; row_seqs int32 [rows]: each row's sequence (None: row r is
@@ -121,8 +122,11 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     the window; 0: a padding row, output 0); out [rows, heads * head_dim], contiguous, q's dtype: written.
     `portable`: the plain C loops even where the AVX-512 path would run (the tests check both); `softcap`: scores
     -> softcap * tanh(scores / softcap) before the softmax (None: none); `kv_format`: the cache's quantized format
-    (core/kv/quant.py: a uint8 cache [2, kv_heads, blocks, block_size, row_bytes]), dequantized as it is read."""
+    (core/kv/quant.py: a uint8 cache [2, kv_heads, blocks, block_size, row_bytes]), dequantized as it is read;
+    `rotate`: the cache holds K and V times the Hadamard matrix H (KVFormat.rotate): q and out stay the model's, the
+    kernel multiplies q by H^-1 (rounded to q's dtype) and the fp32 output by H^-1."""
     rows, heads, head_dim = q.shape
+    check_rotation("paged attention", rotate, head_dim)
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     kv = check_kv_storage("paged attention", q, cache, kv_format)
@@ -140,7 +144,12 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _run("paged_attention", q.data_ptr(), q.stride(0), out.data_ptr(), cache.data_ptr(), block_tables.data_ptr(),
          None if row_seqs is None else row_seqs.data_ptr(), context_lens.data_ptr(), rows, heads, kv_heads, head_dim,
          blocks, block_size, block_tables.shape[1], scale, window or 0, softcap or 0.0, DTYPE_CODES[q.dtype], kv,
-         torch.get_num_threads(), portable)
+         torch.get_num_threads(), portable, rotate)
+
+
+def check_rotation(name: str, rotate: bool, head_dim: int) -> None:
+    if rotate and head_dim & (head_dim - 1):
+        raise ValueError(f"{name}: rotating rows by a Hadamard matrix needs a power-of-two head_dim, not {head_dim}")
 
 
 def check_kv_storage(name: str, x: torch.Tensor, cache: torch.Tensor, kv_format: KVFormat | None) -> int:
@@ -223,13 +232,16 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-             kv_format: KVFormat | None = None) -> None:
+             kv_format: KVFormat | None = None, rotate: bool = False) -> None:
     """The step's new K and V [tokens, kv_heads, head_dim] (heads contiguous within a row, any row stride: e.g. the
     columns of a fused qkv output) written into one layer's contiguous paged cache at `rows` (int64, one per
     (K/V, token, head), indexing the cache viewed as [-1, head_dim]): torch's stack + index_copy_ in one pass; a
     quantized cache (`kv_format`, rows of its row_bytes) gets each row quantized as core/kv/quant.py's quantize.
-    The rows come from the runner (in range by construction); they are not checked here."""
+    The rows come from the runner (in range by construction); they are not checked here. `rotate`: each row is
+    multiplied by the Hadamard matrix and rounded to k's dtype first (KVFormat.rotate), as the attention layer's
+    torch rotation does."""
     tokens, kv_heads, head_dim = k.shape
+    check_rotation("store_kv", rotate, head_dim)
     kv = check_kv_storage("store_kv", k, cache, kv_format)
     if not (k.dtype == v.dtype and k.shape == v.shape
             and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
@@ -238,7 +250,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, rows: torch.
         raise ValueError("store_kv: k / v [tokens, kv_heads, head_dim] of one dtype with heads contiguous, a "
                          "contiguous cache, int64 rows, one per (K/V, token, head)")
     _run("store_kv", k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache.data_ptr(), rows.data_ptr(), tokens,
-         kv_heads, head_dim, DTYPE_CODES[k.dtype], kv)
+         kv_heads, head_dim, DTYPE_CODES[k.dtype], kv, rotate)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

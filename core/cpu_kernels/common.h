@@ -50,6 +50,25 @@ static inline float round_bf16(float x) {
     return (x != x) ? x : bits_to_f32((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u);
 }
 
+// x (n values, a power of two) <- x H / divisor, H the Sylvester Hadamard matrix (entries +-1, core/kv/quant.py's
+// hadamard): the fast transform, log2(n) stages of sums and differences in fp32 (n log n additions where the matmul
+// takes n^2; a power-of-two divisor is exact)
+static inline void hadamard_row(float *x, int n, float divisor) {
+    for (int h = 1; h < n; h <<= 1)
+        for (int i = 0; i < n; i += 2 * h)
+#pragma omp simd
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    if (divisor != 1.0f) {
+        const float inv = 1.0f / divisor;
+#pragma omp simd
+        for (int i = 0; i < n; i++) x[i] *= inv;
+    }
+}
+
 // exp(x), vectorisable: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial for exp(r) (truncation
 // < 1e-8 relative), times 2^n built from its bits; x clamped to +-87 (exp(-87) ~ 1.6e-38 is still a normal number:
 // softmax's and silu's tails come out 0 and x). Written out because glibc's vector expf needs -ffast-math, which

@@ -191,15 +191,36 @@ static void quantize_row(const float *x, int D, int kv, int bits, uint8_t *out, 
     }
 }
 
+// A new K or V row -> fp32 in `row`; `rotate`: times the Hadamard matrix (hadamard_row) and rounded once to the model's
+// dtype through `rounded`, as the attention layer's torch rotation (layers/attention.py _rotated) rounds its output
+static inline void load_source_row(const char *src, int dtype, int D, int rotate, char *rounded, float *row) {
+    load_row(src, dtype, D, row);
+    if (rotate) {
+        hadamard_row(row, D, 1.0f);
+        store_row(row, dtype, D, rounded);
+        load_row(rounded, dtype, D, row);
+    }
+}
+
+// an fp32 row into a pool row of storage `kv`: a full-precision pool's dtype, or an 8-bit format's codes + scale
+static inline void store_kv_row(const float *row, int D, int kv, int dtype, char *dst) {
+    if (kv <= F16)
+        store_row(row, dtype, D, dst);
+    else
+        quantize_row(row, D, kv, 8, (uint8_t *)dst, (uint8_t *)dst + D);
+}
+
 // The step's new K and V written into one layer's paged cache: k, v [tokens, kv_heads, D] (row strides in elements;
 // heads contiguous within a row, e.g. the columns of a fused qkv output), rows[(plane * tokens + t) * kv_heads + h]
 // the cache row ([2 * kv_heads * slots, row bytes] view) of token t's head h, plane 0 K, 1 V; kv: the cache's storage
 // (dtype: copied; a quantized format: each row quantized on its own). torch's stack + index_copy_ took ~18 us a layer
-// for one token; this is a few hundred bytes copied.
+// for one token; this is a few hundred bytes copied. rotate: each row times the Hadamard matrix first (q4's pools
+// hold rotated rows; the attention layer's rotation in torch took 7 us a call).
 void kvf_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *cache, const int64_t *rows,
-                  int64_t tokens, int32_t kv_heads, int32_t head_dim, int32_t dtype, int32_t kv) {
+                  int64_t tokens, int32_t kv_heads, int32_t head_dim, int32_t dtype, int32_t kv, int32_t rotate) {
     const size_t size = dtype_size(dtype), bytes = kv_row_bytes(kv, head_dim);
-    float *row = kv > F16 ? scratch_floats((size_t)head_dim) : NULL;
+    float *row = kv > F16 || rotate ? scratch_floats((size_t)head_dim) : NULL;
+    char *rounded = rotate ? malloc((size_t)head_dim * size) : NULL;
     for (int64_t t = 0; t < tokens; t++)
         for (int h = 0; h < kv_heads; h++) {  // K then V of one token's head: q4's V row also holds K's scales
             char *k_dst = (char *)cache + rows[t * kv_heads + h] * bytes;
@@ -211,17 +232,18 @@ void kvf_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
                 memcpy(v_dst, v_src, bytes);
             } else if (kv == KV_Q4) {
                 const size_t scales = (size_t)head_dim / 2;  // V's scales, then K's, after V's codes
-                load_row(v_src, dtype, head_dim, row);
+                load_source_row(v_src, dtype, head_dim, rotate, rounded, row);
                 quantize_row(row, head_dim, kv, 4, (uint8_t *)v_dst, (uint8_t *)v_dst + scales);
-                load_row(k_src, dtype, head_dim, row);
+                load_source_row(k_src, dtype, head_dim, rotate, rounded, row);
                 quantize_row(row, head_dim, kv, 5, (uint8_t *)k_dst,
                              (uint8_t *)v_dst + scales + 2 * (size_t)(head_dim / KV_Q4_GROUP));
             } else {
-                load_row(k_src, dtype, head_dim, row);
-                quantize_row(row, head_dim, kv, 8, (uint8_t *)k_dst, (uint8_t *)k_dst + head_dim);
-                load_row(v_src, dtype, head_dim, row);
-                quantize_row(row, head_dim, kv, 8, (uint8_t *)v_dst, (uint8_t *)v_dst + head_dim);
+                load_source_row(k_src, dtype, head_dim, rotate, rounded, row);
+                store_kv_row(row, head_dim, kv, dtype, k_dst);
+                load_source_row(v_src, dtype, head_dim, rotate, rounded, row);
+                store_kv_row(row, head_dim, kv, dtype, v_dst);
             }
         }
     free(row);
+    free(rounded);
 }

@@ -670,6 +670,113 @@ static inline __attribute__((always_inline)) void qk_q4_512(
     }
 }
 
+#if defined(__AVX512VNNI__)
+// a q4 K row's 64 values from c * 64 (32 bytes of nibbles, 8 of fifth bits) as 64 unsigned codes 0..31, in the byte
+// order [group 2c's even values, its odd values, group 2c + 1's even, its odd] (16 bytes each): the nibbles of each
+// 16-byte half twice (low, then high), the fifth bits' mask in the same order (vpshufbitqmb where there is BITALG)
+static inline __m512i q4_codes64(const char *k, int D, int c) {
+    const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(k + 32 * c)));
+    const __m512i twice = _mm512_shuffle_i64x2(x, x, 0x50);  // 128-bit lanes [0, 0, 1, 1]
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i codes = _mm512_mask_blend_epi8(0xFFFF0000FFFF0000ull, _mm512_and_si512(twice, nibble),
+                                                 _mm512_and_si512(_mm512_srli_epi16(twice, 4), nibble));
+    uint64_t fifth;
+    memcpy(&fifth, k + D / 2 + 8 * c, 8);
+#if defined(__AVX512BITALG__)
+    // byte p's value in the chunk: 2p, 2(p - 16) + 1, 32 + 2(p - 32), 33 + 2(p - 48)
+    const __m512i at = _mm512_set_epi8(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                       62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                       30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __mmask64 high = _mm512_bitshuffle_epi64_mask(_mm512_set1_epi64((long long)fifth), at);
+#else
+    uint32_t even, odd;
+    unzip_bits(fifth, &even, &odd);
+    const __mmask64 high = (uint64_t)(even & 0xFFFF) | (uint64_t)(odd & 0xFFFF) << 16 | (uint64_t)(even >> 16) << 32 |
+                           (uint64_t)(odd >> 16) << 48;
+#endif
+    return _mm512_mask_add_epi8(codes, high, codes, _mm512_set1_epi8(16));
+}
+
+// q4 K, 16 keys at a time (as qk_int8_16): each key's codes as stored (value + 16, unsigned) in q4_codes64's order,
+// the 16 rows transposed, times q's int16 codes (in the same order) split into a signed high and low byte in
+// vpdpbusd; a group's 8 dwords summed on their own (two chains each), the + 16 taken out by starting its sums at
+// -16 * (the sum of q's high / low bytes over the group), then times the group's K scales (16 keys' in a vector).
+// The 4-key path (qk_q4_512) unpacked and summed each key alone: one layer, 64 x 2k keys, 2 threads, Zen 5, its
+// scores pass took ~1.1 of 2.35 ms
+static inline __attribute__((always_inline)) void qk_q4_16(
+        const char *q_row, const char *k_plane, const char *v_plane, const size_t *rows, int n, int G, const int D,
+        int dtype, size_t rb, float scale, char *qbuf, float *x, float *scores, uint16_t *vraw) {
+    int8_t *qh = (int8_t *)qbuf, *ql = qh + (size_t)G * D;
+    float *qs = (float *)(qbuf + 2 * (size_t)G * D);
+    int32_t *start = (int32_t *)(qs + G);  // [G][D / 32][high, low]
+    for (int g = 0; g < G; g++) {
+        q_f32(q_row, g, D, dtype, x);
+        float m = 0.0f;
+        for (int d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+        const float inv = m > 0.0f ? 32639.0f / m : 0.0f;
+        qs[g] = m / 32639.0f * scale;
+        for (int grp = 0; grp < D / KV_Q4_GROUP; grp++) {
+            int32_t sh = 0, sl = 0;
+            for (int w = 0; w < KV_Q4_GROUP; w++) {  // value grp * 32 + w at byte grp * 32 + (w odd) * 16 + w / 2
+                const int d = grp * KV_Q4_GROUP + w, at = g * D + grp * KV_Q4_GROUP + (w & 1) * 16 + w / 2;
+                const int c = (int)lrintf(x[d] * inv), l = ((c + 128) & 255) - 128;
+                qh[at] = (int8_t)((c - l) / 256);
+                ql[at] = (int8_t)l;
+                sh += (c - l) / 256;
+                sl += l;
+            }
+            start[(g * (D / KV_Q4_GROUP) + grp) * 2] = -16 * sh;
+            start[(g * (D / KV_Q4_GROUP) + grp) * 2 + 1] = -16 * sl;
+        }
+    }
+    prefetch_short(k_plane, v_plane, rows, 0, QUANT_PREFETCH_KEYS, n, rb);
+    for (int i = 0; i < n; i += 16) {
+        prefetch_short(k_plane, v_plane, rows, i + QUANT_PREFETCH_KEYS, i + QUANT_PREFETCH_KEYS + 16, n, rb);
+        gather_scales(v_plane, rows, i, i + 16, n, D, KV_Q4, vraw);
+        const char *k[16];
+        uint16_t sc[D / KV_Q4_GROUP][16];
+        for (int j = 0; j < 16; j++) {
+            const size_t r = rows[i + j < n ? i + j : n - 1];
+            const char *key_scales = q4_key_scales(v_plane + r, D);
+            k[j] = k_plane + r;
+            for (int grp = 0; grp < D / KV_Q4_GROUP; grp++) memcpy(&sc[grp][j], key_scales + 2 * grp, 2);
+        }
+        __m512 key_scales[D / KV_Q4_GROUP];
+        for (int grp = 0; grp < D / KV_Q4_GROUP; grp++)
+            key_scales[grp] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)sc[grp])), 16));
+        __m512i kt[D / 64][16];  // per 64 values, dword e of the 16 keys (dwords 0-7 one group, 8-15 the next)
+        for (int c = 0; c < D / 64; c++) {
+            for (int j = 0; j < 16; j++) kt[c][j] = q4_codes64(k[j], D, c);
+            transpose16(kt[c]);
+        }
+        const __mmask16 tail = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        for (int g = 0; g < G; g++) {
+            __m512 f = _mm512_setzero_ps();
+            for (int grp = 0; grp < D / KV_Q4_GROUP; grp++) {
+                const int32_t *st = start + (g * (D / KV_Q4_GROUP) + grp) * 2;
+                __m512i sh[2] = {_mm512_set1_epi32(st[0]), _mm512_setzero_si512()};
+                __m512i sl[2] = {_mm512_set1_epi32(st[1]), _mm512_setzero_si512()};
+                const int8_t *h = qh + (size_t)g * D + grp * KV_Q4_GROUP, *l = ql + (size_t)g * D + grp * KV_Q4_GROUP;
+                for (int e = 0; e < 8; e++) {
+                    int32_t hw, lw;
+                    memcpy(&hw, h + 4 * e, 4);
+                    memcpy(&lw, l + 4 * e, 4);
+                    const __m512i codes = kt[grp / 2][(grp & 1) * 8 + e];
+                    sh[e & 1] = _mm512_dpbusd_epi32(sh[e & 1], codes, _mm512_set1_epi32(hw));
+                    sl[e & 1] = _mm512_dpbusd_epi32(sl[e & 1], codes, _mm512_set1_epi32(lw));
+                }
+                const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(sh[0], sh[1]), 8),
+                                                     _mm512_add_epi32(sl[0], sl[1]));
+                f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), key_scales[grp], f);
+            }
+            _mm512_mask_storeu_ps(scores + (size_t)g * n + i, tail, _mm512_mul_ps(f, _mm512_set1_ps(qs[g])));
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // 64 fp8 codes (a zmm) -> two vectors of 32 bf16 (the value * 2^-120 (e4m3) / 2^-112 (e5m2)): bytes 0-7 of each 16 in
 // the first, 8-15 in the second. unpack with zeros puts a code in its word's high byte; an arithmetic shift moves the
@@ -872,7 +979,11 @@ static inline __attribute__((always_inline)) void attend_quant_impl(
 #else
     if (kv == KV_I8) qk_int8_512(q_row, k_plane, v_plane, rows, n, G, D, dtype, rb, scale, qbuf, x, scores, vraw);
 #endif
+#if defined(__AVX512VNNI__)
+    else if (kv == KV_Q4) qk_q4_16(q_row, k_plane, v_plane, rows, n, G, D, dtype, rb, scale, qbuf, x, scores, vraw);
+#else
     else if (kv == KV_Q4) qk_q4_512(q_row, k_plane, v_plane, rows, n, G, D, dtype, rb, scale, qbuf, x, scores, vraw);
+#endif
 #if defined(__AVX512BF16__)
     else qk_fp8_512(q_row, k_plane, v_plane, rows, n, G, D, kv, rb, scale, qbuf, x, scores, vraw);
 #endif
@@ -1271,11 +1382,14 @@ ATTEND_WITH_HEAD_DIM(attend_256, 256)
 ATTEND_WITH_HEAD_DIM(attend_any, D)
 
 // q: [B] rows of H * D values, row stride q_stride (elements); out: [B, H * D] contiguous; kv: the cache's storage
-// (dtype itself, or a quantized format: rows of kv_row_bytes).
+// (dtype itself, or a quantized format: rows of kv_row_bytes); rotate: the cache holds K and V times the Hadamard
+// matrix H (q4): q is multiplied by H^-1 on load and the output by H^-1 before it is stored, so q and out are the
+// model's own (the attention layer's torch rotations took 7 us a call, four a layer).
 void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void *cache, const int32_t *tables,
                          const int32_t *row_seqs, const int32_t *lens, int32_t batch, int32_t heads, int32_t kv_heads,
                          int32_t head_dim, int32_t num_blocks, int32_t block_size, int32_t width, float scale,
-                         int32_t window, float softcap, int32_t dtype, int32_t kv, int32_t threads, int32_t portable) {
+                         int32_t window, float softcap, int32_t dtype, int32_t kv, int32_t threads, int32_t portable,
+                         int32_t rotate) {
     const int G = heads / kv_heads, D = head_dim;
     const size_t es = dtype_size(dtype);
     const size_t rb = kv_row_bytes(kv, D), plane = (size_t)num_blocks * block_size * rb;  // bytes of a (K/V, head)
@@ -1293,6 +1407,7 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
         float *scores = scratch_floats((size_t)G * (max_len > 0 ? max_len : 1));
         float *kf = scratch_floats(4 * (size_t)D);
         size_t *rows = malloc(sizeof(size_t) * (max_len > 0 ? max_len : 1));
+        char *q_rotated = rotate ? malloc((size_t)G * D * es) : NULL;
 #if defined(QUANT_PATH)
         char *wbuf = quant_path(kv, dtype, D) ? (char *)scratch_floats(
             (wbuf_fixed_bytes(G, D) + (size_t)(max_len + 16) * (D / KV_Q4_GROUP) * 2) / 4 + 16) : NULL;
@@ -1306,6 +1421,14 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
                 const int first = (window > 0 && L > window) ? L - window : 0, n = L - first;
                 const int32_t *table = tables + (size_t)(row_seqs ? row_seqs[b] : b) * width;
                 const char *q_row = (const char *)q + ((size_t)b * q_stride + (size_t)h * G * D) * es;
+                if (rotate) {  // q H^-1 in q's dtype (as layers/attention.py's _rotated): the rows' keys are k H
+                    for (int g = 0; g < G; g++) {
+                        load_row(q_row + (size_t)g * D * es, dtype, D, kf);
+                        hadamard_row(kf, D, (float)D);
+                        store_row(kf, dtype, D, q_rotated + (size_t)g * D * es);
+                    }
+                    q_row = q_rotated;
+                }
                 const char *k_plane = (const char *)cache + (size_t)h * plane;
                 const char *v_plane = (const char *)cache + (size_t)(kv_heads + h) * plane;
                 visible_rows(table, first, L, block_size, rb, rows);
@@ -1324,6 +1447,8 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
                 } else
 #endif
                     run(q_row, k_plane, v_plane, rows, n, G, D, scale, softcap, dtype, es, kv, rb, qf, acc, row, scores);
+                if (rotate)  // the output of values v H, times H^-1 in fp32 (no rounding between)
+                    for (int g = 0; g < G; g++) hadamard_row(acc + (size_t)g * D, D, (float)D);
             }
             store_row(acc, dtype, G * D, (char *)out + ((size_t)b * heads + (size_t)h * G) * D * es);
         }
@@ -1333,6 +1458,7 @@ void kvf_paged_attention(const void *q, int64_t q_stride, void *out, const void 
         free(scores);
         free(kf);
         free(rows);
+        free(q_rotated);
 #if defined(QUANT_PATH)
         free(wbuf);
 #endif

@@ -66,26 +66,38 @@ class Attention(nn.Module):
         ctx = get_context()
         cache = ctx.kv_cache[self.layer_index]  # [2, kv_heads, blocks, block_size, head_dim]
         if ctx.kv_format is not None and ctx.kv_format.rotate:  # q4's rows hold rotated K / V (core/kv/quant.py)
+            if self._c_store(cache, k, v) and self.decode.mask is None and self._paged_rows_only(ctx):
+                return self._attend(ctx, cache, q, k, v, rotate=True)  # the C kernels rotate as they store and read
             out = self._attend(ctx, cache, _rotated(q, inverse=True), _rotated(k), _rotated(v))
             return _rotated(out.view(-1, self.num_heads, self.head_dim), inverse=True).view(out.shape)
         return self._attend(ctx, cache, q, k, v)
 
+    def _c_store(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the C kernel stores the step's K / V (one pass: ~18 us a layer less per decode step)."""
+        return (not self.triton and cache.device.type == "cpu" and _heads_contiguous(k, v)
+                and cpu_kernels.unavailable() is None)
+
+    def _paged_rows_only(self, ctx: StepContext) -> bool:
+        """Whether every row of the step goes through decode_rows: a decode step, or the paged kernel with only
+        short prefill chunks."""
+        return not ctx.prefills or (self.decode.mask is None and
+                                    all(seq.end - seq.start <= SHORT_CHUNK for seq in ctx.prefills))
+
     def _attend(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
+                v: torch.Tensor, rotate: bool = False) -> torch.Tensor:
+        """`rotate`: q, k, v and the output are the model's own; the C kernels multiply by the Hadamard matrix."""
         if self.triton:
             return self._forward_kernels(ctx.kernel, ctx.kv_format, cache, q, k, v)
-        if cache.device.type == "cpu" and _heads_contiguous(k, v) and cpu_kernels.unavailable() is None:
-            # one pass: ~18 us a layer less per decode step
-            cpu_kernels.store_kv(k, v, cache, ctx.write_rows, ctx.kv_format)
+        if self._c_store(cache, k, v):
+            cpu_kernels.store_kv(k, v, cache, ctx.write_rows, ctx.kv_format, rotate=rotate)
         else:
             new_kv = torch.stack((k, v))  # K and V together: a format may quantize them as a pair (q4)
             if ctx.kv_format is not None:
                 new_kv = ctx.kv_format.quantize(new_kv)
             rows = new_kv.view(-1, cache.shape[-1])  # (K/V, token, head), the order of write_rows
             cache.view(-1, cache.shape[-1]).index_copy_(0, ctx.write_rows, rows)
-        if not ctx.prefills or (self.decode.mask is None and
-                                all(seq.end - seq.start <= SHORT_CHUNK for seq in ctx.prefills)):
-            return self.decode_rows(ctx, cache, q)  # a decode step, or the paged kernel: every row in one call
+        if self._paged_rows_only(ctx):
+            return self.decode_rows(ctx, cache, q, rotate)  # a decode step, or the paged kernel: every row in one call
         # prefill chunks through SDPA (or the short-chunk math) even where the paged kernel attends decode rows: it
         # attends row by row, re-reading the context per query (Zen 2, 32 heads: 420 new tokens over a 2725-token
         # context 1005 ms a layer against SDPA's 119 with the gather; a fresh 113-token prompt 3.7 against 1.9)
@@ -97,7 +109,7 @@ class Attention(nn.Module):
             out[:decodes] = self.decode_rows(ctx, cache, q[:decodes])
         return out
 
-    def decode_rows(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def decode_rows(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor, rotate: bool = False) -> torch.Tensor:
         """The step's decode rows (the first rows of the flat batch, one new token each; q holds only them, or with
         the paged kernel every row of the step), attended by the decode variant chosen for this machine
         (layers/decode_attention.py) -> [rows, heads * d]."""
@@ -106,7 +118,7 @@ class Attention(nn.Module):
             out = q.new_empty(rows, self.num_heads * self.head_dim)
             self.decode.run(q, cache, ctx.block_tables, ctx.row_lens[:rows], self.scale, self.sliding_window, out,
                             None if ctx.row_seqs is None else ctx.row_seqs[:rows], softcap=self.softcap,
-                            kv_format=ctx.kv_format)
+                            kv_format=ctx.kv_format, rotate=rotate)
             return out
         if len(ctx.decode_groups) == 1:
             return self._decode(ctx, cache, 0, q)

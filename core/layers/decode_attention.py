@@ -34,7 +34,7 @@ MaskBuilder = Callable[[torch.Tensor, int, "int | None", int, int], "torch.Tenso
 @dataclass(frozen=True)
 class DecodeVariant:
     # gathered: (q [g, heads, d], kv, mask, scale, softcap) -> [g, heads * d]; paged (mask None): (q, cache, block
-    # tables, context lengths, scale, window, out, row sequences, softcap, kv_format) writes out
+    # tables, context lengths, scale, window, out, row sequences, softcap, kv_format, rotate) writes out
     run: Callable
     mask: MaskBuilder | None  # None: the variant reads the paged cache itself
     fp32_math: bool  # computes in fp32 whatever the model dtype (see above: what auto may pick in bf16 / fp16)
@@ -121,11 +121,12 @@ def sdpa_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale
     return out.reshape(q.shape[0], -1)
 
 
-def paged_run(q, cache, block_tables, context_lens, scale, window, out, row_seqs, softcap=None, kv_format=None) -> None:
+def paged_run(q, cache, block_tables, context_lens, scale, window, out, row_seqs, softcap=None, kv_format=None,
+              rotate=False) -> None:
     from kvforge.core.cpu_kernels import paged_attention
 
     paged_attention(q, cache, block_tables, context_lens, scale, window, out, row_seqs, softcap=softcap,
-                    kv_format=kv_format)
+                    kv_format=kv_format, rotate=rotate)
 
 
 def paged_unavailable(device: torch.device) -> str | None:

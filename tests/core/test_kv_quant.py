@@ -204,3 +204,57 @@ def test_a_quantized_rows_result_does_not_depend_on_the_batch(kernels, fmt):
         paged_attention(q[r:r + 1], cache, tables[r:r + 1].contiguous(), lens[r:r + 1], 0.125, None, alone,
                         kv_format=fmt)
         assert torch.equal(alone[0], together[r]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["q4", "int8"])
+def test_the_store_kernel_rotates_as_the_attention_layers_torch_rotation(kernels, name, dtype):
+    """store_kv(rotate=True) writes the bytes of the attention layer's torch rotation (layers/attention.py
+    _rotated: times the Hadamard matrix in fp32, rounded to k's dtype) stored without it. Values of a few bits make
+    every sum exact in fp32, so the fast transform and the matmul agree bit for bit (their rounding to bf16 then too);
+    a format that does not rotate (int8) may still be asked to."""
+    from kvforge.core.layers.attention import _rotated
+
+    fmt = KV_FORMATS[name]
+    torch.manual_seed(5)
+    tokens, kv_heads, head_dim, slots = 7, 3, 64, 32
+    k, v = (torch.randint(-64, 64, (2, tokens, kv_heads, head_dim)) / 16).to(dtype).unbind(0)
+    chosen, rows = scattered_rows(tokens, kv_heads, slots)
+    fused = torch.zeros(2, kv_heads, slots // 16, 16, fmt.row_bytes(head_dim), dtype=torch.uint8)
+    store_kv(k, v, fused, rows, fmt, rotate=True)
+    rotated = torch.zeros_like(fused)
+    store_kv(_rotated(k), _rotated(v), rotated, rows, fmt)
+    assert torch.equal(fused, rotated)
+    assert not torch.equal(fused, torch.zeros_like(fused))
+    with pytest.raises(ValueError, match="power-of-two head_dim, not 96"):
+        store_kv(k[..., :48].repeat(1, 1, 2), v[..., :48].repeat(1, 1, 2),
+                 torch.zeros(2, kv_heads, 2, 16, fmt.row_bytes(96), dtype=torch.uint8), rows, fmt, rotate=True)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256)])
+def test_paged_attention_rotates_q_and_the_output_itself(kernels, heads, kv_heads, head_dim, dtype, portable):
+    """On a q4 pool (rows of rotated K / V), paged_attention(rotate=True) takes the model's q and gives the model's
+    output: what the attention layer computes by rotating q (H^-1, rounded to q's dtype), attending, and rotating
+    the output back in torch. The kernel rotates the output before its one rounding where torch rounds twice: within
+    an ulp of the largest output in bf16, 1e-6 of it in fp32."""
+    from kvforge.core.layers.attention import _rotated
+
+    fmt = KV_FORMATS["q4"]
+    block, num_blocks, batch = 16, 40, 4
+    cache, _ = quantized_cache(fmt, kv_heads, num_blocks, block, head_dim, seed=6)
+    lens = torch.tensor([1, 0, 95, 300], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:20] for _ in range(batch)]).int()
+    q = torch.randn(batch, heads, head_dim).to(dtype)
+    fused = torch.empty(batch, heads * head_dim, dtype=dtype)
+    paged_attention(q, cache, tables, lens, head_dim ** -0.5, None, fused, portable=portable, kv_format=fmt,
+                    rotate=True)
+    rotated = torch.empty_like(fused)
+    paged_attention(_rotated(q, inverse=True), cache, tables, lens, head_dim ** -0.5, None, rotated,
+                    portable=portable, kv_format=fmt)
+    expected = _rotated(rotated.view(batch, heads, head_dim).float(), inverse=True).view(batch, -1)
+    largest = expected.abs().max().item()
+    error = (fused.float() - expected).abs().max().item()
+    assert error <= (1e-6 if dtype == torch.float32 else 2 ** -7) * largest, error
+    assert fused[1].abs().max().item() == 0  # a padding row stays zero
