@@ -112,25 +112,24 @@ def lasting_max_tokens(engine, prompts: list[list[int]]) -> int:
     return window - max(len(p) for p in prompts)
 
 
-def steady_decode(engine, prompts: list[list[int]], steps: int) -> dict:
-    """Decode steps with every prompt's sequence in the batch (none finished, none waiting or preempted): the
-    prompts prefill, then `steps` steps are timed one by one and every request is aborted. Returns the median
-    step's ms and the batch's tok/s at that step."""
-    import statistics
+class SteadyBatch:
+    """An engine's batch of prompts prefilled and decoding (none finished, none waiting or preempted): each `step()`
+    runs and times one decode step with every sequence in it; `close()` aborts them."""
 
-    ids = decode_ready(engine, prompts, max_tokens=lasting_max_tokens(engine, prompts))
-    try:
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            outputs = engine.step()
-            times.append(time.perf_counter() - start)
-            if len(outputs) != len(prompts) or engine.stats().running != len(prompts):
-                raise RuntimeError(f"{len(outputs)} of {len(prompts)} sequences decoded in a step: the KV budget is "
-                                   "too small for the batch (preempted) or a sequence ended")
-    finally:
-        for rid in ids:
-            engine.abort(rid)
-    step_s = statistics.median(times)
-    return {"step_ms": step_s * 1000, "tok_s": len(prompts) / step_s}
+    def __init__(self, engine, prompts: list[list[int]]) -> None:
+        self.engine, self.size = engine, len(prompts)
+        self.ids = decode_ready(engine, prompts, max_tokens=lasting_max_tokens(engine, prompts))
 
+    def step(self) -> float:
+        """One decode step's seconds."""
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        if len(outputs) != self.size or self.engine.stats().running != self.size:
+            raise RuntimeError(f"{len(outputs)} of {self.size} sequences decoded in a step: the KV budget is too small "
+                               "for the batch (preempted) or a sequence ended")
+        return elapsed
+
+    def close(self) -> None:
+        for rid in self.ids:
+            self.engine.abort(rid)

@@ -1,6 +1,6 @@
 """`kvforge bench kv-quant --json`, run as a real subprocess on the embedded model at tiny sizes: a row per KV type
 with the full-precision one first, capacities in the formats' byte ratios, perplexities close to full precision's,
-an agreement share, and both decode rates (no timing assertions: machines are shared)."""
+an agreement share, both decode rates and their ratios (no timing assertions: machines are shared)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_every_kv_type_has_its_figures(embedded_path):
     assert 1 < auto["perplexity"] and abs(int8["perplexity"] / auto["perplexity"] - 1) < 0.03
     for row in rows.values():
         assert row["decode_b1_tok_s"] > 0 and row["decode_batch_tok_s"] > 0
+        assert row["b1_ratio"] > 0 and row["batch_ratio"] > 0  # timed in turn with full precision's runs
+    assert auto["b1_ratio"] == auto["batch_ratio"] == 1.0
 
 
 def test_an_unknown_type_is_refused_before_anything_loads():
