@@ -1030,11 +1030,10 @@ static inline __attribute__((always_inline)) __m256 load8_kv(const char *row, in
     }
     const __m128i b = _mm_loadl_epi64((const __m128i *)(row + c));
     if (kv == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    __m128i w = _mm_cvtepu8_epi16(b);
-    if (kv == KV_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
-    w = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),  // e4m3 as fp16 * 2^-8
-                     _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_cvtph_ps(w);
+    if (kv == KV_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+    // e4m3 as fp16 * 2^-8: sign-extended, shifted into fp16's fields, the sign's copy above the exponent cleared
+    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(b), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBFFF)));
 }
 
 // 8 values of a stored K row from value c -> fp32, as load16_k
