@@ -8,6 +8,7 @@ import torch
 
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.distributed import heads_of_rank
+from kvforge.core.layers.moe import is_sparse_layer, moe_layout
 from kvforge.core.models.llama import LlamaForCausalLM, head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.quant_config import QuantConfig
@@ -15,14 +16,31 @@ from kvforge.core.quant_config import QuantConfig
 
 def projection_weights(hf_config, tp_size: int = 1, rank: int = 0) -> dict[str, int]:
     """The attention and MLP projections as kvforge's layers name them (q/k/v fused into qkv_proj, gate/up into
-    gate_up_proj) -> the weights `rank` of `tp_size` holds of each (no biases): what a quant method stores."""
+    gate_up_proj; a mixture-of-experts layer's experts and shared expert each an MLP of their own) -> the weights
+    `rank` of `tp_size` holds of each (no biases): what a quant method stores."""
     c = hf_config
     head_dim = head_dim_of(c)
     heads = heads_of_rank(c.num_attention_heads, c.num_key_value_heads, tp_size, rank)
-    q, kv, inter = heads.q_count * head_dim, heads.kv_count * head_dim, c.intermediate_size // tp_size
-    per_layer = {"self_attn.qkv_proj": c.hidden_size * (q + 2 * kv), "self_attn.o_proj": q * c.hidden_size,
-                 "mlp.gate_up_proj": 2 * c.hidden_size * inter, "mlp.down_proj": inter * c.hidden_size}
-    return {f"model.layers.{i}.{name}": n for i in range(c.num_hidden_layers) for name, n in per_layer.items()}
+    q, kv = heads.q_count * head_dim, heads.kv_count * head_dim
+    attention = {"self_attn.qkv_proj": c.hidden_size * (q + 2 * kv), "self_attn.o_proj": q * c.hidden_size}
+
+    def mlp(name: str, size: int) -> dict[str, int]:
+        return {f"{name}.gate_up_proj": 2 * c.hidden_size * (size // tp_size),
+                f"{name}.down_proj": (size // tp_size) * c.hidden_size}
+
+    weights = {}
+    for i in range(c.num_hidden_layers):
+        layer = dict(attention)
+        if is_sparse_layer(c, i):
+            experts, _, size = moe_layout(c)
+            for e in range(experts):
+                layer |= mlp(f"mlp.experts.{e}", size)
+            if getattr(c, "shared_expert_intermediate_size", 0):
+                layer |= mlp("mlp.shared_expert", c.shared_expert_intermediate_size)
+        else:
+            layer |= mlp("mlp", c.intermediate_size)
+        weights |= {f"model.layers.{i}.{name}": n for name, n in layer.items()}
+    return weights
 
 
 def linear_parameter_count(hf_config) -> int:
@@ -31,15 +49,21 @@ def linear_parameter_count(hf_config) -> int:
 
 
 def parameter_count(hf_config) -> int:
-    """Parameters of a Llama-family model from its config (embeddings, attention, MLP, norms, head)."""
+    """Parameters of a Llama-family model from its config (embeddings, attention, MLP, norms, head; a
+    mixture-of-experts layer's router and shared-expert gate)."""
     c = hf_config
     hidden, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     head_dim = head_dim_of(c)
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    biases = q + 2 * kv if getattr(c, "attention_bias", False) or c.model_type == "qwen2" else 0
-    per_layer_rest = biases + 2 * hidden + (2 * head_dim if c.model_type == "qwen3" else 0)
+    qkv_bias = getattr(c, "attention_bias", False) or getattr(c, "qkv_bias", False) or c.model_type == "qwen2"
+    qk_norms = {"qwen3": 2 * head_dim, "qwen3_moe": 2 * head_dim, "olmoe": q + kv}.get(c.model_type, 0)
+    per_layer_rest = (q + 2 * kv if qkv_bias else 0) + 2 * hidden + qk_norms
+    routers = 0
+    for i in range(layers):
+        if is_sparse_layer(c, i):
+            routers += moe_layout(c)[0] * hidden + (hidden if getattr(c, "shared_expert_intermediate_size", 0) else 0)
     head = 0 if getattr(c, "tie_word_embeddings", False) else vocab * hidden
-    return vocab * hidden + linear_parameter_count(c) + layers * per_layer_rest + hidden + head
+    return vocab * hidden + linear_parameter_count(c) + layers * per_layer_rest + routers + hidden + head
 
 
 def _dense_linear_bytes(hf_config, torch_dtype: torch.dtype, quant: QuantConfig | None) -> int | None:

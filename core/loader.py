@@ -238,6 +238,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
 
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
+    renames = getattr(model, "checkpoint_renames", {})
     tied = {source: target for target, source in model.tied_weights().items()
             if target in params or _blocks_param(target) in params}
     loaded: set[str] = set()
@@ -250,6 +251,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             continue
         if nested and not name.startswith(("model.", "lm_head.")):  # a bare model's (core/models/registry.py)
             name = f"model.{name}"
+        for theirs, ours in renames.items():
+            name = name.replace(theirs, ours)
         targets = [(name, None)]
         for checkpoint_part, (fused_part, shard_id) in packed.items():
             if f".{checkpoint_part}." in name:

@@ -18,6 +18,8 @@ class CausalLM(nn.Module):
 
     packed_modules_mapping = FUSED_PROJECTIONS
     tie_word_embeddings: bool = False
+    # checkpoint name parts read as ours before the fusion mapping (a family's own names for the same layers)
+    checkpoint_renames: dict[str, str] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """`num_layers`: run only the first layers (a draft made of the model itself), then the final norm."""

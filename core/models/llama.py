@@ -1,6 +1,9 @@
 """The Llama family on the paged KV cache: Llama 2/3 (rope scaling), Mistral (sliding window),
 Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm) and Phi-3 / Phi-4-mini (checkpoints with q/k/v and gate/up already
 fused, long-rope scaling, a partial rotary dimension, a sliding window on every layer); tied or separate embeddings.
+Their mixture-of-experts kin share the attention and swap the MLP for core/layers/moe.py's block: Qwen2-MoE (a
+shared expert), Qwen3-MoE, Mixtral (its checkpoint names `block_sparse_moe`, `w1` / `w3` / `w2` read as `mlp`,
+`gate_proj` / `up_proj` / `down_proj`) and OLMoE (q/k RMSNorm over the whole projection, optional q/k/v clipping).
 
 Parameter names follow the HF checkpoints, except that q/k/v and gate/up are fused; the loader
 uses `packed_modules_mapping` to route each checkpoint tensor to its shard (a fused checkpoint tensor is split by
@@ -18,6 +21,7 @@ from kvforge.core.layers.attention import Attention
 from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvforge.core.layers.moe import SparseMoeBlock, is_sparse_layer
 from kvforge.core.layers.norm import RMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate
 from kvforge.core.models.causal_lm import CausalLM
@@ -32,7 +36,7 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
-    if config.model_type in ("mistral", "phi3"):  # every layer (transformers' Mistral and Phi-3 alike)
+    if config.model_type in ("mistral", "phi3", "mixtral"):  # every layer (as transformers' Mistral, Phi-3, Mixtral)
         return getattr(config, "sliding_window", None)
     return None
 
@@ -44,7 +48,8 @@ class LlamaAttention(nn.Module):
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=attention_bias or config.model_type == "qwen2", params_dtype=dtype, quant_config=quant,
+            bias=attention_bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False)),
+            params_dtype=dtype, quant_config=quant,
             prefix=f"{prefix}.qkv_proj")
         heads = self.qkv_proj.heads  # this rank's query and KV heads
         self.num_heads, self.num_kv_heads = heads.q_count, heads.kv_count
@@ -52,10 +57,17 @@ class LlamaAttention(nn.Module):
                                         bias=attention_bias, params_dtype=dtype,
                                         input_shard=(heads.q_first * self.head_dim, heads.q_count * self.head_dim),
                                         quant_config=quant, prefix=f"{prefix}.o_proj")
-        self.qk_norm = config.model_type == "qwen3"
+        # q/k RMSNorm: per head (Qwen3), or over the whole projection (OLMoE)
+        self.qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "projection"}.get(config.model_type)
+        if self.qk_norm == "projection" and self.qkv_proj.tp_size > 1:
+            raise ValueError(f"{config.model_type}: its q/k norm spans every head; tensor parallelism is not "
+                             "supported for it yet")
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            q_width, k_width = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (
+                self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype)
+        self.clip_qkv = getattr(config, "clip_qkv", None)  # OLMoE's: q, k (after the norm) and v clamped
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                               sliding_window_of(config, layer_idx), layer_index=layer_idx)
         self.q_size = self.num_heads * self.head_dim
@@ -71,7 +83,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         tokens, heads = qkv.shape[0], self.num_heads
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "projection":
+            q = self.q_norm(qkv[:, : self.q_size].contiguous())
+            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].contiguous())
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            q = self.rotate(q.view(tokens, heads, self.head_dim), *rope)
+            k = self.rotate(k.view(tokens, -1, self.head_dim), *rope)
+        elif self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].reshape(tokens, heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(tokens, -1, self.head_dim))
             q, k = self.rotate(q, *rope), self.rotate(k, *rope)
@@ -82,13 +101,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str) -> None:
+    def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
+        size = intermediate_size or config.intermediate_size  # an expert's own (core/layers/moe.py)
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias, params_dtype=dtype, quant_config=quant,
+            config.hidden_size, [size] * 2, bias=bias, params_dtype=dtype, quant_config=quant,
             prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
                                            params_dtype=dtype, quant_config=quant, prefix=f"{prefix}.down_proj")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {config.hidden_act!r} is not supported (silu only)")
@@ -102,7 +123,11 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, quant: QuantConfig, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, quant, dtype, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant, dtype, f"{prefix}.mlp")
+        if is_sparse_layer(config, layer_idx):
+            self.mlp = SparseMoeBlock(config, dtype, f"{prefix}.mlp", lambda size, name: LlamaMLP(
+                config, quant, dtype, name, intermediate_size=size))
+        else:
+            self.mlp = LlamaMLP(config, quant, dtype, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -145,3 +170,6 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, quant, dtype, context_len=context_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and an expert's projections
+            self.checkpoint_renames = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                                       ".w2.": ".down_proj."}

@@ -1,5 +1,6 @@
-"""Greedy parity with HF transformers on tiny random-weight models of each architecture, built
-from a config inside the test: block sizes 16 and 1, prompts whole or fed as several chunks."""
+"""Greedy parity with HF transformers on tiny random-weight models of each architecture (the mixture-of-experts
+families included), built from a config inside the test: block sizes 16 and 1, prompts whole or fed as several
+chunks."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import pytest
 
 from kvforge.core import LLM, SamplingParams
 from tests.helpers.parity import compare, hf_greedy
-from tests.helpers.tiny_models import phi3_config, random_prompts, save_tiny_model
+from tests.helpers.tiny_models import MOE_NAMES, phi3_config, random_prompts, save_tiny_model
 
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", *MOE_NAMES])
 def tiny(request, tmp_path_factory, embedded_path):
     """(model dir, HF model, prompts) for one architecture, with the embedded model's tokenizer."""
     path = tmp_path_factory.mktemp(request.param)

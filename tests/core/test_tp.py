@@ -1,7 +1,8 @@
 """Tensor parallelism on real torch.distributed process groups (gloo, CPU): every rank is its own process.
 
 TP = 2 must give the tokens TP = 1 gives: the embedded model (9 query / 3 KV heads: split 6 + 3 / 2 + 1),
-tiny models of each architecture (one with fewer KV heads than ranks: replicated), with the prefix cache
+tiny models of each architecture (one with fewer KV heads than ranks: replicated; mixture-of-experts ones, every
+expert split like a dense MLP), with the prefix cache
 hit on a second round, with speculative decoding, with the persisted KV tier (blocks written by TP = 2,
 loaded by a restarted TP = 2 engine), and quantized (bitsandbytes, GPTQ with and without act-order, AWQ).
 Failures: a split that cannot be made is a clear error; a rank that dies makes the engine fail (no hang);
@@ -105,7 +106,7 @@ def _tiny(tmp_path_factory, embedded_path, name: str, config=None) -> tuple:
     return path, random_prompts((1, 5, 17, 40, 63), seed=7)
 
 
-TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head"]
+TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head", "qwen2_moe", "mixtral"]
 
 
 @pytest.mark.parametrize("arch", TP_ARCHS)

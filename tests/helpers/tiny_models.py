@@ -1,7 +1,9 @@
 """Tiny random-weight models of each architecture (Llama 3 rope scaling, Mistral sliding window, Qwen2 qkv
 bias, Qwen3 q/k norms, Gemma 2 soft-capping (caps small enough to bend every score), Gemma 3's alternating
-windows, Phi-3 / Phi-4-mini's fused checkpoint tensors, long-rope and partial rotary dimension), built from configs
-and saved with the embedded model's tokenizer."""
+windows, Phi-3 / Phi-4-mini's fused checkpoint tensors, long-rope and partial rotary dimension; the mixture-of-experts
+families: Qwen2-MoE with its shared expert and a dense layer, Qwen3-MoE renormalising its top-k, Mixtral, OLMoE with
+its whole-projection q/k norms and q/k/v clipping), built from configs and saved with the embedded model's
+tokenizer."""
 
 from __future__ import annotations
 
@@ -16,7 +18,18 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def tiny_configs() -> dict:
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     # untied: with the tied head and sqrt(hidden)-scaled embeddings a random Gemma repeats its last input token
     gemma = dict(COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
@@ -34,6 +47,24 @@ def tiny_configs() -> dict:
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
         "phi3": phi3_config(original_context=COMMON["max_position_embeddings"]),
+        **moe_configs(Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig, OlmoeConfig),
+    }
+
+
+MOE_NAMES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+
+
+def moe_configs(qwen2_moe, qwen3_moe, mixtral, olmoe) -> dict:
+    """8 experts (Mixtral 4), 2 a token, experts narrower than the dense MLP; Qwen2-MoE's second layer dense."""
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        "qwen2_moe": qwen2_moe(**COMMON, **experts, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                               qkv_bias=True, tie_word_embeddings=False),
+        "qwen3_moe": qwen3_moe(**COMMON, **experts, head_dim=32, norm_topk_prob=True, tie_word_embeddings=False),
+        "mixtral": mixtral(**dict(COMMON, intermediate_size=32), num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False),
+        "olmoe": olmoe(**dict(COMMON, intermediate_size=32), num_experts=8, num_experts_per_tok=2, clip_qkv=3.0,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     }
 
 

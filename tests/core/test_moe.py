@@ -1,0 +1,100 @@
+"""Mixture-of-experts models (core/layers/moe.py) beyond the parity runs of tests/core/test_parity_tiny.py: batched
+with preemption, each active expert computed once per step on all of its tokens and no other expert touched, and
+what is not supported refused clearly."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvforge.core import LLM, SamplingParams
+from kvforge.core.layers.moe import SparseMoeBlock
+from tests.helpers.parity import compare, hf_greedy
+from tests.helpers.tiny_models import random_prompts, save_tiny_model
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory, embedded_path):
+    """A tiny Qwen2-MoE (8 experts, 2 a token, a shared expert, its second layer dense) and HF's greedy tokens."""
+    path = tmp_path_factory.mktemp("qwen2_moe")
+    model = save_tiny_model("qwen2_moe", path, embedded_path, seed=1234)
+    prompts = random_prompts((3, 17, 40, 63, 9, 30), seed=11)
+    return path, prompts, hf_greedy(model, prompts, NEW_TOKENS, pad_id=0, eos_ids={2})
+
+
+def test_a_batch_that_is_preempted_still_gives_hfs_tokens(qwen2_moe):
+    path, prompts, reference = qwen2_moe
+    llm = LLM(str(path), progress=False, dtype="float32", block_size=16, num_kv_blocks=12,
+              max_num_batched_tokens=32)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+        assert llm.engine.stats().preemptions_total > 0
+        report = compare([o.token_ids for o in outs], *reference)
+        assert report.exact >= len(prompts) - 1, report
+        assert llm.engine.block_pool.num_used == 0
+    finally:
+        llm.engine.close()
+
+
+def test_each_routed_expert_runs_once_a_step_on_all_its_tokens_and_no_other_runs(qwen2_moe):
+    """Forward hooks count the rows each expert computes per MoE block call: every expert that runs gets at least
+    one row, the rows sum to tokens x 2 (each token's two experts), and an expert runs at most once per call; a
+    one-token decode step runs 2 of the 8 experts."""
+    path, prompts, _ = qwen2_moe
+    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=128)
+    model = llm.engine.runner.model
+    calls: list[tuple[int, Counter, Counter]] = []  # (tokens of the block call, rows per expert, runs per expert)
+
+    def block_started(block, args):
+        calls.append((args[0].shape[0], Counter(), Counter()))
+
+    def expert_ran(index):
+        def hook(expert, args, output):
+            calls[-1][1][index] += args[0].shape[0]
+            calls[-1][2][index] += 1
+        return hook
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == 1  # layer 1 is dense (mlp_only_layers)
+    handles = [blocks[0].register_forward_pre_hook(block_started)]
+    handles += [expert.register_forward_hook(expert_ran(i)) for i, expert in enumerate(blocks[0].experts)]
+    try:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # alone: one-token decode steps
+        llm.generate(prompts[1:3], SamplingParams(temperature=0, max_tokens=4))
+    finally:
+        for handle in handles:
+            handle.remove()
+        llm.engine.close()
+    assert calls
+    for tokens, rows, runs in calls:
+        assert sum(rows.values()) == 2 * tokens and all(count >= 1 for count in rows.values())
+        assert len(rows) <= min(8, 2 * tokens) and set(runs.values()) == {1}
+    decode_steps = [rows for tokens, rows, _ in calls if tokens == 1]
+    assert decode_steps and all(len(rows) == 2 for rows in decode_steps)
+
+
+def test_olmoes_whole_projection_norm_is_refused_under_tensor_parallelism(tmp_path, embedded_path):
+    save_tiny_model("olmoe", tmp_path, embedded_path, seed=1234)
+    with pytest.raises(Exception, match="q/k norm spans every head; tensor parallelism is not supported"):
+        LLM(str(tmp_path), progress=False, dtype="float32", tp_size=2, num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+def test_the_memory_estimate_counts_every_expert(tmp_path, embedded_path, name):
+    """core/estimate.py's parameter count (what `kvforge models`, the UI's estimate and the KV budget start from)
+    equals the HF model's: every expert, the shared expert and its gate, the routers, OLMoE's whole-projection norms;
+    and the fp32 weights estimate is within 1% of what the loaded engine holds."""
+    from kvforge.core.estimate import estimate_memory, parameter_count
+
+    model = save_tiny_model(name, tmp_path, embedded_path, seed=1234)
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())
+    llm = LLM(str(tmp_path), progress=False, dtype="float32", num_kv_blocks=16)
+    try:
+        held = llm.engine.runner.weight_bytes()
+    finally:
+        llm.engine.close()
+    estimated = estimate_memory(model.config, "float32", 0)["weights_bytes"]
+    assert abs(estimated - held) <= 0.01 * held, (estimated, held)
