@@ -185,8 +185,12 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  input_shard: tuple[int, int] | None = None, quant_config: QuantConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", reduce_results: bool = True) -> None:
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        # False: the caller sums several layers' partial products and all-reduces once (a MoE block's experts)
+        self.reduce_results = reduce_results
+        if bias and not reduce_results:
+            raise ValueError(f"{prefix}: a bias needs the reduced output (it is added once, after the sum)")
         if input_shard is None:
             if in_features % self.tp_size:
                 raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {self.tp_size}")
@@ -211,7 +215,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial products are summed.
         out = self.quant_method.apply(self, x, self.bias if self.tp_size == 1 else None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             dist.all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias

@@ -10,6 +10,8 @@ expert that received tokens runs once, on all of its tokens (one gate_up and one
 step), its outputs weighted and added into their tokens' rows in expert order, as transformers adds them. Each
 expert is an ordinary MLP of the model's linear layers, so quant methods (chosen by the expert's dotted name) and
 tensor parallelism (each expert split like a dense MLP) apply to it as to any projection; the router stays dense.
+Under tensor parallelism the experts' (and the shared expert's) partial outputs are summed on each rank and
+all-reduced once per block, not once per expert.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kvforge.core.layers.linear import ReplicatedLinear
@@ -41,7 +44,8 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 
 class SparseMoeBlock(nn.Module):
-    """`make_mlp(intermediate_size, prefix)` builds one expert (and the shared expert) as the model's dense MLP."""
+    """`make_mlp(intermediate_size, prefix)` builds one expert (and the shared expert) as the model's dense MLP,
+    its down projection not all-reduced (this block reduces their sum once)."""
 
     def __init__(self, config, dtype: torch.dtype, prefix: str, make_mlp: Callable[[int, str], nn.Module]) -> None:
         super().__init__()
@@ -82,4 +86,6 @@ class SparseMoeBlock(nn.Module):
                 start += count
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.experts[0].down_proj.tp_size > 1:
+            dist.all_reduce(out)
         return out

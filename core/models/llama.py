@@ -102,15 +102,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str,
-                 intermediate_size: int | None = None) -> None:
+                 intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = intermediate_size or config.intermediate_size  # an expert's own (core/layers/moe.py)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size] * 2, bias=bias, params_dtype=dtype, quant_config=quant,
             prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias,
-                                           params_dtype=dtype, quant_config=quant, prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, params_dtype=dtype,
+                                           quant_config=quant, prefix=f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {config.hidden_act!r} is not supported (silu only)")
         self.act = SiluAndMul()
@@ -125,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, quant, dtype, f"{prefix}.self_attn")
         if is_sparse_layer(config, layer_idx):
             self.mlp = SparseMoeBlock(config, dtype, f"{prefix}.mlp", lambda size, name: LlamaMLP(
-                config, quant, dtype, name, intermediate_size=size))
+                config, quant, dtype, name, intermediate_size=size, reduce_results=False))
         else:
             self.mlp = LlamaMLP(config, quant, dtype, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
