@@ -14,7 +14,9 @@ other reader of the file, and are never written) and each tensor yielded as a vi
   `gguf_type` (ggml's type number), `gguf_in_features` and `gguf_rows` (None, or the HF row order as indices of the
   file's rows: Llama's Q / K rows are permuted in GGUF files; a layer reorders its outputs instead of its weight);
 - another float tensor (norms, biases) as an array, with the architecture's fix-up (Gemma's norm offset) applied;
-- a quantized tensor that is served dense (a fused layer whose parts mix float and block types) dequantized.
+- a quantized tensor that is served dense (a fused layer whose parts mix float and block types) dequantized;
+- a mixture-of-experts layer's stacked experts (llama.cpp's `ffn_*_exps`, core/gguf_moe.py) one expert at a time,
+  each as its own projection: its slice along the expert axis (whole blocks, contiguous in the file).
 A tensor in another type fails with its name and type (`--gguf-dense` dequantizes those files as transformers does).
 """
 
@@ -32,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = "1"  # bump when the index written here changes
+INDEX_VERSION = "2"  # bump when the index written here changes
 INDEX_FILE = "gguf_index.json"
 FLOAT_DTYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml type number -> torch dtype
 IN_PLACE = ("lm_head.weight", "model.embed_tokens.weight")  # served from the file as the projections are
@@ -54,10 +56,25 @@ def block_types() -> dict[int, tuple[int, int]]:
     return GGUF_SUPER
 
 
+def read_config(gguf: Path):
+    """The config transformers' GGUF reader makes of `gguf`, completed for a mixture-of-experts file
+    (core/gguf_moe.py); such a file that the reader cannot read is refused first."""
+    from transformers import AutoConfig
+
+    from kvforge.core import gguf_moe
+    from kvforge.core.model_files import read_gguf_header
+
+    metadata = read_gguf_header(gguf).metadata
+    gguf_moe.check_readable(metadata)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_moe.complete_config(config, metadata)
+    return config
+
+
 def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -> None:
     """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version); `model_class_for`:
     kvforge's model class for a config (core/models/registry.py; handed in: the models import this module)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -66,10 +83,11 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -
     )
 
     from kvforge.core.chat_templates import save_tokenizer
+    from kvforge.core.gguf_moe import expert_names
     from kvforge.core.model_files import read_gguf_header
 
     log.warning("indexing %s (once; its weights are served from the file itself)", gguf.name)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = read_config(gguf)
     with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
         reference = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(reference).__name__]
@@ -83,6 +101,12 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -
     blocks = block_types()
     entries: dict[str, dict] = {}
     for tensor in header.tensors:
+        experts = expert_names(tensor.name, tensor.shape[-1]) if len(tensor.shape) == 3 else None
+        if experts is not None:  # served as each expert's own projection (core/gguf_moe.py)
+            if tensor.ggml_type not in blocks and tensor.ggml_type not in FLOAT_DTYPES:
+                _unsupported(tensor)
+            entries[tensor.name] = {"hf": experts, "in_place": True}
+            continue
         name = names.get(tensor.name)
         if name is None:
             continue
@@ -97,12 +121,11 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -
         if len(tensor.shape) == 2 and (name.endswith("_proj.weight") or name in IN_PLACE):
             entry["in_place"] = True
         entries[tensor.name] = entry
-    hf_types = {e["hf"]: header_type for e, header_type in
-                ((entries[t.name], t.ggml_type) for t in header.tensors if t.name in entries)}
+    hf_types = {name: t.ggml_type for t in header.tensors if t.name in entries for name in _names(entries[t.name])}
     head = "lm_head.weight" if "lm_head.weight" in hf_types else ("model.embed_tokens.weight" if tied else None)
     dense = _dense_projections(hf_types, packed, set(blocks), set(FLOAT_DTYPES))
     for entry in entries.values():
-        if entry["hf"].removesuffix(".weight") in dense:
+        if any(name.removesuffix(".weight") in dense for name in _names(entry)):
             entry["dense"] = True
     config.quantization_config = {"quant_method": "gguf", "layout": "blocks",
                                   "lm_head": head is not None and (hf_types[head] in blocks
@@ -113,6 +136,11 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -
     index = {"version": INDEX_VERSION, "source": str(gguf.resolve()), "arch": arch,
              "processor_config": parsed["config"], "tensors": entries}
     (out / INDEX_FILE).write_text(json.dumps(index, default=_jsonable))
+
+
+def _names(entry: dict) -> list[str]:
+    """An index entry's HF names: one, or each expert's of a stacked tensor."""
+    return entry["hf"] if isinstance(entry["hf"], list) else [entry["hf"]]
 
 
 def _jsonable(value):
@@ -166,7 +194,7 @@ def _mapped(gguf: Path) -> torch.Tensor:
 
 def tensor_names(path: Path) -> list[str]:
     index = json.loads((path / INDEX_FILE).read_text())
-    return [entry["hf"] for entry in index["tensors"].values()]
+    return [name for entry in index["tensors"].values() for name in _names(entry)]
 
 
 def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -188,7 +216,13 @@ def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         start = header.data_offset + tensor.offset
         data = flat[start: start + tensor.n_bytes]
         shape = tuple(reversed(tensor.shape))
-        if len(shape) == 2 and (tensor.ggml_type in blocks or (entry.get("in_place") and not entry.get("dense"))):
+        if isinstance(entry["hf"], list):  # stacked experts [E, rows, row length]: each expert's rows, in place
+            stacked = data.view(shape[0], shape[1], -1)
+            for expert, name in enumerate(entry["hf"]):
+                view = stacked[expert]
+                view.gguf_type, view.gguf_in_features, view.gguf_rows = tensor.ggml_type, shape[2], None
+                yield name, dequantized(view) if entry.get("dense") else view
+        elif len(shape) == 2 and (tensor.ggml_type in blocks or (entry.get("in_place") and not entry.get("dense"))):
             view = data.view(shape[0], -1)
             view.gguf_type, view.gguf_in_features = tensor.ggml_type, shape[1]
             view.gguf_rows = torch.tensor(entry["rows"]) if "rows" in entry else None

@@ -154,17 +154,21 @@ def convert_gguf(gguf: Path) -> Path:
 
 def _write_dense(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from kvforge.core.gguf_moe import split_stacked
+    from kvforge.core.gguf_source import read_config
+
     log.warning("converting %s to safetensors in %s (once)", gguf.name, out.parent)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = read_config(gguf)  # a mixture-of-experts file's completed (core/gguf_moe.py)
     with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
         reference = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(reference).__name__]
     # transformers shows its own per-tensor progress bar while it dequantizes.
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=reference)
-    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
+    # stacked experts as each expert's own tensors, the names kvforge's MoE layers load
+    tensors = {name: t.contiguous() for name, t in split_stacked(parsed["tensors"]).items()}
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
