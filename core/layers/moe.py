@@ -11,7 +11,8 @@ step), its outputs weighted and added into their tokens' rows in expert order, a
 expert is an ordinary MLP of the model's linear layers, so quant methods (chosen by the expert's dotted name) and
 tensor parallelism (each expert split like a dense MLP) apply to it as to any projection; the router stays dense.
 Under tensor parallelism the experts' (and the shared expert's) partial outputs are summed on each rank and
-all-reduced once per block, not once per expert.
+all-reduced once per block, not once per expert. With the Triton kernels and dense experts, the experts' weights are
+stacked once loaded and the block runs as two grouped GEMMs (core/kernels/fused_moe.py) instead of the loop.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.linear import ReplicatedLinear
 from kvforge.core.quant_config import dense_method
 
@@ -60,6 +62,22 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, quant_method=dense_method(),
                                                    params_dtype=dtype, prefix=f"{prefix}.shared_expert_gate") \
             if shared else None
+        self.triton = use_triton()
+        self.w_gate_up = self.w_down = None  # the experts' weights stacked for the fused kernel (after_layers_loaded)
+
+    def after_layers_loaded(self) -> None:
+        """With the Triton kernels and dense experts (weights as loaded, [out, in] in the model dtype): stack them
+        [E, 2I, H] and [E, H, I] for the fused grouped GEMMs, each expert's weights becoming views of them (one
+        copy). Quantized experts keep the loop (each through its own quant method)."""
+        projections = [p for expert in self.experts for p in (expert.gate_up_proj, expert.down_proj)]
+        if not self.triton or not all(p.quant_method.name == "none" and p.weight.dtype == p.compute_dtype
+                                      and p.packed_weight is None and p.float_segments is None for p in projections):
+            return
+        self.w_gate_up = torch.stack([expert.gate_up_proj.weight.data for expert in self.experts])
+        self.w_down = torch.stack([expert.down_proj.weight.data for expert in self.experts])
+        for e, expert in enumerate(self.experts):  # each expert's weights now views of the stacks: one copy
+            expert.gate_up_proj.weight.data = self.w_gate_up[e]
+            expert.down_proj.weight.data = self.w_down[e]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, k] and their weights [tokens, k] (x's dtype)."""
@@ -72,6 +90,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self.w_gate_up is not None:
+            from kvforge.core.kernels.fused_moe import fused_moe
+
+            out = fused_moe(x, self.w_gate_up, self.w_down, experts, weights, self.experts[0].act)
+            return self._with_shared_expert(x, out)
         out = torch.zeros_like(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
@@ -84,6 +107,10 @@ class SparseMoeBlock(nn.Module):
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, self.experts[expert](x[rows]) * sorted_weights[start:start + count])
                 start += count
+        return self._with_shared_expert(x, out)
+
+    def _with_shared_expert(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum plus the shared expert's gated output, all-reduced once under TP."""
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.experts[0].down_proj.tp_size > 1:

@@ -32,8 +32,12 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def after_loading(self) -> None:
-        """A tied head that keeps its codes or blocks (a GGUF's, core/gguf_source.py) also serves the embedding's
-        rows: one copy of the table instead of a dense one beside the codes (Gemma's 262k x 640: 320 MiB in bf16)."""
+        """Each layer's after_layers_loaded (a MoE block stacking its experts for the fused kernel); a tied head that
+        keeps its codes or blocks (a GGUF's, core/gguf_source.py) also serves the embedding's rows: one copy of the
+        table instead of a dense one beside the codes (Gemma's 262k x 640: 320 MiB in bf16)."""
+        for module in self.modules():  # layers that reshape their weights once every layer has loaded (moe.py)
+            if hasattr(module, "after_layers_loaded"):
+                module.after_layers_loaded()
         lookup = getattr(self.lm_head.quant_method, "row_lookup", None)
         rows = lookup(self.lm_head) if self.tie_word_embeddings and lookup is not None else None
         if rows is not None:

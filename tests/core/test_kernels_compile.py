@@ -127,6 +127,21 @@ def _dequant_gemm(dtype: str, m: int) -> None:
     dequant_gemm(torch.zeros(m, k, dtype=DTYPES[dtype]), qweight, scales, qzeros, g_idx, 4)
 
 
+def _fused_moe(dtype: str, tokens: int) -> None:
+    """A Qwen3-30B-A3B-shaped MoE layer: 128 experts, 8 a token, hidden 2048, experts of 768."""
+    import torch.nn.functional as F
+
+    from kvforge.core.kernels.fused_moe import fused_moe
+
+    experts, hidden, inter = 128, 2048, 768
+    chosen = torch.stack([torch.randperm(experts)[:8] for _ in range(tokens)])
+    fused_moe(torch.zeros(tokens, hidden, dtype=DTYPES[dtype]),
+              torch.zeros(experts, 2 * inter, hidden, dtype=DTYPES[dtype]),
+              torch.zeros(experts, hidden, inter, dtype=DTYPES[dtype]), chosen,
+              torch.full((tokens, 8), 0.125, dtype=DTYPES[dtype]),
+              lambda x: F.silu(x[:, :inter]) * x[:, inter:])
+
+
 # (id, call, kernels it must launch, whether its dots must use tensor cores)
 CASES: list[tuple[str, Callable[[], None], tuple[str, ...], bool]] = []
 for _dt in ("bf16", "fp16"):
@@ -147,6 +162,8 @@ for _dt in ("bf16", "fp16"):
         (f"store_kv-{_dt}", lambda dt=_dt: _store_kv(dt), ("_store_kv",), False),
         (f"dequant_gemm-gptq4-{_dt}-m1", lambda dt=_dt: _dequant_gemm(dt, 1), ("_dequant_gemm_kernel",), True),
         (f"dequant_gemm-gptq4-{_dt}-m64", lambda dt=_dt: _dequant_gemm(dt, 64), ("_dequant_gemm_kernel",), True),
+        (f"fused_moe-{_dt}-t1", lambda dt=_dt: _fused_moe(dt, 1), ("_moe_gemm_kernel",) * 2, True),
+        (f"fused_moe-{_dt}-t64", lambda dt=_dt: _fused_moe(dt, 64), ("_moe_gemm_kernel",) * 2, True),
     ]
 # a quantized KV pool: its rows dequantized in registers (core/kernels/kv_tiles.py, jitted with each kernel)
 for _kv in ("int8", "q4"):

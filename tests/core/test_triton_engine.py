@@ -1,7 +1,8 @@
 """The whole engine on the Triton kernels (paged decode / prefill attention, fused norm, SiLU-mul, rotary,
 KV store), run on CPU under TRITON_INTERPRET=1: greedy tokens equal the torch kernels' and HF transformers'
 (fp32), with chunked prefill, mixed decode + prefill steps, prefix-cache hits, odd block sizes, sliding
-windows and q/k norms; and the CUDA-graph decode path's padded static buffers (run eagerly here) give the
+windows and q/k norms, mixture-of-experts blocks through the fused MoE kernel; and the CUDA-graph decode path's
+padded static buffers (run eagerly here) give the
 same tokens as unpadded steps."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kvforge.core import LLM, SamplingParams
+from kvforge.core.layers.moe import SparseMoeBlock
 from tests.helpers.parity import compare, hf_greedy
 from tests.helpers.tiny_models import random_prompts, save_tiny_model
 
@@ -24,7 +26,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: c
 pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
-@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3"])
+@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "qwen2_moe",
+                                        "mixtral"])
 def tiny(request, tmp_path_factory, embedded_path):
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_model(request.param, path, embedded_path, seed=4321)
@@ -48,6 +51,8 @@ def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
     common = dict(block_size=block_size, num_kv_blocks=400 // block_size, max_num_batched_tokens=chunk)
     llm, triton_runs = _generate(path, prompts, kernels="triton", device=DEVICE, **common)
     assert llm.engine.runner.kernels == "triton"
+    assert all(block.w_gate_up is not None for block in llm.engine.runner.model.modules()
+               if isinstance(block, SparseMoeBlock))  # the MoE models' experts run as the fused kernel's GEMMs
     assert llm.engine.stats().cached_tokens_total > 0  # the second round read cached prefix blocks
     _, torch_runs = _generate(path, prompts, kernels="torch", device=DEVICE, **common)
     assert triton_runs == torch_runs
