@@ -73,7 +73,8 @@ def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOC
     pairs = flat.numel()
     device = flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: CUDA's bincount reads the largest id back to the host (a sync, no CUDA graph)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded  # where each expert's run starts in the padded order
     sorted_start = torch.cumsum(counts, 0) - counts  # where it starts in the sorted order
