@@ -165,7 +165,8 @@ class ModelRunner:
                 quant_cls, options, checkpoint_quantization(hf_config, model_path)), config.context_length(hf_config))
         load_weights(model, model_path, progress=progress,
                      transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
-        return model, kernels, quant_cls.cuda_graph_safe
+        syncs = any(getattr(module, "syncs_with_host", False) for module in model.modules())  # (core/layers/moe.py)
+        return model, kernels, quant_cls.cuda_graph_safe and not syncs
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -79,6 +79,11 @@ class SparseMoeBlock(nn.Module):
             expert.gate_up_proj.weight.data = self.w_gate_up[e]
             expert.down_proj.weight.data = self.w_down[e]
 
+    @property
+    def syncs_with_host(self) -> bool:
+        """The expert loop reads each expert's token count on the host: no CUDA graph can hold it."""
+        return self.w_gate_up is None
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, k] and their weights [tokens, k] (x's dtype)."""
         logits = self.gate(x)

@@ -59,6 +59,7 @@ def test_each_routed_expert_runs_once_a_step_on_all_its_tokens_and_no_other_runs
 
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert len(blocks) == 1  # layer 1 is dense (mlp_only_layers)
+    assert not llm.engine.runner.cuda_graph_safe  # the loop reads its expert counts on the host
     handles = [blocks[0].register_forward_pre_hook(block_started)]
     handles += [expert.register_forward_hook(expert_ran(i)) for i, expert in enumerate(blocks[0].experts)]
     try:

@@ -53,6 +53,7 @@ def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
     assert llm.engine.runner.kernels == "triton"
     assert all(block.w_gate_up is not None for block in llm.engine.runner.model.modules()
                if isinstance(block, SparseMoeBlock))  # the MoE models' experts run as the fused kernel's GEMMs
+    assert llm.engine.runner.cuda_graph_safe  # (no host sync in them)
     assert llm.engine.stats().cached_tokens_total > 0  # the second round read cached prefix blocks
     _, torch_runs = _generate(path, prompts, kernels="torch", device=DEVICE, **common)
     assert triton_runs == torch_runs
