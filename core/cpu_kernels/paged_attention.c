@@ -522,6 +522,33 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+// q's head g as int16 codes to +-32639 split into a signed high and a low byte (q = 256 h + l; |q| <= 32639 keeps h
+// in int8: vpdpbusd's signed operand) at qh / ql, its scale (times `scale`) in qs[g]; per `span` values the sums of
+// the high and of the low bytes times -`offset` (what the stored codes' + offset adds to the dot products) in
+// start[(g * D / span + span index) * 2] and [... + 1]. `grouped`: within each 32 values the even ones first, then
+// the odd (q4_codes64's order)
+static inline void q_bytes(const char *q_row, int g, int D, int dtype, float scale, int span, int offset, int grouped,
+                           int8_t *qh, int8_t *ql, float *qs, int32_t *start, float *x) {
+    q_f32(q_row, g, D, dtype, x);
+    float m = 0.0f;
+    for (int d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    const float inv = m > 0.0f ? 32639.0f / m : 0.0f;
+    qs[g] = m / 32639.0f * scale;
+    for (int first = 0; first < D; first += span) {
+        int32_t sh = 0, sl = 0;
+        for (int d = first; d < first + span; d++) {
+            const int w = d % 32, at = g * D + (grouped ? d - w + (w & 1) * 16 + w / 2 : d);
+            const int c = (int)lrintf(x[d] * inv), l = ((c + 128) & 255) - 128;
+            qh[at] = (int8_t)((c - l) / 256);
+            ql[at] = (int8_t)l;
+            sh += (c - l) / 256;
+            sl += l;
+        }
+        start[(g * (D / span) + first / span) * 2] = -offset * sh;
+        start[(g * (D / span) + first / span) * 2 + 1] = -offset * sl;
+    }
+}
+
 // int8 K, 16 keys at a time with no horizontal sums: their rows transposed (lane j: key j's 4 codes of a dword), the
 // codes + 128 (unsigned) times q's int16 codes split into a signed high and low byte (q = 256 h + l; |q| <= 32639
 // keeps h in int8) in vpdpbusd: two instructions per dword and query for 16 keys, where the 4-key path spent two a key
@@ -532,24 +559,8 @@ static inline __attribute__((always_inline)) void qk_int8_16(
         int dtype, size_t rb, float scale, char *qbuf, float *x, float *scores, uint16_t *vraw) {
     int8_t *qh = (int8_t *)qbuf, *ql = qh + (size_t)G * D;
     float *qs = (float *)(qbuf + 2 * (size_t)G * D);
-    int32_t *start = (int32_t *)(qs + G);
-    for (int g = 0; g < G; g++) {  // q -> codes to +-32639, its high and low bytes, and their sums * -128
-        q_f32(q_row, g, D, dtype, x);
-        float m = 0.0f;
-        for (int d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
-        const float inv = m > 0.0f ? 32639.0f / m : 0.0f;
-        qs[g] = m / 32639.0f * scale;
-        int32_t sh = 0, sl = 0;
-        for (int d = 0; d < D; d++) {
-            const int c = (int)lrintf(x[d] * inv), l = ((c + 128) & 255) - 128;
-            qh[(size_t)g * D + d] = (int8_t)((c - l) / 256);
-            ql[(size_t)g * D + d] = (int8_t)l;
-            sh += (c - l) / 256;
-            sl += l;
-        }
-        start[2 * g] = -128 * sh;
-        start[2 * g + 1] = -128 * sl;
-    }
+    int32_t *start = (int32_t *)(qs + G);  // [G][high, low]
+    for (int g = 0; g < G; g++) q_bytes(q_row, g, D, dtype, scale, D, 128, 0, qh, ql, qs, start, x);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     prefetch_short(k_plane, v_plane, rows, 0, QUANT_PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i += 16) {
@@ -710,26 +721,7 @@ static inline __attribute__((always_inline)) void qk_q4_16(
     int8_t *qh = (int8_t *)qbuf, *ql = qh + (size_t)G * D;
     float *qs = (float *)(qbuf + 2 * (size_t)G * D);
     int32_t *start = (int32_t *)(qs + G);  // [G][D / 32][high, low]
-    for (int g = 0; g < G; g++) {
-        q_f32(q_row, g, D, dtype, x);
-        float m = 0.0f;
-        for (int d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
-        const float inv = m > 0.0f ? 32639.0f / m : 0.0f;
-        qs[g] = m / 32639.0f * scale;
-        for (int grp = 0; grp < D / KV_Q4_GROUP; grp++) {
-            int32_t sh = 0, sl = 0;
-            for (int w = 0; w < KV_Q4_GROUP; w++) {  // value grp * 32 + w at byte grp * 32 + (w odd) * 16 + w / 2
-                const int d = grp * KV_Q4_GROUP + w, at = g * D + grp * KV_Q4_GROUP + (w & 1) * 16 + w / 2;
-                const int c = (int)lrintf(x[d] * inv), l = ((c + 128) & 255) - 128;
-                qh[at] = (int8_t)((c - l) / 256);
-                ql[at] = (int8_t)l;
-                sh += (c - l) / 256;
-                sl += l;
-            }
-            start[(g * (D / KV_Q4_GROUP) + grp) * 2] = -16 * sh;
-            start[(g * (D / KV_Q4_GROUP) + grp) * 2 + 1] = -16 * sl;
-        }
-    }
+    for (int g = 0; g < G; g++) q_bytes(q_row, g, D, dtype, scale, KV_Q4_GROUP, 16, 1, qh, ql, qs, start, x);
     prefetch_short(k_plane, v_plane, rows, 0, QUANT_PREFETCH_KEYS, n, rb);
     for (int i = 0; i < n; i += 16) {
         prefetch_short(k_plane, v_plane, rows, i + QUANT_PREFETCH_KEYS, i + QUANT_PREFETCH_KEYS + 16, n, rb);
