@@ -40,7 +40,7 @@ CONTEXT_OVERFLOW = ("truncate", "error")  # --context-overflow: app/generate/con
 
 
 def tp_ranks(value: str) -> int:
-    """--tp: an integer >= 1 (argparse names the flag in its error)."""
+    """--tp, --pp: an integer >= 1 (argparse names the flag in its error)."""
     try:
         ranks = int(value)
     except ValueError:
@@ -50,11 +50,11 @@ def tp_ranks(value: str) -> int:
     return ranks
 
 
-def check_tp(tp: int) -> int:
-    """A tensor-parallel rank count from anywhere (flag, settings file, environment): >= 1, else an error
-    naming --tp, raised before a model loads."""
+def check_tp(tp: int, flag: str = "tp") -> int:
+    """A tensor-parallel rank (or, flag "pp", pipeline stage) count from anywhere (flag, settings file, environment):
+    >= 1, else an error naming the flag, raised before a model loads."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tp (setting tp) must be an integer >= 1, got {tp!r}")
+        raise ValueError(f"--{flag} (setting {flag}) must be an integer >= 1, got {tp!r}")
     return tp
 
 
@@ -219,6 +219,9 @@ class ServeSettings:
     tp: int = engine_setting(engine_default("tp_size"), "tensor-parallel ranks: N processes, each holding 1/N of the "
                              "weights and KV heads (default {default})", int, check=lambda _, tp: check_tp(tp),
                              arg_type=tp_ranks, metavar="N")
+    pp: int = engine_setting(engine_default("pp_size"), "pipeline stages: N groups of --tp processes, each holding "
+                             "consecutive layers and their KV, one step in flight per stage (default {default})", int,
+                             check=lambda _, pp: check_tp(pp, "pp"), arg_type=tp_ranks, metavar="N")
     device: str | None = engine_setting(None, "cpu | cuda | cuda:N (default: cuda when a GPU is present)",
                                         engine="device", to_engine=resolve_device)
     gpu_memory_utilization: float = engine_setting(

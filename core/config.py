@@ -80,6 +80,8 @@ class EngineConfig:
     device: str = knob("cpu", "rank 0's device under tensor parallelism (rank r: cuda:<local rank>)")
     tp_size: int = knob(1, "tensor-parallel ranks, one process each; every rank holds 1/tp_size of the weights "
                         "and KV", ge=1)
+    pp_size: int = knob(1, "pipeline stages, each tp_size processes holding consecutive layers and their KV; up to "
+                        "one step per stage in flight, on different sequences", ge=1)
     block_size: int = knob(16, "tokens per KV block", ge=1)
     kv_cache_bytes: int | None = knob(None, "KV pool budget; ignored when num_kv_blocks is set. None: 1 GiB on CPU; "
                                       "on CUDA what gpu_memory_utilization leaves after the weights and a profiling "

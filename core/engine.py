@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -72,10 +73,14 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.hf_config.vocab_size, self.tokenizer.eos_token_ids)
         if self.config.num_threads:  # process-wide: set here, by the engine that owns the process, not per runner
             torch.set_num_threads(self.config.num_threads)
-        if self.config.tp_size > 1:
+        if self.config.pp_size > 1:
+            from kvforge.core.pp import PipelineRunner
+
+            self.runner: Runner = PipelineRunner(self.config, self.model_path, self.hf_config, progress=progress)
+        elif self.config.tp_size > 1:
             from kvforge.core.tp import ParallelRunner
 
-            self.runner: Runner = ParallelRunner(self.config, self.model_path, self.hf_config, progress=progress)
+            self.runner = ParallelRunner(self.config, self.model_path, self.hf_config, progress=progress)
         else:
             self.runner = ModelRunner(self.config, self.model_path, self.hf_config, progress=progress)
         self.persisted = self._opened_kv_index = None
@@ -119,13 +124,15 @@ class LLMEngine:
         self._generation_rate, self._prompt_rate = RateMeter(), RateMeter()
         self._totals = dict(requests_finished=0, prompt_tokens_total=0, cached_tokens_total=0,
                             generated_tokens_total=0)
+        self._in_flight: deque[tuple[StepPlan, Any]] = deque()  # steps launched, not yet sampled (oldest first)
+        self._busy: set[int] = set()  # ids of the sequences in those steps
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for decode batches (CUDA, Triton kernels, one rank); a capture that fails leaves the
         eager path, with a warning."""
         runner = self.runner
-        if not (self.config.cuda_graphs and self.config.tp_size == 1 and runner.device.type == "cuda"
-                and runner.kernels == "triton"):
+        if not (self.config.cuda_graphs and self.config.tp_size == self.config.pp_size == 1
+                and runner.device.type == "cuda" and runner.kernels == "triton"):
             return
         if not runner.cuda_graph_safe:  # e.g. bitsandbytes' int8 matmul finds outliers on the host
             log.info("the %s quant method is not CUDA-graph safe; decode runs eagerly", self.config.quant)
@@ -255,12 +262,27 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, sample, update: the outputs of the requests that got tokens or finished."""
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        """Schedule and launch a step while the runner has room for one more in flight (one: a step runs whole
+        before the next is planned; a pipeline: one per stage, each on other sequences), then finish the oldest:
+        sample, update. Returns the outputs of the requests that got tokens or finished."""
+        depth = self.runner.max_in_flight
+        if len(self._in_flight) < depth:
+            plan = self.scheduler.schedule(busy=self._busy, max_seqs=self._micro_batch_seqs(depth))
+            if plan.scheduled:
+                try:
+                    handle = self.runner.submit(plan.scheduled)
+                except torch.OutOfMemoryError as exc:
+                    raise self._out_of_memory(plan.scheduled, exc) from exc
+                self._in_flight.append((plan, handle))
+                self._busy.update(id(item.seq) for item in plan.scheduled)
+                if len(self._in_flight) < depth:  # the next call launches another before this one is waited for
+                    return []
+        if not self._in_flight:
             return []
+        plan, handle = self._in_flight.popleft()
+        self._busy.difference_update(id(item.seq) for item in plan.scheduled)
         try:
-            out = self.runner.execute(plan.scheduled)
+            out = self.runner.collect(handle)
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(plan.scheduled, exc) from exc
         pooling = (item.seq for item in plan.scheduled if item.seq.pools)
@@ -274,6 +296,14 @@ class LLMEngine:
         self.runner.copy_blocks(copies)
         self._prompt_rate.add(plan.num_prompt_tokens)
         return self._outputs(updates, sampled)
+
+    def _micro_batch_seqs(self, depth: int) -> int | None:
+        """A pipeline's steps in flight share the sequences: each takes at most its share of those running and
+        waiting (without the cap the first step would take them all and the other stages would wait)."""
+        if depth == 1:
+            return None
+        scheduler = self.scheduler
+        return -(-min(self.config.max_num_seqs, len(scheduler.running) + len(scheduler.waiting)) // depth)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepTokens:
         entries = plan.sampling_rows
@@ -310,8 +340,8 @@ class LLMEngine:
     def _outputs(self, updates: list[SeqUpdate], sampled: StepTokens | None) -> list[RequestOutput]:
         """One output per sequence that got tokens (its final one when it finished)."""
         outputs, generated = [], 0
-        for i, update in enumerate(updates):
-            seq = update.seq
+        for update in updates:
+            seq, i = update.seq, update.entry
             if seq.pools:  # finished: its prompt is pooled
                 outputs.append(self._final_output(seq, [], update.finish_reason))
                 continue

@@ -4,8 +4,9 @@ ones as their blocks exactly as they lie in the file, nothing rewritten or copie
 Once per file (loader.cached_checkpoint) a small index directory is written into the cache: config.json, the
 tokenizer, and `gguf_index.json` (the file's path, each tensor's HF name, the row order of Llama's Q / K
 projections, which projections are served dense). What that needs -- the config, the tokenizer, the tensor names
-and the per-architecture fix-ups -- comes from transformers' GGUF reader, as for a dense conversion; reading it
-takes seconds, and no weights are written.
+and the per-architecture fix-ups -- comes from transformers' GGUF reader, as for a dense conversion (the config of a
+MoE file it does not read, Mixtral's or OLMoE's, from core/gguf_moe.py); reading it takes seconds, and no weights are
+written.
 
 At every load (`tensors`) the file is mapped (a private mapping: pages come from the page cache, shared with any
 other reader of the file, and are never written) and each tensor yielded as a view of the mapping:
@@ -57,30 +58,66 @@ def block_types() -> dict[int, tuple[int, int]]:
 
 
 def read_config(gguf: Path):
-    """The config transformers' GGUF reader makes of `gguf`, completed for a mixture-of-experts file
-    (core/gguf_moe.py); such a file that the reader cannot read is refused first."""
+    """The config transformers' GGUF reader makes of `gguf`, completed for a mixture-of-experts file, or made from the
+    metadata for one that reader does not read (Mixtral's, OLMoE's; core/gguf_moe.py); a mixture-of-experts file
+    neither reads is refused first."""
     from transformers import AutoConfig
 
     from kvforge.core import gguf_moe
     from kvforge.core.model_files import read_gguf_header
 
-    metadata = read_gguf_header(gguf).metadata
-    gguf_moe.check_readable(metadata)
+    header = read_gguf_header(gguf)
+    gguf_moe.check_readable(header.metadata)
+    if gguf_moe.reads_config(header.metadata):
+        return gguf_moe.own_config(header)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_moe.complete_config(config, metadata)
+    gguf_moe.complete_config(config, header.metadata)
     return config
 
 
-def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -> None:
-    """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version); `model_class_for`:
-    kvforge's model class for a config (core/models/registry.py; handed in: the models import this module)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def read_tokenizer(gguf: Path):
+    """transformers' tokenizer of `gguf`. For an architecture its reader refuses (OLMoE's) AutoTokenizer fails on the
+    config; its GGUF tokenizer reading itself needs no architecture, and TokenizersBackend is the class AutoTokenizer
+    picks for a llama file's GPT-2 or SentencePiece vocabulary."""
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from kvforge.core.model_files import read_gguf_header
+
+    arch = read_gguf_header(gguf).metadata.get("general.architecture")
+    reader = AutoTokenizer if arch in GGUF_SUPPORTED_ARCHITECTURES else TokenizersBackend
+    return reader.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def tensor_map(gguf: Path, config, reference) -> tuple[dict[str, str], Any, dict]:
+    """transformers' GGUF name -> HF name map for `gguf` (`reference`: the HF model, on the meta device), and its
+    tensor processor for the file's architecture (Llama's Q / K rows un-permuted) with the processor's config."""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
         load_gguf_checkpoint,
     )
+
+    from kvforge.core.gguf_moe import reads_config
+    from kvforge.core.model_files import read_gguf_header
+
+    metadata = read_gguf_header(gguf).metadata
+    arch = str(metadata.get("general.architecture"))
+    if reads_config(metadata):  # a file transformers' reader does not read: the heads the row order needs
+        processor_config = {"num_attention_heads": config.num_attention_heads,
+                            "num_key_value_heads": config.num_key_value_heads}
+        model_type = arch  # named as its architecture's (gguf-py has no mixtral: its files are llama's)
+    else:
+        processor_config, model_type = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"], None
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
+    return get_gguf_hf_weights_map(reference, processor, model_type=model_type), processor, processor_config
+
+
+def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -> None:
+    """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version); `model_class_for`:
+    kvforge's model class for a config (core/models/registry.py; handed in: the models import this module)."""
+    from transformers import AutoModelForCausalLM
 
     from kvforge.core.chat_templates import save_tokenizer
     from kvforge.core.gguf_moe import expert_names
@@ -92,11 +129,9 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -
         reference = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(reference).__name__]
     packed = getattr(model_class_for(config), "packed_modules_mapping", {})  # unsupported families fail here
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    names, processor, processor_config = tensor_map(gguf, config, reference)
     header = read_gguf_header(gguf)
     arch = str(header.metadata.get("general.architecture"))
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
-    names = get_gguf_hf_weights_map(reference, processor)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     blocks = block_types()
     entries: dict[str, dict] = {}
@@ -132,9 +167,9 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -
                                                                    or hf_types[head] in FLOAT_DTYPES),
                                   "modules_to_not_convert": sorted(dense), "source": gguf.name}
     config.save_pretrained(out)
-    save_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), config.model_type, out)
+    save_tokenizer(read_tokenizer(gguf), config.model_type, out)
     index = {"version": INDEX_VERSION, "source": str(gguf.resolve()), "arch": arch,
-             "processor_config": parsed["config"], "tensors": entries}
+             "processor_config": processor_config, "tensors": entries}
     (out / INDEX_FILE).write_text(json.dumps(index, default=_jsonable))
 
 

@@ -154,27 +154,31 @@ def convert_gguf(gguf: Path) -> Path:
 
 def _write_dense(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from kvforge.core.gguf_moe import split_stacked
-    from kvforge.core.gguf_source import read_config
+    from kvforge.core.gguf_moe import dense_tensors, reads_config, split_stacked
+    from kvforge.core.gguf_source import read_config, read_tokenizer, tensor_map
 
     log.warning("converting %s to safetensors in %s (once)", gguf.name, out.parent)
-    config = read_config(gguf)  # a mixture-of-experts file's completed (core/gguf_moe.py)
+    config = read_config(gguf)  # a mixture-of-experts file's completed or made here (core/gguf_moe.py)
     with torch.device("meta"):  # only for the tensor-name mapping; no memory is allocated
         reference = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(reference).__name__]
-    # transformers shows its own per-tensor progress bar while it dequantizes.
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=reference)
-    # stacked experts as each expert's own tensors, the names kvforge's MoE layers load
-    tensors = {name: t.contiguous() for name, t in split_stacked(parsed["tensors"]).items()}
+    if reads_config(read_gguf_header(gguf).metadata):  # a file transformers' reader does not load (Mixtral, OLMoE)
+        names, processor, _ = tensor_map(gguf, config, reference)
+        tensors = dict(dense_tensors(gguf, names, processor))
+    else:
+        # transformers shows its own per-tensor progress bar while it dequantizes.
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=reference)
+        # stacked experts as each expert's own tensors, the names kvforge's MoE layers load
+        tensors = split_stacked(parsed["tensors"])
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
     config.save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    save_tokenizer(tokenizer, config.model_type, out)  # a family chat template where the file has none
+    save_tokenizer(read_tokenizer(gguf), config.model_type, out)  # a family chat template where the file has none
 
 
 def load_config(path: Path):
@@ -272,8 +276,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             elif is_blocks(tensor) and not getattr(param, "takes_gguf_blocks", False):
                 tensor = dequantized(tensor)  # a layer that does not serve blocks: the weight dequantized
             if param is None:
-                if target in model.tied_weights():  # the checkpoint stores a tied head anyway
-                    continue
+                if target in model.tied_weights() or model.on_other_stage(target):  # a tied head stored anyway,
+                    continue  # or a tensor of another pipeline stage's layers
                 if target.endswith(".bias") and not tensor.any():  # auto-gptq writes zero biases
                     continue
                 raise ValueError(f"checkpoint tensor {name} has no matching parameter in {type(model).__name__}")

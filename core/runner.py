@@ -1,6 +1,8 @@
 """ModelRunner: owns the model and the KV pool; lays a scheduled batch out as plain lists (`StepInputs`),
 runs one forward over the flat batch and returns the logits rows of the sequences that sample, in the
-plan's order. Under tensor parallelism rank 0 lays out and every rank runs the same StepInputs (core/tp.py)."""
+plan's order. Under tensor parallelism rank 0 lays out and every rank runs the same StepInputs (core/tp.py); under
+pipeline parallelism each stage's runner holds its layers and their KV, and runs the same StepInputs on the previous
+stage's hidden states (core/pp.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ from kvforge.core.context import (
     gather_rows,
     set_context,
 )
-from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
+from kvforge.core.distributed import heads_of_rank, stage_layers, tp_rank, tp_size
 from kvforge.core.host_memory import keep_freed_memory, release_freed_memory, zeroed_on_demand
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.kv.quant import kv_format
 from kvforge.core.layers.backend import kernel_backend
 from kvforge.core.loader import build_model, load_weights
+from kvforge.core.models.causal_lm import StageCarry
 from kvforge.core.models.llama import head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
 from kvforge.core.pooling import PooledHidden
@@ -94,6 +97,7 @@ def check_device(device: torch.device) -> torch.device:
 class ModelRunner:
     failure: str | None = None  # a ParallelRunner's ranks can fail; one process cannot, apart from itself
     on_failure = None
+    max_in_flight = 1  # submit runs the step whole
 
     def __init__(self, config: EngineConfig, model_path: Path | None, hf_config, progress: bool = True,
                  model: torch.nn.Module | None = None, kernels: str = "torch") -> None:
@@ -128,7 +132,8 @@ class ModelRunner:
         # one block of every layer with all the model's KV heads: the persisted tier's unit (rank-independent)
         self.kv_block_shape = (hf_config.num_hidden_layers, 2, hf_config.num_key_value_heads, self.block_size,
                                self.kv_row)
-        self.num_layers = hf_config.num_hidden_layers
+        self.stage = stage_layers(hf_config)  # this pipeline stage's layers: its pool holds their KV
+        self.num_layers = self.stage.count
         self.kv_dtype = config.torch_dtype if self.kv_format is None else torch.uint8
         self.kv_bytes_per_block = self.block_size * kv_bytes_per_token(
             self.num_layers, self.num_kv_heads, self.head_dim, config.torch_dtype, config.kv_cache_dtype)
@@ -295,9 +300,10 @@ class ModelRunner:
                                    self.kv_format)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> StepOutput:
+    def forward(self, inputs: StepInputs, carried: StageCarry | None = None) -> StepOutput | StageCarry:
         """One forward over the flat batch: the fp32 logits of `inputs.logits_rows` and the embedding requests'
-        pooled hidden states."""
+        pooled hidden states. A pipeline stage after the first starts from the previous one's `carried` hidden
+        states; one before the last returns its own for the next."""
         if self.graphs is not None and not inputs.prefills and self.graphs.fits(len(inputs.input_ids)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, *inputs.decode_rows())
             return self._output(hidden, inputs)
@@ -305,9 +311,11 @@ class ModelRunner:
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         set_context(context)
         try:
-            return self._output(self.model(input_ids, context.positions), inputs)
+            # a stage after the first starts from the one before (a drafter's model takes no carried states)
+            hidden = self.model(input_ids, context.positions, *(() if carried is None else (None, carried)))
         finally:
             set_context(None)
+        return hidden if isinstance(hidden, StageCarry) else self._output(hidden, inputs)
 
     def _output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
         rows = inputs.logits_rows
@@ -342,13 +350,21 @@ class ModelRunner:
         embedding requests' pooled hidden states."""
         return self.forward(self.layout(batch))
 
+    submit = execute  # one process: the step runs at once, its output is what collect returns
+
+    @staticmethod
+    def collect(launched: StepOutput) -> StepOutput:
+        return launched
+
     def read_block(self, block: int) -> torch.Tensor:
-        """A copy of pool block `block` in every layer: [layers, 2, this rank's KV heads, block_size, head_dim]."""
+        """A copy of pool block `block` in every layer of this stage: [layers, 2, this rank's KV heads, block_size,
+        head_dim]."""
         return self.kv_cache[:, :, :, block].clone()
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
-        """Fill pool block `block` from `data` of `kv_block_shape` (all KV heads; this rank keeps its own)."""
-        heads = data.narrow(2, self.first_kv_head, self.num_kv_heads)
+        """Fill pool block `block` from `data` of `kv_block_shape` (every layer and KV head; this rank keeps its
+        stage's layers and its own heads)."""
+        heads = data.narrow(0, self.stage.first, self.stage.count).narrow(2, self.first_kv_head, self.num_kv_heads)
         self.kv_cache[:, :, :, block].copy_(heads)
 
     def close(self) -> None:

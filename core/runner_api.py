@@ -1,10 +1,13 @@
-"""The runner interface the engine drives: one rank's `ModelRunner` and the tensor-parallel
-`ParallelRunner` both implement it, so the engine never knows which one it holds."""
+"""The runner interface the engine drives: one rank's `ModelRunner`, the tensor-parallel `ParallelRunner` and the
+pipeline-parallel `PipelineRunner` implement it, so the engine never knows which one it holds.
+
+A step is launched with `submit` and its output read with `collect`; up to `max_in_flight` steps may be launched
+before the oldest is collected (1: `submit` runs the step whole; a pipeline: one per stage)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -27,6 +30,7 @@ class Runner(Protocol):
     cuda_graph_safe: bool
     graphs: object | None  # the captured decode graphs, once enabled
     kernel_choices: list  # core/kernel_choice.py ShapeChoice per op class and shape: the kernel each runs
+    max_in_flight: int  # steps launched before the oldest must be collected
     failure: str | None  # why the runner can no longer run (a tensor-parallel rank died), or None
     on_failure: Callable[[], None] | None  # called (from any thread) when it fails while idle
 
@@ -40,6 +44,8 @@ class Runner(Protocol):
     def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs: ...
     def forward(self, inputs: StepInputs) -> StepOutput: ...
     def execute(self, batch: list[ScheduledSeq]) -> StepOutput: ...
+    def submit(self, batch: list[ScheduledSeq]) -> Any: ...
+    def collect(self, launched: Any) -> StepOutput: ...
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
     def read_block(self, block: int) -> torch.Tensor: ...
     def write_block(self, block: int, data: torch.Tensor) -> None: ...

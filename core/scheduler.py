@@ -25,6 +25,11 @@ first come first served: a 2048-input batch holds every slot until it is done):
   ...), so the sequence preempted when the pool runs out is the latest arrival of the group holding the most.
 With one sequence per request all of this is first come first served, as before.
 
+Steps in flight (pipeline parallelism, core/pp.py): the engine may plan a step while earlier ones still run. Their
+sequences (`busy`) are left out of the new plan -- neither scheduled nor preempted -- and the new plan takes at most
+`max_seqs` sequences, so the steps in flight share them. A sequence finished (aborted) while in flight is skipped when
+its step's output is applied.
+
 `update_from_output(plan, sampled)` applies what the step produced: computed tokens, accepted and
 rejected drafts (rolled back in the KV), forks of n-sample requests at their prompt's end, new tokens (each
 decoded into the sequence's own text, core/output.py, where stop strings are found), stop conditions and finishing.
@@ -99,19 +104,21 @@ class Scheduler:
 
     # --- planning -----------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, busy: Collection[int] = (), max_seqs: int | None = None) -> StepPlan:
         """Pick this step's work. A decoding sequence with draft tokens verifies them in this step: it gets
-        slots and budget for 1 + drafts tokens (drafts that do not fit are dropped, never preempting)."""
+        slots and budget for 1 + drafts tokens (drafts that do not fit are dropped, never preempting).
+        `busy`: ids of the sequences in steps still in flight (left alone); `max_seqs`: this step's most sequences."""
         if self.speculator is not None:
             self._propose_drafts()
         plan = StepPlan()
-        self._make_room()
+        cap = self.max_num_seqs if max_seqs is None else max_seqs
+        self._make_room(busy)
         newcomers = self._admission_order()
-        shares = self._token_shares(newcomers)
+        shares = self._token_shares(newcomers, busy)
         budget = self.max_num_batched_tokens
-        order = self._interleaved()
+        order = [seq for seq in self._interleaved() if id(seq) not in busy]
         i = 0
-        while i < len(order) and budget > 0:
+        while i < len(order) and budget > 0 and len(plan.scheduled) < cap:
             seq = order[i]
             limit = min(budget, shares[seq.share_group])
             if limit == 0:  # its group's share is spent: it waits for the next step
@@ -143,7 +150,7 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: everything after it already was too
         if not plan.preempted:
-            self._admit_waiting(plan, newcomers, budget, shares)
+            self._admit_waiting(plan, newcomers[:max(0, cap - len(plan.scheduled))], budget, shares)
         now = time.monotonic()
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
@@ -161,7 +168,7 @@ class Scheduler:
             held[seq.share_group] += 1
         return [seq for *_, seq in sorted(ranked, key=lambda entry: entry[:3])]
 
-    def _make_room(self) -> None:
+    def _make_room(self, busy: Collection[int]) -> None:
         """A group waiting with no sequence running while every slot is taken gets a slot: the group holding the most
         slots, beyond an equal share, gives up its latest arrival (preempted: recomputed later, its full blocks kept
         in the prefix cache)."""
@@ -174,7 +181,10 @@ class Scheduler:
             group, count = held.most_common(1)[0]
             if count <= fair:
                 return
-            self._preempt(max((s for s in self.running if s.share_group == group), key=lambda s: (s.arrival, s.index)))
+            idle = [s for s in self.running if s.share_group == group and id(s) not in busy]
+            if not idle:  # its sequences are all in flight: the slot frees up at a later step
+                return
+            self._preempt(max(idle, key=lambda s: (s.arrival, s.index)))
             held[group] -= 1
 
     def _admission_order(self) -> list[Sequence]:
@@ -200,13 +210,14 @@ class Scheduler:
                 heapq.heappush(turns, (count + 1, queue[taken[group]].arrival, group))
         return order
 
-    def _token_shares(self, newcomers: list[Sequence]) -> Counter[str | None]:
+    def _token_shares(self, newcomers: list[Sequence], busy: Collection[int] = ()) -> Counter[str | None]:
         """Each running group's tokens of this step, and the waiting line's (key None: spent on the newcomers in
         admission order): the budget split max-min fairly by what each asks for (a newcomer: what the prefix cache
         does not hold of it)."""
         demand: Counter[str | None] = Counter()
         for seq in self.running:
-            demand[seq.share_group] += seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids)
+            if id(seq) not in busy:
+                demand[seq.share_group] += seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids)
         for seq in newcomers:
             cached = 0 if seq.needs_every_position else len(self.kv.match_prefix(seq)) * self.kv.block_size
             demand[None] += seq.num_tokens - cached
@@ -283,6 +294,8 @@ class Scheduler:
         pooled = []
         for item in plan.scheduled:  # draft positions count as computed only once accepted (below)
             seq = item.seq
+            if seq.is_finished:  # aborted while its step was in flight
+                continue
             seq.num_computed_tokens += item.num_new_tokens - len(seq.spec_token_ids)
             self.kv.cache_computed_blocks(seq)
             if seq.pools and seq.num_computed_tokens == seq.num_tokens:  # its whole prompt is pooled
@@ -295,11 +308,13 @@ class Scheduler:
         # 1, EOS, a stop string) frees its blocks below, and its samples share or copy them.
         copies = []
         for seq, _, parent in entries:
-            if parent is not None:
+            if parent is not None and not parent.is_finished:
                 copies.extend(self._fork(parent, seq))
         now = time.monotonic()
         updates = []
-        for (seq, _, _), tokens in zip(entries, sampled.token_ids):
+        for entry, ((seq, _, _), tokens) in enumerate(zip(entries, sampled.token_ids)):
+            if seq.is_finished:
+                continue
             if seq.spec_token_ids:  # keep the accepted drafts' KV, roll back the rejected ones
                 accepted = len(tokens) - 1
                 self.speculator.record(seq, len(seq.spec_token_ids), accepted)
@@ -309,6 +324,7 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             update = self._append(seq, tokens)
+            update.entry = entry
             if len(tokens) > 1 and not seq.is_finished:
                 self.kv.cache_computed_blocks(seq)
             updates.append(update)

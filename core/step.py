@@ -76,3 +76,4 @@ class SeqUpdate:
     seq: Sequence
     num_new_tokens: int
     finish_reason: str | None = None
+    entry: int | None = None  # its entry in the step's sampled tokens (`StepPlan.sampling_rows`); None: pooled

@@ -1,8 +1,8 @@
 """Tensor parallelism across processes: rank 0 (the engine's process) schedules and plans each step;
 every rank runs the same forward on its share of the weights and KV heads.
 
-Ranks are spawned here (`tp_size` N on one machine: N - 1 worker processes), or started by torchrun
-(several machines): there a process with RANK > 0 runs `worker_main` instead of the server.
+Ranks are spawned (`tp_size` N on one machine: N - 1 worker processes), or started by torchrun (several machines):
+there a process with RANK > 0 runs `worker_main` instead of the server (core/ranks.py: starting, watching, stopping).
 
 Two process groups: the default one (gloo on CPU; NCCL for CUDA tensors) carries the layers'
 collectives; a gloo group with no practical timeout carries rank 0's commands, because workers wait
@@ -16,12 +16,7 @@ import atexit
 import dataclasses
 import logging
 import os
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +25,14 @@ import torch.distributed as dist
 
 from kvforge.core.config import EngineConfig
 from kvforge.core.distributed import heads_of_rank, tensor_parallel
+from kvforge.core.ranks import COMMAND_TIMEOUT, RankProcesses, WorkerLost
 from kvforge.core.runner import ModelRunner, StepInputs, StepOutput
 from kvforge.core.step import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-COMMAND_TIMEOUT = timedelta(days=365)  # workers wait on the command group while the server is idle
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one collective inside a forward (or rank start-up)
 GATHERED = ("read_block", "weight_bytes")  # commands whose result every rank sends back to rank 0
-
-
-class WorkerLost(RuntimeError):
-    """A tensor-parallel rank died or failed mid-step: the ranks are out of step, the engine cannot go on."""
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def _backend() -> str:
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+__all__ = ["ParallelRunner", "WorkerLost", "serve_rank"]
 
 
 class ParallelRunner:
@@ -67,36 +50,14 @@ class ParallelRunner:
         config = dataclasses.replace(config, linear_kernels="torch" if config.linear_kernels == "auto" else
                                      config.linear_kernels, decode_attention="bmm" if config.decode_attention == "auto"
                                      else config.decode_attention)
-        self.failure: str | None = None  # why the ranks can no longer run, once they cannot
-        self.on_failure: Callable[[], None] | None = None  # called from the monitor thread on a failure
-        self._processes: dict[int, subprocess.Popen] = {}  # rank -> the worker process spawned for it
-        self._closing = False
         self._kv_firsts = [heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, self.size,
                                          rank).kv_first for rank in range(self.size)]  # first KV head of each rank
-        if launched_by_torchrun():
-            world = int(os.environ["WORLD_SIZE"])
-            if world != self.size or int(os.environ["RANK"]) != 0:
-                raise ValueError(f"torchrun started {world} ranks (this is rank {os.environ['RANK']}); "
-                                 f"tp_size is {self.size}: they must match, and rank 0 runs the server")
-            rendezvous: dict[str, Any] = {"init_method": "env://"}
-        else:
-            store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                                  wait_for_workers=False)
-            # plain `python -m` processes: multiprocessing's spawn would re-import the caller's __main__
-            for rank in range(1, self.size):
-                self._processes[rank] = subprocess.Popen(
-                    [sys.executable, "-m", "kvforge.core.tp", str(rank), str(self.size), str(store.port)])
-            rendezvous = {"store": store}
+        self.ranks: RankProcesses | None = None
         atexit.register(self.close)  # a caller that never closes the engine still stops its ranks
         try:
-            if self._processes:
-                self._wait_for_workers(rendezvous["store"])
-            dist.init_process_group(_backend(), rank=0, world_size=self.size, timeout=COLLECTIVE_TIMEOUT,
-                                    **rendezvous)
+            self.ranks = RankProcesses(self.size, "kvforge.core.tp", "tensor-parallel")
             self._commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-            for rank in self._processes:
-                threading.Thread(target=self._monitor, args=(rank,), name=f"kvforge-tp-monitor-{rank}",
-                                 daemon=True).start()
+            self.ranks.watch()
             self._send("load", config)
             try:
                 with tensor_parallel(self.size, 0):
@@ -109,19 +70,18 @@ class ParallelRunner:
             self.close()
             raise
 
-    def _wait_for_workers(self, store: dist.TCPStore) -> None:
-        """Each spawned rank checks in on the store before it joins the group: one that exits first is an
-        error here, not a wait in the rendezvous until its timeout."""
-        keys = [f"up/{rank}" for rank in self._processes]
-        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
-        while not store.check(keys):
-            for rank, process in self._processes.items():
-                if process.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited while starting "
-                                       f"(exit code {process.returncode})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the tensor-parallel ranks did not start within {COLLECTIVE_TIMEOUT}")
-            time.sleep(0.05)
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks can no longer run, once they cannot."""
+        return self.ranks.failure if self.ranks is not None else None
+
+    @property
+    def on_failure(self) -> Callable[[], None] | None:
+        return self.ranks.on_failure if self.ranks is not None else None
+
+    @on_failure.setter
+    def on_failure(self, callback: Callable[[], None] | None) -> None:
+        self.ranks.on_failure = callback
 
     # --- the Runner interface (core/runner_api.py): sizes and the model are rank 0's own ----------
 
@@ -149,6 +109,10 @@ class ParallelRunner:
 
     def execute(self, batch: list[ScheduledSeq]) -> StepOutput:
         return self.forward(self.layout(batch))
+
+    max_in_flight = 1  # every rank runs the whole step: submit runs it, collect returns its output
+    submit = execute
+    collect = staticmethod(ModelRunner.collect)
 
     def allocate_kv(self, num_blocks: int) -> None:
         self._call("allocate_kv", num_blocks)
@@ -196,56 +160,20 @@ class ParallelRunner:
         return results
 
     def _lost(self, why: str) -> WorkerLost:
-        if self.failure is None:
-            self.failure = why
-        return WorkerLost(self.failure)
-
-    def _monitor(self, rank: int) -> None:
-        """A spawned rank that exits while the engine runs is fatal, even while the server is idle."""
-        code = self._processes[rank].wait()
-        if self._closing:
-            return
-        if self.failure is None:
-            self.failure = f"tensor-parallel rank {rank} exited (exit code {code})"
-        log.error("%s", self.failure)
-        if self.on_failure is not None:
-            self.on_failure()
+        return self.ranks.lost(why)
 
     def close(self) -> None:
         """Stop the workers (they exit on their own; stragglers are terminated) and leave the group."""
-        if self._closing:
-            return
-        self._closing = True
         atexit.unregister(self.close)
-        if self.failure is None and dist.is_initialized():
-            try:
-                dist.broadcast_object_list([("stop", ())], src=0, group=self._commands)
-            except Exception:  # a rank is gone already: the ones left are terminated below
-                pass
-        for process in self._processes.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(self._threads)
+        if self.ranks is not None and not self.ranks.closing:
+            self.ranks.close(lambda: dist.broadcast_object_list([("stop", ())], src=0, group=self._commands))
+            torch.set_num_threads(self._threads)
 
 
-def worker_main(rank: int | None = None, size: int | None = None, port: int | None = None) -> None:
-    """A tensor-parallel rank > 0: join the group, load this rank's share of the model, then run rank 0's
-    commands until it says stop. Spawned by ParallelRunner: rank 0's store is on `port` of this machine;
-    under torchrun, rank, size and the rendezvous come from the environment."""
-    rank = int(os.environ["RANK"]) if rank is None else rank
-    size = int(os.environ["WORLD_SIZE"]) if size is None else size
+def serve_rank(rank: int, size: int) -> None:
+    """A tensor-parallel rank > 0 (joined by core/ranks.py worker_main): load this rank's share of the model, then
+    run rank 0's commands until it says stop."""
     logging.basicConfig(level=logging.INFO, format=f"kvforge tp rank {rank}: %(message)s")
-    rendezvous: dict[str, Any] = {"init_method": "env://"}
-    if port is not None:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-        store.set(f"up/{rank}", "1")
-        rendezvous = {"store": store}
-    dist.init_process_group(_backend(), rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **rendezvous)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     runner = None
     while True:
@@ -267,10 +195,14 @@ def worker_main(rank: int | None = None, size: int | None = None, port: int | No
         if name in GATHERED:  # tensors travel through the CPU (rank 0 may have no device of this index)
             dist.gather_object(result.cpu() if isinstance(result, torch.Tensor) else result, None, dst=0,
                                group=commands)
-    dist.destroy_process_group()
 
 
 def _load(config: EngineConfig, rank: int) -> ModelRunner:
+    return load_rank_runner(config, rank, lambda: tensor_parallel(config.tp_size, rank))
+
+
+def load_rank_runner(config: EngineConfig, rank: int, layout: Callable[[], Any]) -> ModelRunner:
+    """A worker rank's ModelRunner, its model built inside `layout()` (the parallel layout of this rank's share)."""
     from kvforge.core.loader import load_config, resolve_model
 
     if config.device.startswith("cuda"):  # one GPU per rank on each machine
@@ -281,9 +213,5 @@ def _load(config: EngineConfig, rank: int) -> ModelRunner:
         torch.set_num_threads(config.num_threads)
     # converted by rank 0 already when on the same machine
     model_path = resolve_model(config.model, native_gguf=config.native_gguf)
-    with tensor_parallel(config.tp_size, rank):
+    with layout():
         return ModelRunner(config, model_path, load_config(model_path), progress=False)
-
-
-if __name__ == "__main__":  # a rank spawned by ParallelRunner: rank, size, rank 0's store port
-    worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -83,7 +83,8 @@ class DashboardSampler:
             core = engine.config
             config = {"dtype": core.dtype, "quant": core.quant, "quant_options": core.quant_options,
                       "decoding": core.decoding or "none", "decoding_options": core.decoding_options,
-                      "tp": core.tp_size, "persist_kv": core.persist_kv and core.enable_prefix_caching,
+                      "tp": core.tp_size, "pp": core.pp_size,
+                      "persist_kv": core.persist_kv and core.enable_prefix_caching,
                       "kv_cache_bytes": core.kv_cache_bytes, "kv_cache_dtype": core.kv_cache_dtype,
                       "block_size": core.block_size}
         return Sample(time.time(), self.host.name, stats, process_rss_bytes(), gpu_memory(), config)
@@ -119,9 +120,10 @@ def dashboard_markdown(service: UIService) -> str:
     if not st:
         return "**No model loaded**"
     decoding = s.config.get("decoding") or "none"
-    tp = s.config.get("tp") or 1
+    tp, pp = s.config.get("tp") or 1, s.config.get("pp") or 1
     header = (f"**Model** {s.model} · {s.config.get('dtype')} · quant **{s.config.get('quant')}** · "
-              f"decoding **{decoding}**" + (f" · tp **{tp}**" if tp > 1 else ""))
+              f"decoding **{decoding}**" + (f" · tp **{tp}**" if tp > 1 else "")
+              + (f" · pp **{pp}**" if pp > 1 else ""))
     lines = [header, "", "| Engine | Now |", "|---|---|"]
     if s.gpus:
         for g in s.gpus:

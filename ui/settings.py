@@ -209,7 +209,8 @@ class SettingsHandlers:
                 gr.update(choices=decodings, value=core.decoding if core else "none"),
                 json.dumps(core.decoding_options if core else {}), kv_budget_update(self.service),
                 core.tp_size if core else self.service.last_spec().tp,
-                core.kv_cache_dtype if core else self.service.last_spec().kv_cache_dtype)
+                core.kv_cache_dtype if core else self.service.last_spec().kv_cache_dtype,
+                core.pp_size if core else self.service.last_spec().pp)
 
     def update_estimate(self, m: str, d: str, c: float | None, q: str, o: str, t: float | None,
                         k: str | None = "auto") -> str:
@@ -220,12 +221,16 @@ class SettingsHandlers:
 
     async def apply_settings(self, model: str, dtype: str, quant: str, options: str, decoding: str,
                              decoding_json: str, kv_gb: float | None, tp: int | None,
-                             kv_cache_dtype: str | None = ModelSpec.kv_cache_dtype) -> AsyncIterator[str]:
-        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks / KV cache type without a
-        restart; in-flight replies finish first. An empty KV budget (None) keeps the server's default: its
-        --kv-cache-gb, else the automatic size."""
+                             kv_cache_dtype: str | None = ModelSpec.kv_cache_dtype,
+                             pp: int | None = ModelSpec.pp) -> AsyncIterator[str]:
+        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks / KV cache type / pipeline
+        stages without a restart; in-flight replies finish first. An empty KV budget (None) keeps the server's
+        default: its --kv-cache-gb, else the automatic size."""
         if tp is None:
             yield "Refused: tensor-parallel ranks: enter a whole number >= 1"
+            return
+        if pp is None:
+            yield "Refused: pipeline stages: enter a whole number >= 1"
             return
         decoding, kv_cache_dtype = decoding or "none", kv_cache_dtype or ModelSpec.kv_cache_dtype
         try:
@@ -238,9 +243,9 @@ class SettingsHandlers:
         served = self.service.last_spec().served_name if model == self.service.model_choice() else None
         spec = ModelSpec(model=model, dtype=dtype, quant=quant, quant_options=parsed["quant"], served_name=served,
                          kv_cache_gb=None if kv_gb is None else float(kv_gb), kv_cache_dtype=kv_cache_dtype,
-                         decoding=decoding, decoding_options=parsed["decoding"], tp=int(tp))
+                         decoding=decoding, decoding_options=parsed["decoding"], tp=int(tp), pp=int(pp))
         what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
-                + (f", tp {int(tp)}" if int(tp) != 1 else "")
+                + (f", tp {int(tp)}" if int(tp) != 1 else "") + (f", pp {int(pp)}" if int(pp) != 1 else "")
                 + (f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""))
         started = time.monotonic()
         task = asyncio.ensure_future(self.service.load_model(spec))
@@ -272,16 +277,17 @@ class SettingsPanel:
     kv_gb: Any
     kv_cache_dtype: Any
     tp: Any
+    pp: Any
     context: Any
     estimate: Any
     apply: Any
     status: Any
 
     def values(self) -> list:
-        """What settings_values fills and apply_settings takes, in that order (the KV cache type last: the Gradio
-        API's callers of the earlier inputs keep working)."""
+        """What settings_values fills and apply_settings takes, in that order (the KV cache type and the pipeline
+        stages last: the Gradio API's callers of the earlier inputs keep working)."""
         return [self.model, self.dtype, self.quant, self.quant_options, self.decoding, self.decoding_options,
-                self.kv_gb, self.tp, self.kv_cache_dtype]
+                self.kv_gb, self.tp, self.kv_cache_dtype, self.pp]
 
     def estimate_inputs(self) -> list:
         return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp, self.kv_cache_dtype]
@@ -321,13 +327,15 @@ def settings_panel() -> SettingsPanel:
         kv_cache_dtype = gr.Radio(list(KV_CACHE_DTYPES), value=ModelSpec.kv_cache_dtype, label="KV cache",
                                   info=KV_CACHE_INFO, elem_id="settings-kv-cache-dtype")
         tp = gr.Number(label="Tensor-parallel ranks", value=1, minimum=1, precision=0, elem_id="settings-tp")
+        pp = gr.Number(label="Pipeline stages", value=1, minimum=1, precision=0, elem_id="settings-pp",
+                       info="each stage: --tp processes holding consecutive layers and their KV")
         context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
                             minimum=1, precision=0, elem_id="settings-context")
         estimate = gr.Markdown(elem_id="settings-estimate")
         apply = gr.Button("Apply", variant="primary", elem_id="settings-apply")
         status = gr.Markdown(elem_id="settings-status")
     return SettingsPanel(model, dtype, quant, quant_help, quant_options, decoding, decoding_help, decoding_options,
-                         kv_gb, kv_cache_dtype, tp, context, estimate, apply, status)
+                         kv_gb, kv_cache_dtype, tp, pp, context, estimate, apply, status)
 
 
 def add_settings(blocks: gr.Blocks, service: UIService) -> None:

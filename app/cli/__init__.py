@@ -16,9 +16,9 @@ __all__ = ["build_parser", "main"]
 
 def main(argv: list[str] | None = None) -> int:
     if torchrun_world_size() > 1 and os.environ["RANK"] != "0":
-        # a rank > 0 started by torchrun (multi-machine tensor parallelism): whatever the command line,
+        # a rank > 0 started by torchrun (multi-machine tensor or pipeline parallelism): whatever the command line,
         # it serves rank 0's commands; rank 0 runs the command and sends it the model to load
-        from kvforge.core.tp import worker_main
+        from kvforge.core.ranks import worker_main
 
         worker_main()
         return 0

@@ -30,7 +30,8 @@ def spec_from_settings(settings: ServeSettings, served_name: str | None = None) 
                      quant_options=json_options(settings.quant_options, "--quant-options"), served_name=served_name,
                      kv_cache_dtype=settings.kv_cache_dtype,
                      decoding=settings.decoding,
-                     decoding_options=json_options(settings.decoding_options, "--decoding-options"), tp=settings.tp)
+                     decoding_options=json_options(settings.decoding_options, "--decoding-options"), tp=settings.tp,
+                     pp=settings.pp)
 
 
 def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **overrides: Any) -> EngineConfig:
@@ -41,16 +42,20 @@ def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **over
         knobs = settings.engine_knobs()
         quant, decoding = quant or settings.quant or "none", decoding or settings.decoding or "none"
         kv_gb = kv_gb or settings.kv_cache_gb
-        if tp == 1 and torchrun_world_size() > 1:  # under torchrun every rank is a tensor-parallel rank
-            tp = torchrun_world_size()
+        world = torchrun_world_size()
+        if tp == 1 and world > 1:  # under torchrun every rank is a tensor-parallel rank of one of the stages
+            if world % spec.pp:
+                raise ValueError(f"torchrun started {world} ranks: not a multiple of --pp {spec.pp}")
+            tp = world // spec.pp
     check_decoding(decoding, spec.decoding_options)
     check_tp(tp)
+    check_tp(spec.pp, "pp")
     sized = {"kv_cache_bytes": int(kv_gb * GIB)} if kv_gb else {}
     sampling = model_sampling(spec, settings)
     return EngineConfig(**{**knobs, "model": spec.model, "dtype": spec.dtype, "kv_cache_dtype": spec.kv_cache_dtype,
                            "quant": quant,
                            "quant_options": spec.quant_options, "decoding": decoding,
-                           "decoding_options": spec.decoding_options, "tp_size": tp, **sized,
+                           "decoding_options": spec.decoding_options, "tp_size": tp, "pp_size": spec.pp, **sized,
                            **({"sampling_defaults": sampling} if sampling else {}), **overrides})
 
 

@@ -5,8 +5,8 @@ The server's own model (the one it starts with, or loads over /admin and the UI'
 name no model or its name; it stays loaded. A swap (load / unload / change of dtype, quant or decoding plugin,
 tensor-parallel ranks) stops admitting new requests (they wait), lets the in-flight ones finish, builds the new
 engine off the event loop, then resumes. A failed load keeps the old model, except when the old and the new model
-are both tensor-parallel (tp > 1): the old one is closed before the new one is built, so a failed load leaves no
-model loaded.
+both run in several processes (tp or pp > 1): the old one is closed before the new one is built, so a failed load
+leaves no model loaded.
 
 A request naming another model of the models directory (a GGUF file or checkpoint directory by name, or an alias
 from the settings) loads it on demand, with the server's settings and one rank. Such models stay resident while
@@ -61,7 +61,7 @@ class ModelHost:
         `kv_bytes`: the KV pool an engine gets (for the memory estimate before a load); `embedding_model`: the entry
         that embeds for requests naming no model or the server's own (None: the server's own model does)."""
         self.factory, self.spec, self.engine = factory, spec, engine
-        self.default_tp = spec.tp  # the server's --tp: what a load that names no tp uses
+        self.default_tp, self.default_pp = spec.tp, spec.pp  # the server's --tp / --pp: for a load naming neither
         self.models_dir = models_dir.resolve() if models_dir else None
         self.in_flight = 0
         self._ready = asyncio.Event()
@@ -120,8 +120,8 @@ class ModelHost:
         async with self._swap_lock:
             await self._drain()
             try:
-                if self.engine is not None and self.spec.tp > 1 and spec.tp > 1:
-                    # Two tensor-parallel engines cannot coexist in one process: each owns the process's one
+                if self.engine is not None and self.spec.processes > 1 and spec.processes > 1:
+                    # Two multi-process engines cannot coexist in one process: each owns the process's one
                     # torch.distributed default process group. So the old one goes first; if the new build
                     # then fails, no model is loaded (as after unload) and last_error says why.
                     await self._retire_own()

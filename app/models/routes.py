@@ -34,12 +34,14 @@ class LoadModelRequest(BaseModel):
     decoding: str = engine_default("decoding")  # a speculative decoding plugin
     decoding_options: dict[str, Any] = Field(default_factory=dict)
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
+    pp: int | None = Field(default=None, ge=1)  # pipeline stages; None: the server's --pp
 
-    def spec(self, default_tp: int) -> ModelSpec:
-        """The model to load, as the host takes it (`default_tp`: the server's --tp)."""
+    def spec(self, default_tp: int, default_pp: int = 1) -> ModelSpec:
+        """The model to load, as the host takes it (`default_tp` / `default_pp`: the server's --tp / --pp)."""
         settings = self.model_dump()
         settings["served_name"] = settings.pop("served_model_name")  # --served-model-name's name in the API
         settings["tp"] = default_tp if self.tp is None else self.tp
+        settings["pp"] = default_pp if self.pp is None else self.pp
         return ModelSpec(**settings)
 
 
@@ -57,7 +59,8 @@ def models_router(context: ServerContext) -> APIRouter:
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "kv_cache_dtype": core.config.kv_cache_dtype,
                 # the context served, under vLLM's name and the one LM Studio's and OpenRouter's clients read
-                "tp": core.config.tp_size, "max_model_len": core.max_model_len, "context_length": core.max_model_len,
+                "tp": core.config.tp_size, "pp": core.config.pp_size,
+                "max_model_len": core.max_model_len, "context_length": core.max_model_len,
                 # what a request leaving these fields out gets (core/generation_defaults.py), and from where
                 "sampling_defaults": core.generation_defaults.values,
                 "sampling_defaults_source": core.generation_defaults.source,
@@ -85,12 +88,13 @@ def models_router(context: ServerContext) -> APIRouter:
     @router.post("/admin/models/load")
     async def admin_load(body: LoadModelRequest):
         try:
-            await host.load(body.spec(host.default_tp))
+            await host.load(body.spec(host.default_tp, host.default_pp))
         except InvalidSpec as exc:  # refused before the swap began: a path, tp or the decoding plugin / options
             raise APIError(400, str(exc), exc.param) from None
         except ValueError as exc:  # bad path, unknown plugin, bad dtype, a split the model cannot take
             about_decoding = body.decoding != "none" and f"plugin {body.decoding!r}" in str(exc)
             param = ("decoding_options" if about_decoding else "tp" if "tensor-parallel" in str(exc)
+                     else "pp" if "pipeline" in str(exc)
                      else "kv_cache_dtype" if "kv_cache_dtype" in str(exc)
                      else "kv_cache_gb" if "kv_cache" in str(exc) else "model")
             after = "" if host.engine is not None else " (no model is loaded: the tensor-parallel one went first)"

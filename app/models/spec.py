@@ -66,6 +66,7 @@ class ModelSpec:
     decoding: str = engine_default("decoding")  # speculative decoding plugin; "none": off
     decoding_options: dict[str, Any] = field(default_factory=dict)
     tp: int = engine_default("tp_size")  # tensor-parallel ranks, one process each
+    pp: int = engine_default("pp_size")  # pipeline stages, each of tp processes
 
     @property
     def entry(self) -> str:
@@ -75,6 +76,11 @@ class ModelSpec:
     @property
     def name(self) -> str:
         return self.served_name or self.entry
+
+    @property
+    def processes(self) -> int:
+        """The processes the model runs in (each owns a rank of this process's one torch.distributed group)."""
+        return self.tp * self.pp
 
 
 def confine(models_dir: Path | None, model: str | None) -> str | None:
@@ -97,11 +103,13 @@ def confine(models_dir: Path | None, model: str | None) -> str | None:
 def checked(spec: ModelSpec, models_dir: Path | None) -> ModelSpec:
     """The spec with its paths confined to the models directory (the model, and a decoding plugin's draft model,
     option `model`), its tensor-parallel ranks and its decoding plugin checked; InvalidSpec when refused."""
-    if isinstance(spec.tp, bool) or not isinstance(spec.tp, int) or spec.tp < 1:
-        raise InvalidSpec(f"tp (tensor-parallel ranks) must be an integer >= 1, got {spec.tp!r}", "tp")
+    for name, what, value in (("tp", "tensor-parallel ranks", spec.tp), ("pp", "pipeline stages", spec.pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidSpec(f"{name} ({what}) must be an integer >= 1, got {value!r}", name)
     most = max_tp_ranks()
-    if spec.tp > most:
-        raise InvalidSpec(f"tp (tensor-parallel ranks) must be at most {most} on this machine, got {spec.tp}", "tp")
+    if spec.processes > most:
+        raise InvalidSpec(f"tp x pp (processes) must be at most {most} on this machine, got {spec.tp} x {spec.pp}",
+                          "tp" if spec.pp == 1 else "pp")
     try:
         model = confine(models_dir, spec.model)
     except ValueError as exc:

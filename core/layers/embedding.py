@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core.distributed import tp_rank, tp_size
+from kvforge.core.distributed import tp_group, tp_rank, tp_size
 from kvforge.core.layers.linear import ColumnParallelLinear
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.tp_size, self.tp_rank, self.tp_group = tp_size(), tp_rank(), tp_group()
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
@@ -61,7 +61,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         mask = (local >= 0) & (local < self.rows)
         out = self._lookup(local.clamp(0, self.rows - 1)) * mask.unsqueeze(-1)
-        torch.distributed.all_reduce(out)
+        torch.distributed.all_reduce(out, group=self.tp_group)
         return out
 
 
@@ -86,6 +86,6 @@ class ParallelLMHead(ColumnParallelLinear):
         logits = super().forward(hidden)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
+            torch.distributed.all_gather(parts, logits, group=self.tp_group)
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab_size]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvforge.core.distributed import heads_of_rank, tp_rank, tp_size
+from kvforge.core.distributed import heads_of_rank, tp_group, tp_rank, tp_size
 from kvforge.core.plugins import QuantMethod
 from kvforge.core.quant_config import QuantConfig, dense_method
 
@@ -103,7 +103,7 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
                  quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  quant_config: QuantConfig | None = None, prefix: str = "") -> None:
-        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.tp_size, self.tp_rank, self.tp_group = tp_size(), tp_rank(), tp_group()
         for size in output_sizes:
             if size % self.tp_size:
                 raise ValueError(f"output size {size} is not divisible by tensor-parallel size {self.tp_size}")
@@ -159,7 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  quant_config: QuantConfig | None = None, prefix: str = "") -> None:
-        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.tp_size, self.tp_rank, self.tp_group = tp_size(), tp_rank(), tp_group()
         heads = heads_of_rank(num_heads, num_kv_heads, self.tp_size, self.tp_rank)
         self.heads, self.head_dim = heads, head_dim
         self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -186,7 +186,7 @@ class RowParallelLinear(LinearBase):
                  quant_method: QuantMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  input_shard: tuple[int, int] | None = None, quant_config: QuantConfig | None = None,
                  prefix: str = "", reduce_results: bool = True) -> None:
-        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.tp_size, self.tp_rank, self.tp_group = tp_size(), tp_rank(), tp_group()
         # False: the caller sums several layers' partial products and all-reduces once (a MoE block's experts)
         self.reduce_results = reduce_results
         if bias and not reduce_results:
@@ -216,7 +216,7 @@ class RowParallelLinear(LinearBase):
         # The bias is added once, after the partial products are summed.
         out = self.quant_method.apply(self, x, self.bias if self.tp_size == 1 else None)
         if self.tp_size > 1 and self.reduce_results:
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=self.tp_group)
             if self.bias is not None:
                 out = out + self.bias
         return out

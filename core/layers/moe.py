@@ -118,6 +118,7 @@ class SparseMoeBlock(nn.Module):
         """The routed experts' sum plus the shared expert's gated output, all-reduced once under TP."""
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if self.experts[0].down_proj.tp_size > 1:
-            dist.all_reduce(out)
+        down = self.experts[0].down_proj
+        if down.tp_size > 1:
+            dist.all_reduce(out, group=down.tp_group)
         return out

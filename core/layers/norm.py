@@ -1,15 +1,18 @@
 """RMSNorm, with the residual add fused in (the decoder layer's add-then-normalise pattern); one Triton
 kernel does both when the model is built with the Triton kernels, and on CPU one pass of the C kernel
 (core/cpu_kernels/elementwise.c): in bf16 with the same roundings as the torch ops below, in fp32 where the
-model's linears are not exact anyway (core/layers/backend.py)."""
+model's linears are not exact anyway (core/layers/backend.py). SplitRMSNorm: one over a vector the tensor-parallel
+ranks each hold a slice of."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from kvforge.core.cpu_kernels import add_rms_norm, fused_elementwise_for
+from kvforge.core.distributed import tp_group, tp_size
 from kvforge.core.layers.backend import fused_fp32_elementwise, use_triton
 
 
@@ -47,3 +50,30 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class SplitRMSNorm(RMSNorm):
+    """RMSNorm over `size` values of which this rank holds [first, first + count) and that slice of the weight (OLMoE's
+    q / k norm spans the whole projection, whose heads the ranks split): the sum of squares is all-reduced over the
+    tensor-parallel ranks. `replicas`: how many ranks hold each value (a KV head replicated on several ranks), so that
+    each counts once. On one rank it is RMSNorm."""
+
+    def __init__(self, size: int, first: int, count: int, eps: float, dtype: torch.dtype, replicas: int = 1) -> None:
+        super().__init__(count, eps, dtype)
+        self.size, self.first, self.replicas = size, first, replicas
+        self.tp_size, self.tp_group = tp_size(), tp_group()
+        self.weight.weight_loader = self.weight_loader  # the checkpoint holds the whole weight
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape != (self.size,):
+            raise ValueError(f"norm weight of shape {tuple(loaded.shape)} where ({self.size},) was expected")
+        param.data.copy_(loaded.narrow(0, self.first, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        squares = x.float().square().sum(-1, keepdim=True)
+        dist.all_reduce(squares, group=self.tp_group)
+        # the reference's order: normalise in fp32, cast, then scale
+        normed = x.float() * torch.rsqrt(squares / (self.size * self.replicas) + self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.core.distributed import pool_layer, stage_layers
 from kvforge.core.layers.attention import Attention
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.rotary import RotaryEmbedding, rotate
-from kvforge.core.models.causal_lm import CausalLM
+from kvforge.core.models.causal_lm import CausalLM, OtherStage, StageCarry
 from kvforge.core.models.llama import head_dim_of, sliding_window_of
 from kvforge.core.quant_config import QuantConfig
 
@@ -66,7 +67,8 @@ class GemmaAttention(nn.Module):
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.query_pre_attn_scalar ** -0.5,
-                              sliding_window_of(config, layer_idx), layer_index=layer_idx,
+                              sliding_window_of(config, layer_idx),
+                              layer_index=pool_layer(layer_idx, config),
                               softcap=getattr(config, "attn_logit_softcapping", None))
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
@@ -134,24 +136,31 @@ class _LayerTypeConfig:
 class GemmaModel(nn.Module):
     def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.stage = stage_layers(config)  # a pipeline stage builds only its own layers
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) \
+            if self.stage.is_first else None
         self.embed_scale = config.hidden_size ** 0.5
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, quant, dtype, f"{prefix}.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+                                    if i in self.stage else OtherStage() for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
         head_dim = head_dim_of(config)
         self.rotary = nn.ModuleDict({
             "sliding": RotaryEmbedding(_LayerTypeConfig(config, "sliding_attention"), head_dim),
             "full": RotaryEmbedding(_LayerTypeConfig(config, "full_attention"), head_dim)})
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # the scale rounded as the reference does
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
+                carried: StageCarry | None = None) -> torch.Tensor | StageCarry:
+        """As LlamaModel.forward (a pipeline stage's `carried` hidden states in, its own out)."""
+        if carried is None:
+            hidden = self.embed_tokens(input_ids)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # rounded as the reference does
+        else:
+            hidden = carried.hidden
         ropes = {True: self.rotary["sliding"](positions, hidden.dtype),
                  False: self.rotary["full"](positions, hidden.dtype)}
-        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
+        for layer in self.layers[self.stage.first:self.stage.last if num_layers is None else num_layers]:
             hidden = layer(ropes, hidden)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.stage.is_last else StageCarry(hidden)
 
 
 class GemmaForCausalLM(CausalLM):
@@ -160,7 +169,8 @@ class GemmaForCausalLM(CausalLM):
         self.config = config
         quant = quant.with_packed_modules(self.packed_modules_mapping)
         self.model = GemmaModel(config, quant, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant) \
+            if self.model.stage.is_last else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.softcap = getattr(config, "final_logit_softcapping", None)
 

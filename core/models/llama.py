@@ -16,15 +16,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.core.distributed import pool_layer, stage_layers
 from kvforge.core.layers.activation import SiluAndMul
 from kvforge.core.layers.attention import Attention
 from kvforge.core.layers.backend import use_triton
 from kvforge.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvforge.core.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.core.layers.moe import SparseMoeBlock, is_sparse_layer
-from kvforge.core.layers.norm import RMSNorm
+from kvforge.core.layers.norm import RMSNorm, SplitRMSNorm
 from kvforge.core.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate
-from kvforge.core.models.causal_lm import CausalLM
+from kvforge.core.models.causal_lm import CausalLM, OtherStage, StageCarry
 from kvforge.core.quant_config import QuantConfig
 
 
@@ -59,17 +60,19 @@ class LlamaAttention(nn.Module):
                                         quant_config=quant, prefix=f"{prefix}.o_proj")
         # q/k RMSNorm: per head (Qwen3), or over the whole projection (OLMoE)
         self.qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "projection"}.get(config.model_type)
-        if self.qk_norm == "projection" and self.qkv_proj.tp_size > 1:
-            raise ValueError(f"{config.model_type}: its q/k norm spans every head; tensor parallelism is not "
-                             "supported for it yet")
-        if self.qk_norm:
-            q_width, k_width = (self.head_dim, self.head_dim) if self.qk_norm == "head" else (
-                self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
-            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype)
+        if self.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        elif self.qk_norm == "projection":  # every rank's heads are normalised together: this rank's slice
+            d, kv_heads = self.head_dim, config.num_key_value_heads
+            self.q_norm = SplitRMSNorm(config.num_attention_heads * d, heads.q_first * d, heads.q_count * d,
+                                       config.rms_norm_eps, dtype)
+            self.k_norm = SplitRMSNorm(kv_heads * d, heads.kv_first * d, heads.kv_count * d, config.rms_norm_eps,
+                                       dtype, replicas=max(1, self.qkv_proj.tp_size // kv_heads))
         self.clip_qkv = getattr(config, "clip_qkv", None)  # OLMoE's: q, k (after the norm) and v clamped
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                              sliding_window_of(config, layer_idx), layer_index=layer_idx)
+                              sliding_window_of(config, layer_idx),
+                              layer_index=pool_layer(layer_idx, config))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotate = rotate
@@ -147,18 +150,30 @@ class LlamaModel(nn.Module):
     def __init__(self, config, quant: QuantConfig, dtype: torch.dtype, prefix: str = "model",
                  context_len: int | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.stage = stage_layers(config)  # a pipeline stage builds only its own layers
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) \
+            if self.stage.is_first else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant, dtype, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            LlamaDecoderLayer(config, i, quant, dtype, f"{prefix}.layers.{i}") if i in self.stage else OtherStage()
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.stage.is_last else None
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), context_len)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        """`num_layers`: run only the first layers (a draft made of the model itself), then the final norm."""
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
+                carried: StageCarry | None = None) -> torch.Tensor | StageCarry:
+        """`num_layers`: run only the first layers (a draft made of the model itself), then the final norm.
+        A pipeline stage after the first starts from the previous stage's `carried` hidden states; one before the
+        last returns its own."""
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carried.hidden, carried.residual
         rope = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
+        last = self.stage.last if num_layers is None else num_layers
+        for layer in self.layers[self.stage.first:last]:
             hidden, residual = layer(rope, hidden, residual)
+        if not self.stage.is_last:
+            return StageCarry(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -169,7 +184,8 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         quant = quant.with_packed_modules(self.packed_modules_mapping)
         self.model = LlamaModel(config, quant, dtype, context_len=context_len)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant) \
+            if self.model.stage.is_last else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and an expert's projections
             self.checkpoint_renames = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",

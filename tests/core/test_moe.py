@@ -1,6 +1,6 @@
 """Mixture-of-experts models (core/layers/moe.py) beyond the parity runs of tests/core/test_parity_tiny.py: batched
-with preemption, each active expert computed once per step on all of its tokens and no other expert touched, and
-what is not supported refused clearly."""
+with preemption, each active expert computed once per step on all of its tokens and no other expert touched, and the
+memory estimate counting every expert (tensor parallelism, OLMoE's included: tests/core/test_tp.py)."""
 
 from __future__ import annotations
 
@@ -75,12 +75,6 @@ def test_each_routed_expert_runs_once_a_step_on_all_its_tokens_and_no_other_runs
         assert len(rows) <= min(8, 2 * tokens) and set(runs.values()) == {1}
     decode_steps = [rows for tokens, rows, _ in calls if tokens == 1]
     assert decode_steps and all(len(rows) == 2 for rows in decode_steps)
-
-
-def test_olmoes_whole_projection_norm_is_refused_under_tensor_parallelism(tmp_path, embedded_path):
-    save_tiny_model("olmoe", tmp_path, embedded_path, seed=1234)
-    with pytest.raises(Exception, match="q/k norm spans every head; tensor parallelism is not supported"):
-        LLM(str(tmp_path), progress=False, dtype="float32", tp_size=2, num_kv_blocks=64)
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])

@@ -2,7 +2,7 @@
 
 TP = 2 must give the tokens TP = 1 gives: the embedded model (9 query / 3 KV heads: split 6 + 3 / 2 + 1),
 tiny models of each architecture (one with fewer KV heads than ranks: replicated; mixture-of-experts ones, every
-expert split like a dense MLP), with the prefix cache
+expert split like a dense MLP; OLMoE's whole-projection q/k norms over heads split or replicated), with the prefix cache
 hit on a second round, with speculative decoding, with the persisted KV tier (blocks written by TP = 2,
 loaded by a restarted TP = 2 engine), and quantized (bitsandbytes, GPTQ with and without act-order, AWQ).
 Failures: a split that cannot be made is a clear error; a rank that dies makes the engine fail (no hang);
@@ -24,7 +24,7 @@ import torch
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.tp import WorkerLost
 from tests.helpers.processes import rank_processes
-from tests.helpers.tiny_models import COMMON, random_prompts, save_tiny_model
+from tests.helpers.tiny_models import COMMON, random_prompts, save_tiny_model, tiny_configs
 
 NEW_TOKENS = 12  # enough decode steps (and speculative verifications) to compare the ranks over
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
@@ -96,17 +96,22 @@ def test_tp2_equals_tp1_on_the_embedded_model(embedded_path, chat_prompts, refer
 
 def _tiny(tmp_path_factory, embedded_path, name: str, config=None) -> tuple:
     """A tiny random model of tests/helpers/tiny_models.py, or `config`'s, or one with a single KV head (fewer than
-    the ranks, so each rank holds it and half of the query heads); and its prompts."""
+    the ranks, so each rank holds it and half of the query heads; OLMoE's k norm then spans a head both ranks hold);
+    and its prompts."""
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp(name)
     if name == "llama-1-kv-head":
         config = LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    elif name == "olmoe-1-kv-head":
+        config = tiny_configs()["olmoe"]
+        config.num_key_value_heads = 1
     save_tiny_model(name, path, embedded_path, seed=1234, config=config)
     return path, random_prompts((1, 5, 17, 40, 63), seed=7)
 
 
-TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head", "qwen2_moe", "mixtral"]
+TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head", "qwen2_moe", "mixtral",
+            "olmoe", "olmoe-1-kv-head"]  # OLMoE: q/k norms over the whole projection, all-reduced
 
 
 @pytest.mark.parametrize("arch", TP_ARCHS)

@@ -1,8 +1,9 @@
 """A tiny HF mixture-of-experts model written as a GGUF file in llama.cpp's layout, as its convert_hf_to_gguf.py
-writes Qwen2-MoE and Qwen3-MoE: their metadata (the experts' sizes included), the embedded model's tokenizer fields,
-each layer's experts stacked per projection, the shared expert's gate as a vector, attention unpermuted (only
-llama.cpp's llama architecture permutes Q / K). The experts F32 or in a type the `gguf` package quantizes: the HF
-model's experts are then set to the dequantized values, so it stays the reference for the file."""
+writes Qwen2-MoE, Qwen3-MoE, Mixtral (architecture llama) and OLMoE: their metadata (the experts' sizes included),
+the embedded model's tokenizer fields, each layer's experts stacked per projection, the shared expert's gate as a
+vector, Q / K rows permuted for the llama architecture only (llama.cpp's rotary pairs adjacent values there). The
+experts F32 or in a type the `gguf` package quantizes: the HF model's experts are then set to the dequantized values,
+so it stays the reference for the file."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 # HF v5's names within a layer (the experts stacked, as transformers 5 holds them) -> llama.cpp's
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -26,7 +27,8 @@ TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
 
 
 def write_moe_gguf(model, path: Path, experts: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """`model` (a tiny HF Qwen2-MoE / Qwen3-MoE, every layer sparse) as the GGUF file `path`, its experts in
+    """`model` (a tiny HF Qwen2-MoE / Qwen3-MoE / Mixtral / OLMoE, every layer sparse) as the GGUF file `path`, its
+    experts in
     `experts` (F32 or a type gguf-py quantizes; then `model`'s experts become the dequantized values)."""
     from kvforge.app.bench.real_shapes import tokenizer_fields
     from kvforge.core.loader import embedded_gguf_path
@@ -41,18 +43,22 @@ def write_moe_gguf(model, path: Path, experts: GGMLQuantizationType = GGMLQuanti
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "moe_intermediate_size", None):  # Qwen's; Mixtral's and OLMoE's experts are feed_forward_length
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if config.model_type == "qwen3_moe":
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.model_type == "mixtral":  # LlamaModel's own keys
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     for key, value, kind, sub in tokenizer_fields(embedded_gguf_path()):
         writer.add_key_value(key, value, GGUFValueType(kind), GGUFValueType(sub) if sub is not None else None)
     for name, tensor in model.state_dict().items():
-        for gguf_name, values, quantized in _gguf_tensors(name, tensor.detach(), experts):
+        for gguf_name, values, quantized in _gguf_tensors(name, tensor.detach(), experts, config):
             if quantized is None:
                 writer.add_tensor(gguf_name, values)
             else:
@@ -64,7 +70,7 @@ def write_moe_gguf(model, path: Path, experts: GGMLQuantizationType = GGMLQuanti
     return path
 
 
-def _gguf_tensors(name: str, tensor: torch.Tensor, experts: GGMLQuantizationType):
+def _gguf_tensors(name: str, tensor: torch.Tensor, experts: GGMLQuantizationType, config):
     """(GGUF name, float32 values, blocks or None) for one HF tensor; a stacked expert tensor is quantized and the
     HF tensor set to its dequantized values."""
     if name in TOP_NAMES:
@@ -84,4 +90,13 @@ def _gguf_tensors(name: str, tensor: torch.Tensor, experts: GGMLQuantizationType
     values = tensor.float().numpy()
     if module == "mlp.shared_expert_gate":  # llama.cpp stores the [1, H] gate as a vector
         values = values.reshape(-1)
+    if config.model_type == "mixtral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
+        values = _permute(values, heads)
     return [(f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}", np.ascontiguousarray(values), None)]
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's two rotary halves interleaved."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)

@@ -1,0 +1,208 @@
+"""Pipeline parallelism on real torch.distributed process groups (gloo, CPU): every stage (and every tensor-parallel
+rank within one) is its own process.
+
+PP = 2 and PP = 2 x TP = 2 must give one process's greedy tokens: on the embedded model (30 layers: 19 + 11, the LM
+head counted on the last stage) batched with the prefix cache hit on a second round, and on tiny random models of the
+families (mixture-of-experts ones against HF transformers directly), chunked and preempted with steps in flight.
+Forked samples get their partial block copied on every stage; the persisted tier's whole blocks are gathered from
+and handed to every stage. Failures: a split that cannot be made and speculative decoding are clear errors; a stage
+that dies fails the engine (no hang); no process is left behind.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from kvforge.core import LLM, SamplingParams
+from kvforge.core.distributed import stage_layers
+from kvforge.core.ranks import WorkerLost
+from tests.helpers.parity import compare, hf_greedy
+from tests.helpers.processes import rank_processes
+from tests.helpers.tiny_models import random_prompts, save_tiny_model
+
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "Give me three tips for learning to code.",
+         "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden."]
+
+
+def _tokens(path, prompts, rounds: int = 1, **config) -> tuple[list[list[list[int]]], object]:
+    """Greedy tokens of `prompts` for each round, and the engine's final stats (fp32); the engine is closed."""
+    llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **{"dtype": "float32", **config})
+    try:
+        results = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
+        stats = llm.engine.stats()
+        assert stats.kv_blocks_used == 0
+        return results, stats
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(embedded_path):
+    from kvforge.core.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(embedded_path)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def one_process(embedded_path):
+    """One process, fp32: the reference."""
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32")
+    yield llm
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(one_process, chat_prompts):
+    return [o.token_ids for o in one_process.generate(chat_prompts, GREEDY)]
+
+
+def test_stages_split_the_work_not_only_the_layers(embedded_path):
+    """The last stage's LM head (49k x 576) weighs 8 of the embedded model's 30 layers: 19 + 11 layers."""
+    from kvforge.core.loader import load_config
+
+    config = load_config(embedded_path)
+    first, last = (stage_layers(config, 2, s) for s in range(2))
+    assert (first.first, first.last, last.first, last.last) == (0, 19, 19, 30)
+    assert first.is_first and not first.is_last and last.is_last
+    thirds = [stage_layers(config, 3, s) for s in range(3)]
+    assert [s.count for s in thirds] == [13, 12, 5] and thirds[-1].last == 30
+
+
+@pytest.mark.parametrize("layout", [{"pp_size": 2}, {"pp_size": 2, "tp_size": 2}], ids=["pp2", "pp2xtp2"])
+def test_pipeline_equals_one_process_on_the_embedded_model(embedded_path, chat_prompts, reference, layout):
+    """Two rounds: the second hits the prefix cache (blocks computed by the first, on every stage)."""
+    (first, second), stats = _tokens(embedded_path, chat_prompts, rounds=2, **layout)
+    assert first == reference and second == reference
+    assert stats.cached_tokens_total >= sum(len(p) // 16 * 16 for p in chat_prompts)
+    assert not rank_processes()
+
+
+def test_steps_stay_in_flight_on_different_sequences(embedded_path, chat_prompts, reference):
+    """While one step's last stage runs, the engine launches the next on the other sequences: two in flight, never
+    a sequence in both."""
+    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32", pp_size=2)
+    engine = llm.engine
+    depths, overlaps = [], []
+    submit = engine.runner.submit
+
+    def watched(batch):
+        launched = {id(item.seq) for item in batch}
+        overlaps.append(launched & engine._busy)
+        depths.append(len(engine._in_flight) + 1)
+        return submit(batch)
+
+    engine.runner.submit = watched
+    try:
+        assert [o.token_ids for o in llm.generate(chat_prompts, GREEDY)] == reference
+    finally:
+        engine.close()
+    assert max(depths) == 2 and not any(overlaps)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "gemma2"])
+def test_pp2_matches_hf_on_tiny_models(tmp_path_factory, embedded_path, arch):
+    """One layer a stage, fp32, against HF transformers' greedy tokens: whole prompts, then 7-token chunks with a
+    pool so small that sequences are preempted while other steps are in flight."""
+    path = tmp_path_factory.mktemp(arch)
+    model = save_tiny_model(arch, path, embedded_path, seed=1234)
+    prompts = random_prompts((1, 5, 17, 40, 63), seed=7)
+    theirs = hf_greedy(model, prompts, NEW_TOKENS, pad_id=0, eos_ids={2})
+    for config in ({}, {"max_num_batched_tokens": 7, "num_kv_blocks": 24, "block_size": 4}):
+        llm = LLM(str(path), progress=False, dtype="float32", pp_size=2, **{"kv_cache_bytes": 16 << 20, **config})
+        try:
+            outs = llm.generate(prompts, GREEDY)
+            report = compare([o.token_ids for o in outs], *theirs)
+            assert report.exact >= len(prompts) - 1, report
+            assert llm.engine.stats().kv_blocks_used == 0
+            if config:
+                assert llm.engine.stats().preemptions_total > 0
+        finally:
+            llm.engine.close()
+    assert not rank_processes()
+
+
+@pytest.fixture(scope="class")
+def pp2_llm(embedded_path):
+    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, pp_size=2, dtype="float32")
+    yield llm
+    llm.engine.close()
+    assert not rank_processes()
+
+
+class TestOnePP2EngineOfTheEmbeddedModel:
+    """Checks that each need a two-stage engine of the embedded model and leave it as it was share one."""
+
+    def test_forked_samples_get_their_partial_block_copied_on_every_stage(self, one_process, pp2_llm,
+                                                                          chat_prompts):
+        params = SamplingParams(temperature=0.8, top_p=0.95, n=3, seed=11, max_tokens=16)
+        samples = {}
+        for name, llm in (("one", one_process), ("pp2", pp2_llm)):
+            (outs,) = llm.generate([chat_prompts[1]], params)
+            samples[name] = [o.token_ids for o in outs]
+            assert llm.engine.stats().kv_blocks_used == 0
+        assert len(chat_prompts[1]) % 16 and len({tuple(t) for t in samples["one"]}) > 1
+        assert samples["pp2"] == samples["one"]
+
+    def test_whole_blocks_are_gathered_from_and_handed_to_the_stages(self, pp2_llm):
+        """The persisted tier's unit: a block of every layer (19 on stage 0, 11 on stage 1) and KV head."""
+        runner = pp2_llm.engine.runner
+        before = runner.read_block(5)
+        assert before.shape == runner.kv_block_shape
+        data = torch.randn(runner.kv_block_shape).to(runner.kv_dtype)
+        runner.write_block(5, data)
+        try:
+            assert torch.equal(runner.read_block(5), data)
+            assert not torch.equal(runner.read_block(4), data)
+        finally:
+            runner.write_block(5, before)
+
+    def test_embeddings_are_pooled_by_the_last_stage(self, one_process, pp2_llm, chat_prompts):
+        ours, theirs = pp2_llm.embed(chat_prompts[:2]), one_process.embed(chat_prompts[:2])
+        assert torch.allclose(torch.tensor(ours), torch.tensor(theirs), atol=1e-5)
+
+    def test_weights_are_counted_over_every_stage(self, one_process, pp2_llm):
+        assert pp2_llm.engine.runner.weight_bytes() == one_process.engine.runner.weight_bytes()
+
+
+def test_persisted_kv_written_by_pp2_is_loaded_by_a_restarted_pp2_engine(embedded_path, chat_prompts,
+                                                                          reference, tmp_path):
+    persist = dict(persist_kv=True, data_dir=str(tmp_path), pp_size=2)
+    (first,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    assert first == reference and stats.kv_disk_blocks > 0
+    (second,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    assert second == reference
+    assert stats.kv_disk_loaded_blocks_total >= sum(len(p) // 16 for p in chat_prompts) - len(chat_prompts)
+
+
+def test_more_stages_than_layers_is_refused_and_leaves_no_process(tmp_path, embedded_path):
+    save_tiny_model("llama3", tmp_path, embedded_path, seed=1)  # 2 layers
+    with pytest.raises(ValueError, match="2 layers cannot be split into 3 pipeline stages"):
+        LLM(str(tmp_path), progress=False, num_kv_blocks=8, pp_size=3)
+    assert not rank_processes()
+
+
+def test_speculative_decoding_is_refused_under_pp(embedded_path):
+    with pytest.raises(ValueError, match="speculative decoding is not supported with pipeline parallelism"):
+        LLM(str(embedded_path), progress=False, num_kv_blocks=8, pp_size=2, decoding="ngram")
+    assert not rank_processes()
+
+
+def test_a_stage_that_dies_fails_the_engine_instead_of_hanging(embedded_path, chat_prompts):
+    llm = LLM(str(embedded_path), progress=False, num_kv_blocks=64, pp_size=2)
+    try:
+        (stage,) = rank_processes()
+        stage.send_signal(signal.SIGKILL)
+        stage.wait(timeout=30)
+        with pytest.raises(WorkerLost):
+            llm.generate(chat_prompts[:1], GREEDY)
+        assert "pipeline rank 1" in llm.engine.failure() or "closed by peer" in llm.engine.failure()
+    finally:
+        llm.engine.close()
+    assert not rank_processes()
