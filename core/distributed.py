@@ -62,8 +62,9 @@ def tp_group() -> Any:
 
 @dataclass(frozen=True)
 class StageLayers:
-    """The decoder layers one pipeline stage holds, [first, last), and whether it also holds the embedding (the first
-    stage) and the final norm and LM head (the last)."""
+    """The decoder layers one pipeline stage holds, [first, last), and whether it also holds the embedding and the LM
+    head (the first stage: rank 0, where the last stage's final hidden states come back to be turned into logits, a
+    few KB a row instead of a vocabulary of fp32 logits) or the final norm (the last)."""
 
     first: int
     last: int
@@ -80,17 +81,18 @@ class StageLayers:
 
 def stage_layers(config, stages: int | None = None, stage: int | None = None) -> StageLayers:
     """The layers of the stage being built (or of `stage` of `stages`): consecutive, split so that each stage's work
-    per token is about even, counting the last stage's LM head as the layers its matmul weighs (SmolLM2-135M's
-    49k-row head weighs 8 of its 30 layers: 19 + 11). Every stage holds at least one layer."""
+    per token is about even, counting the first stage's LM head as the layers its matmul weighs (SmolLM2-135M's
+    49k-row head weighs 8 of its 30 layers: 11 + 19). Every stage holds at least one layer."""
     if stages is None:
         stages, stage = _stage()
     num_layers = config.num_hidden_layers
     if num_layers < stages:
         raise ValueError(f"{num_layers} layers cannot be split into {stages} pipeline stages")
-    total = num_layers + head_weight_in_layers(config)
+    head = head_weight_in_layers(config)
+    total = num_layers + head
 
     def boundary(s: int) -> int:  # the first layer of stage s
-        return 0 if s == 0 else num_layers if s == stages else min(max(round(s * total / stages), s),
+        return 0 if s == 0 else num_layers if s == stages else min(max(round(s * total / stages - head), s),
                                                                        num_layers - (stages - s))
 
     return StageLayers(boundary(stage), boundary(stage + 1), stage == 0, stage == stages - 1)

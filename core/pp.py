@@ -85,8 +85,8 @@ def _to_host(value: Any) -> Any:
     """What travels between processes lives on the host (a rank may have no device of the sender's index)."""
     if isinstance(value, StageCarry):
         return StageCarry(value.hidden.cpu(), None if value.residual is None else value.residual.cpu())
-    if isinstance(value, StepOutput):
-        return dataclasses.replace(value, logits=value.logits.cpu())
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
     return value
 
 
@@ -97,8 +97,9 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def _run(runner: ModelRunner, name: str, args: tuple, carried: Any, replies_whole: bool) -> Any:
-    """One rank's part of a command: what it passes on (or, on the last stage, replies). `replies_whole`: this
-    rank's reply to a forward is the one rank 0 reads (the other ranks of the last stage send None)."""
+    """One rank's part of a command: what it passes on (or, on the last stage, replies: a forward's final hidden
+    states, which rank 0 turns into the step's output). `replies_whole`: this rank's reply to a forward is the one
+    rank 0 reads (the other ranks of the last stage send None)."""
     if name == "forward":
         out = runner.forward(args[0], _to_device(carried, runner.device))
         return out if isinstance(out, StageCarry) or replies_whole else None
@@ -111,9 +112,11 @@ def _run(runner: ModelRunner, name: str, args: tuple, carried: Any, replies_whol
 
 
 class Pending:
-    """A command rank 0 sent down the pipeline: its replies, from each rank of the last stage, once they came."""
+    """A command rank 0 sent down the pipeline: its replies, from each rank of the last stage, once they came (and a
+    forward's inputs, to make its output of the final hidden states)."""
 
     def __init__(self) -> None:
+        self.inputs: StepInputs | None = None
         self._done = threading.Event()
         self._replies: list[Any] | None = None
         self._error: BaseException | None = None
@@ -214,14 +217,24 @@ class PipelineRunner:
 
     def submit(self, batch: list[ScheduledSeq]) -> Pending:
         """Launch a step: this stage's layers run now, the rest of the pipeline after; `collect` gives its output."""
-        return self._command("forward", self.local.layout(batch))
+        return self._launch(self.local.layout(batch))
 
+    @torch.inference_mode()
     def collect(self, pending: Pending) -> StepOutput:
-        out = pending.wait()[0]
-        return dataclasses.replace(out, logits=out.logits.to(self.local.device))
+        """The step's output: logits, pooled states and prompt logprobs made here from the final hidden states (by
+        every rank of the first stage, whose LM head they split)."""
+        hidden = pending.wait()[0]
+        for rank in range(1, self.pipeline.tp):
+            self._send_to(rank, ("output", (pending.inputs,), hidden))
+        return self.local.output(hidden.to(self.local.device), pending.inputs)
 
     def forward(self, inputs: StepInputs) -> StepOutput:
-        return self.collect(self._command("forward", inputs))
+        return self.collect(self._launch(inputs))
+
+    def _launch(self, inputs: StepInputs) -> Pending:
+        pending = self._command("forward", inputs)
+        pending.inputs = inputs
+        return pending
 
     def execute(self, batch: list[ScheduledSeq]) -> StepOutput:
         return self.collect(self.submit(batch))
@@ -331,6 +344,10 @@ def serve_rank(rank: int, size: int) -> None:
             if target is not None:
                 dist.send_object_list([box[0]], dst=target, group=messages)
             break
+        if name == "output":  # a first-stage rank's share of the LM head (rank 0 makes the step's output)
+            with torch.inference_mode():
+                runner.output(carried.to(runner.device), args[0])
+            continue
         if name == "load":
             error = None
             try:

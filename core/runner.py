@@ -306,7 +306,7 @@ class ModelRunner:
         states; one before the last returns its own for the next."""
         if self.graphs is not None and not inputs.prefills and self.graphs.fits(len(inputs.input_ids)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, *inputs.decode_rows())
-            return self._output(hidden, inputs)
+            return self.output(hidden, inputs)
         context = self._context(inputs)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         set_context(context)
@@ -315,9 +315,12 @@ class ModelRunner:
             hidden = self.model(input_ids, context.positions, *(() if carried is None else (None, carried)))
         finally:
             set_context(None)
-        return hidden if isinstance(hidden, StageCarry) else self._output(hidden, inputs)
+        if isinstance(hidden, StageCarry) or not self.stage.is_first:  # a later pipeline stage: rank 0 makes the
+            return hidden  # logits (it holds the LM head)
+        return self.output(hidden, inputs)
 
-    def _output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
+    def output(self, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
+        """The step's output from its final hidden states (here, or the last pipeline stage's)."""
         rows = inputs.logits_rows
         logits = self.model.compute_logits(hidden[rows]).float() if rows else hidden.new_empty(0, 0)
         return StepOutput(logits, [PooledHidden.of_rows(hidden[first:last], self._scores(hidden[last - 1], tokens))

@@ -10,7 +10,7 @@ SMALL_KV_BYTES = 256 << 20  # enough for the single-request benches' short promp
 
 # EngineConfig fields that name the model and how it loads -> their ModelSpec names
 SPEC_FIELDS = {"model": "model", "dtype": "dtype", "quant": "quant", "quant_options": "quant_options",
-               "decoding": "decoding", "decoding_options": "decoding_options", "tp_size": "tp"}
+               "decoding": "decoding", "decoding_options": "decoding_options", "tp_size": "tp", "pp_size": "pp"}
 
 
 def bench_engine(**config):

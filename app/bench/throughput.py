@@ -1,6 +1,7 @@
 """`kvforge bench throughput`: many chat requests of varied lengths submitted at once to one engine
 (continuous batching, prefix caching), against HF `generate` one request at a time and in static
-left-padded batches, in the same run on the same prompts."""
+left-padded batches, in the same run on the same prompts. With --pp N (pipeline stages) the same requests also run
+on one process, and the bench prints the pipeline's ratio to it."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ def _warm_ids(prompts: list[list[int]]) -> list[int]:
     return prompts[0][-8:]  # the tail of a prompt: no full block, so nothing lands in the prefix cache
 
 
-def throughput_kvforge(model: str, dtype: str, prompts: list[list[int]], output_len: int, args) -> dict:
-    tp = getattr(args, "tp", 1)
+def throughput_kvforge(model: str, dtype: str, prompts: list[list[int]], output_len: int, args,
+                       one_process: bool = False) -> dict:
+    """`one_process`: whatever --tp / --pp say, one process (the pipeline's baseline)."""
+    tp, pp = (1, 1) if one_process else (getattr(args, "tp", 1), getattr(args, "pp", 1))
     engine = bench_engine(model=model, dtype=dtype, kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          num_threads=rank_threads(args.threads, tp), tp_size=tp,
+                          num_threads=rank_threads(args.threads, tp * pp), tp_size=tp, pp_size=pp,
                           enable_prefix_caching=not getattr(args, "no_prefix_caching", False))
     try:
         return _throughput_run(engine, prompts, output_len)
@@ -106,6 +109,7 @@ def throughput_hf(path, dtype: str, prompts: list[list[int]], output_len: int, a
 def _print_throughput(r: dict) -> None:
     p, k = r["prompt_tokens"], r["kvforge"]
     ranks = f"; kvforge on {r['tp']} tensor-parallel ranks" if r.get("tp", 1) > 1 else ""
+    ranks += f"; kvforge in {r['pp']} pipeline stages" if r.get("pp", 1) > 1 else ""
     print(f"model {r['model']}; dtype {r['dtype']}; {r['threads']} threads{ranks}")
     print(f"requests          {r['num_requests']} chat prompts, all submitted at once; "
           f"{r['output_len']} output tokens each (greedy, ignore_eos)")
@@ -121,6 +125,10 @@ def _print_throughput(r: dict) -> None:
     print(f"  prefix cache    hit rate {k['prefix_cache_hit_rate']:.1%} ({k['cached_prompt_tokens']} of "
           f"{p['total']} prompt tokens)")
     print(f"  preemptions     {k['preemptions']}")
+    if r.get("one_process") is not None:
+        one = r["one_process"]
+        print(f"kvforge, one process {one['output_tok_s']:.1f} output tok/s ({one['wall_s']:.2f} s, same requests)")
+        print(f"kvforge / one process       {k['output_tok_s'] / one['output_tok_s']:.2f}x")
     seq, static, ratios = r["hf_sequential"], r["hf_static_batch"], r["ratios"]
     if seq is None:
         return
@@ -145,13 +153,16 @@ def run_throughput(args: argparse.Namespace) -> dict:
     prompts = [tokenizer.apply_chat_template(m) for m in chat_messages(args.num_requests)]
     lengths = [len(ids) for ids in prompts]
     result = {
-        "model": path.name, "dtype": args.dtype, "threads": torch.get_num_threads(), "tp": args.tp,
+        "model": path.name, "dtype": args.dtype, "threads": torch.get_num_threads(), "tp": args.tp, "pp": args.pp,
         "num_requests": len(prompts), "output_len": args.output_len,
         "prompt_tokens": {"total": sum(lengths), "mean": sum(lengths) / len(lengths),
                           "min": min(lengths), "max": max(lengths)},
         "kvforge": throughput_kvforge(args.model, args.dtype, prompts, args.output_len, args),
-        "hf_sequential": None, "hf_static_batch": None, "ratios": None,
+        "hf_sequential": None, "hf_static_batch": None, "ratios": None, "one_process": None,
     }
+    if args.pp > 1:  # the pipeline's baseline: the same requests on one process with every thread
+        result["one_process"] = throughput_kvforge(args.model, args.dtype, prompts, args.output_len, args,
+                                                   one_process=True)
     if not args.no_hf:
         sequential, static = throughput_hf(resolve_model(args.model), args.dtype, prompts, args.output_len, args)
         ours = result["kvforge"]["output_tok_s"]
@@ -183,4 +194,6 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                             help="HF static batches to run (default: all, covering every request)")
     throughput.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     throughput.add_argument("--tp", type=tp_ranks, default=1, metavar="N", help="kvforge tensor-parallel ranks")
+    throughput.add_argument("--pp", type=tp_ranks, default=1, metavar="N",
+                            help="kvforge pipeline stages (then also one process on the same requests, and the ratio)")
     return throughput

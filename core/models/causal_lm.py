@@ -64,9 +64,9 @@ class CausalLM(nn.Module):
         layer = LAYER_NAME.match(name)
         if layer is not None:
             return int(layer[1]) not in stage
-        if name.startswith("model.embed_tokens."):
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
             return not stage.is_first
-        return name.startswith(("model.norm.", "lm_head.")) and not stage.is_last
+        return name.startswith("model.norm.") and not stage.is_last
 
     def after_loading(self) -> None:
         """Each layer's after_layers_loaded (a MoE block stacking its experts for the fused kernel); a tied head that

@@ -170,7 +170,7 @@ class GemmaForCausalLM(CausalLM):
         quant = quant.with_packed_modules(self.packed_modules_mapping)
         self.model = GemmaModel(config, quant, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant) \
-            if self.model.stage.is_last else None
+            if self.model.stage.is_first else None  # the first stage: the last one's hidden states come back
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.softcap = getattr(config, "final_logit_softcapping", None)
 

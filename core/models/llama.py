@@ -185,7 +185,7 @@ class LlamaForCausalLM(CausalLM):
         quant = quant.with_packed_modules(self.packed_modules_mapping)
         self.model = LlamaModel(config, quant, dtype, context_len=context_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, quant_config=quant) \
-            if self.model.stage.is_last else None
+            if self.model.stage.is_first else None  # the first stage: the last one's hidden states come back
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and an expert's projections
             self.checkpoint_renames = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",

@@ -1,9 +1,10 @@
 """Pipeline parallelism on real torch.distributed process groups (gloo, CPU): every stage (and every tensor-parallel
 rank within one) is its own process.
 
-PP = 2 and PP = 2 x TP = 2 must give one process's greedy tokens: on the embedded model (30 layers: 19 + 11, the LM
-head counted on the last stage) batched with the prefix cache hit on a second round, and on tiny random models of the
-families (mixture-of-experts ones against HF transformers directly), chunked and preempted with steps in flight.
+PP = 2 and PP = 2 x TP = 2 must give one process's greedy tokens: on the embedded model (30 layers: 11 + 19, the LM
+head counted on the first stage, where the logits are made) batched with the prefix cache hit on a second round, and
+on tiny random models of the families (mixture-of-experts ones against HF transformers directly), chunked and
+preempted with steps in flight.
 Forked samples get their partial block copied on every stage; the persisted tier's whole blocks are gathered from
 and handed to every stage. Failures: a split that cannot be made and speculative decoding are clear errors; a stage
 that dies fails the engine (no hang); no process is left behind.
@@ -64,15 +65,15 @@ def reference(one_process, chat_prompts):
 
 
 def test_stages_split_the_work_not_only_the_layers(embedded_path):
-    """The last stage's LM head (49k x 576) weighs 8 of the embedded model's 30 layers: 19 + 11 layers."""
+    """The first stage's LM head (49k x 576) weighs 8 of the embedded model's 30 layers: 11 + 19 layers."""
     from kvforge.core.loader import load_config
 
     config = load_config(embedded_path)
     first, last = (stage_layers(config, 2, s) for s in range(2))
-    assert (first.first, first.last, last.first, last.last) == (0, 19, 19, 30)
+    assert (first.first, first.last, last.first, last.last) == (0, 11, 11, 30)
     assert first.is_first and not first.is_last and last.is_last
     thirds = [stage_layers(config, 3, s) for s in range(3)]
-    assert [s.count for s in thirds] == [13, 12, 5] and thirds[-1].last == 30
+    assert [s.count for s in thirds] == [5, 12, 13] and thirds[-1].last == 30
 
 
 @pytest.mark.parametrize("layout", [{"pp_size": 2}, {"pp_size": 2, "tp_size": 2}], ids=["pp2", "pp2xtp2"])
@@ -151,7 +152,7 @@ class TestOnePP2EngineOfTheEmbeddedModel:
         assert samples["pp2"] == samples["one"]
 
     def test_whole_blocks_are_gathered_from_and_handed_to_the_stages(self, pp2_llm):
-        """The persisted tier's unit: a block of every layer (19 on stage 0, 11 on stage 1) and KV head."""
+        """The persisted tier's unit: a block of every layer (11 on stage 0, 19 on stage 1) and KV head."""
         runner = pp2_llm.engine.runner
         before = runner.read_block(5)
         assert before.shape == runner.kv_block_shape
