@@ -148,6 +148,11 @@ class AsyncEngine:
         """The configuration the engine was built with."""
         return self.engine.config
 
+    @property
+    def placement(self) -> list[dict]:
+        """Where each part of the model lives, stage by stage (fixed once loaded: LLMEngine.placement)."""
+        return self.engine.placement
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe to read from any thread), with the persisted
         tier's figures read live (its writer works while the engine is idle)."""

@@ -98,6 +98,8 @@ class LLMEngine:
                 1, kv_budget(self.config, self.runner, self.max_model_len) // (
                     self.runner.kv_bytes_per_block + draft_bytes))
             self.runner.allocate_kv(num_blocks)
+            # where each part of the model lives, stage by stage: fixed from here on (the model card, the dashboard)
+            self.placement = [stage.as_dict() for stage in self.runner.placement()]
             if self.speculator:
                 self.speculator.proposer.allocate_kv(num_blocks)
             self._capture_graphs()
@@ -425,7 +427,8 @@ class LLMEngine:
         return RuntimeInfo(str(runner.device), runner.kernels, list(runner.graphs.sizes) if runner.graphs else None,
                            runner.weight_bytes(), runner.model.model.embed_tokens.table_bytes, runner.kv_cache_bytes,
                            runner.kv_bytes_per_block / runner.block_size,
-                           {c.key: c.choice for c in runner.kernel_choices})
+                           {c.key: c.choice for c in runner.kernel_choices},
+                           self.placement)
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from any thread) when the engine fails while idle (a tensor-parallel rank died)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -140,6 +140,8 @@ class RuntimeInfo:
     kv_cache_bytes: int  # the paged KV pool on this process's rank
     kv_bytes_per_token: float
     kernel_choices: dict[str, str]  # op class and shape (core/kernel_choice.py ShapeChoice.key) -> the kernel chosen
+    # where each part of the model lives: one entry per pipeline stage (core/runner.py StagePlacement.as_dict)
+    stages: list[dict] = field(default_factory=list)
 
     @property
     def cuda_graphs(self) -> bool:

@@ -37,7 +37,7 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.distributed import heads_of_rank, pipeline_stage, stage_layers, tensor_parallel
 from kvforge.core.models.causal_lm import StageCarry
 from kvforge.core.ranks import COMMAND_TIMEOUT, RankProcesses, WorkerLost
-from kvforge.core.runner import ModelRunner, StepInputs, StepOutput
+from kvforge.core.runner import ModelRunner, StagePlacement, StepInputs, StepOutput
 from kvforge.core.step import ScheduledSeq
 from kvforge.core.tp import load_rank_runner
 
@@ -107,6 +107,8 @@ def _run(runner: ModelRunner, name: str, args: tuple, carried: Any, replies_whol
         return [*(carried or []), runner.read_block(*args).cpu()]
     if name == "weight_bytes":
         return (carried or 0) + runner.weight_bytes()
+    if name == "placement":  # each stage adds its own
+        return [*(carried or []), *runner.placement()]
     getattr(runner, name)(*args)  # allocate_kv, copy_blocks, write_block: nothing to carry
     return None
 
@@ -258,6 +260,14 @@ class PipelineRunner:
 
     def weight_bytes(self) -> int:
         return sum(self._command("weight_bytes").wait())
+
+    def placement(self) -> list[StagePlacement]:
+        """Each stage's part: its ranks' weights and KV pools summed."""
+        chains = self._command("placement").wait()  # per tensor-parallel rank: its stages in order
+        return [dataclasses.replace(parts[0], processes=len(parts),
+                                    weights_bytes=sum(p.weights_bytes for p in parts),
+                                    kv_cache_bytes=sum(p.kv_cache_bytes for p in parts))
+                for parts in zip(*chains)]
 
     # --- messages -----------------------------------------------------------------------------
 

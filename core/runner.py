@@ -80,6 +80,27 @@ class PromptLogprobs:
     top: list[list[tuple[int, float]]]
 
 
+@dataclass
+class StagePlacement:
+    """Where one pipeline stage's part of the model lives (the whole model: one stage): its decoder layers
+    [first, last), whether it holds the embedding / LM head (the first stage) and the final norm (the last), its
+    processes (its tensor-parallel ranks), device, and the bytes of weights and KV pool of all its ranks."""
+
+    first_layer: int
+    last_layer: int
+    embedding: bool
+    final_norm: bool
+    processes: int
+    device: str
+    weights_bytes: int
+    kv_cache_bytes: int
+
+    def as_dict(self) -> dict:
+        return {"layers": [self.first_layer, self.last_layer], "embedding_and_lm_head": self.embedding,
+                "final_norm": self.final_norm, "processes": self.processes, "device": self.device,
+                "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes}
+
+
 PROMPT_LOGITS_ROWS = 64  # rows turned into logits at once: a 128k vocabulary's fp32 logits of 64 rows are 32 MiB
 
 
@@ -176,6 +197,12 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block
+
+    def placement(self) -> list[StagePlacement]:
+        """This runner's stage (one process; a parallel runner adds its other ranks)."""
+        stage = self.stage
+        return [StagePlacement(stage.first, stage.last, stage.is_first, stage.is_last, 1, str(self.device),
+                               self.weight_bytes(), self.kv_cache_bytes)]
 
     def weight_bytes(self) -> int:
         total = 0

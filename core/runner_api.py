@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from kvforge.core.kv.quant import KVFormat
-    from kvforge.core.runner import StepInputs, StepOutput
+    from kvforge.core.runner import StagePlacement, StepInputs, StepOutput
     from kvforge.core.step import ScheduledSeq
 
 
@@ -39,6 +39,7 @@ class Runner(Protocol):
     @property
     def kv_cache_bytes(self) -> int: ...
     def weight_bytes(self) -> int: ...
+    def placement(self) -> list[StagePlacement]: ...  # where each part of the model lives, stage by stage
     def allocate_kv(self, num_blocks: int) -> None: ...
     def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None: ...
     def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs: ...

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from kvforge.core.config import EngineConfig
 from kvforge.core.distributed import heads_of_rank, tensor_parallel
 from kvforge.core.ranks import COMMAND_TIMEOUT, RankProcesses, WorkerLost
-from kvforge.core.runner import ModelRunner, StepInputs, StepOutput
+from kvforge.core.runner import ModelRunner, StagePlacement, StepInputs, StepOutput
 from kvforge.core.step import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-GATHERED = ("read_block", "weight_bytes")  # commands whose result every rank sends back to rank 0
+GATHERED = ("read_block", "weight_bytes", "placement")  # commands whose result every rank sends back to rank 0
 __all__ = ["ParallelRunner", "WorkerLost", "serve_rank"]
 
 
@@ -133,6 +133,12 @@ class ParallelRunner:
 
     def weight_bytes(self) -> int:
         return sum(self._gather(self._call("weight_bytes")))
+
+    def placement(self) -> list[StagePlacement]:
+        """One stage: every layer, split across the ranks (their weights and KV pools summed)."""
+        parts = [part for (part,) in self._gather(self._call("placement"))]
+        return [dataclasses.replace(parts[0], processes=self.size, weights_bytes=sum(p.weights_bytes for p in parts),
+                                    kv_cache_bytes=sum(p.kv_cache_bytes for p in parts))]
 
     # --- commands -----------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ class DashboardSampler:
                       "tp": core.tp_size, "pp": core.pp_size,
                       "persist_kv": core.persist_kv and core.enable_prefix_caching,
                       "kv_cache_bytes": core.kv_cache_bytes, "kv_cache_dtype": core.kv_cache_dtype,
-                      "block_size": core.block_size}
+                      "block_size": core.block_size, "stages": engine.placement}
         return Sample(time.time(), self.host.name, stats, process_rss_bytes(), gpu_memory(), config)
 
     def latest(self) -> Sample:
@@ -114,6 +114,20 @@ def kv_cache_row(s: Sample) -> str:
     return f"| KV cache type / tokens held | {shown} / {tokens:,} tokens ({per_token} per token) |"
 
 
+def stage_rows(s: Sample) -> list[str]:
+    """Where each part of the model lives, one row per pipeline stage (none for a model in one stage)."""
+    stages = s.config.get("stages") or []
+    if len(stages) < 2:
+        return []
+    rows = []
+    for i, stage in enumerate(stages):
+        first, last = stage["layers"]
+        holds = ", embedding + LM head" if stage["embedding_and_lm_head"] else ""
+        rows.append(f"| Stage {i}: layers {first}-{last - 1}{holds} | {stage['device']} x {stage['processes']}, "
+                    f"weights {human_bytes(stage['weights_bytes'])}, KV {human_bytes(stage['kv_cache_bytes'])} |")
+    return rows
+
+
 def dashboard_markdown(service: UIService) -> str:
     s = service.latest_sample()
     st = s.stats
@@ -134,6 +148,7 @@ def dashboard_markdown(service: UIService) -> str:
         f"| KV pool | {human_bytes(st['kv_cache_bytes'])}"
         + (" (automatic)" if s.config.get("kv_cache_bytes") is None else "") + " |",
         kv_cache_row(s),
+        *stage_rows(s),
         f"| KV blocks used / cached / free | {st['kv_blocks_used']} / {st['kv_blocks_cached']} / "
         f"{st['kv_blocks_free']} |",
         f"| Requests running / waiting | {st['running']} / {st['waiting']} |",

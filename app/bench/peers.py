@@ -21,15 +21,16 @@ every engine starts with them in the page cache.
 With --http the same engines run as OpenAI-compatible servers under a load generator (peers_http.py), on the
 same files.
 
-With --shape 1.7b|3b|8b [--quant q4_0|q4_k_m|q8_0|f16] the engines run random-weight models of a real model's shape
-(real_shapes.py, cached): llama.cpp and kvforge-gguf a GGUF of that shape and quantization, the dense engines (HF,
-vLLM, kvforge fp32 / bf16) its bf16 safetensors twin (random values of their own: speed and memory only, no
-multi-GB GGUF is converted). The default engines are then kvforge-gguf, llama.cpp and vllm-bf16 (each a peer
-skipped where it is not installed; HF fp32 or kvforge's dense engines on an 8B shape only when --engines names
-them), the default batches 1,16, prompts 4 and output tokens 64. The report adds the machine's streaming-read
-bandwidth (roofline.py), the bytes of the GGUF a decode step reads and their ratio, the roofline batch-1 decode rate,
-and per engine its load time, memory after load and peak (the worker's process tree), batch-1 decode rate (1 /
-TPOT p50) as a fraction of the roofline, and batch-16 throughput.
+With --shape 1.7b|3b|8b|olmoe-1b-7b [--quant q4_0|q4_k_m|q8_0|f16] the engines run random-weight models of a real
+model's shape (real_shapes.py, cached; olmoe-1b-7b a mixture of experts, llama.cpp's olmoe architecture): llama.cpp
+and kvforge-gguf a GGUF of that shape and quantization, the dense engines (HF, vLLM, kvforge fp32 / bf16) its bf16
+safetensors twin (random values of their own: speed and memory only, no multi-GB GGUF is converted). The default
+engines are then kvforge-gguf, llama.cpp and vllm-bf16 (each a peer skipped where it is not installed; HF fp32 or
+kvforge's dense engines on an 8B shape only when --engines names them), the default batches 1,16, prompts 4 and
+output tokens 64. The report adds the machine's streaming-read bandwidth (roofline.py), the bytes of the GGUF a
+decode step reads (of a MoE's experts the used ones) and their ratio, the roofline batch-1 decode rate, and per
+engine its load time, memory after load and peak (the worker's process tree), batch-1 decode rate (1 / TPOT p50) as
+a fraction of the roofline, and batch-16 throughput.
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                             "the file, the dense engines kvforge's safetensors conversion of it")
     peers.add_argument("--shape", default=None, metavar="SHAPE",
                        help="run on random-weight models of a real shape instead: 1.7b (SmolLM2-1.7B), 3b "
-                            "(Llama-3.2-3B), 8b (Llama-3-8B), tiny (a smoke test), each with the embedded 49152-token "
+                            "(Llama-3.2-3B), 8b (Llama-3-8B), olmoe-1b-7b (OLMoE-1B-7B: 64 experts, 8 a token), tiny, "
+                            "tiny-moe (smoke tests), each with the embedded 49152-token "
                             "vocabulary: a GGUF for llama.cpp and kvforge-gguf, a bf16 safetensors twin for the dense "
                             "engines (written once into the cache dir's bench_shapes/); default engines kvforge-gguf, "
                             "llama.cpp, vllm-bf16; adds the memory bandwidth, the roofline and memory per engine")

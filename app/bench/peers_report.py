@@ -117,8 +117,9 @@ def print_report(report: dict) -> None:
               f"{shape['gguf_bytes'] / GIB:.2f} GiB" + (f"; the dense engines its bf16 twin {shape['twin']}"
                                                          if shape.get("twin") else ""))
         print(f"streaming-read bandwidth: {bw['bytes_per_s'] / 1e9:.1f} GB/s ({bw['how']}); a decode step reads "
-              f"{step['bytes'] / 1e9:.2f} GB of the GGUF ({step['tensors']} weight tensors, head "
-              f"{step['head']}): roofline {shape['roofline_tok_s']:.1f} tok/s at batch 1")
+              f"{step['bytes'] / 1e9:.2f} GB of the GGUF ({step['tensors']} weight tensors, head {step['head']}"
+              + (f", {step['experts']} experts a layer" if step.get("experts") else "")
+              + f"): roofline {shape['roofline_tok_s']:.1f} tok/s at batch 1")
     if http:
         gen = o["load_generator"]
         print(f"load generator: {gen['description']}" + (f" ({gen['why']})" if gen.get("why") else ""))

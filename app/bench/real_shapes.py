@@ -3,20 +3,22 @@ kvforge-gguf run) and a safetensors "twin" of the same shape (what the dense eng
 fp32 / bf16). Nothing is downloaded and nothing is quantized: the values are random, only the speed and the memory
 of an engine on a file of that shape and quantization are measured.
 
-The GGUF (`shape_gguf`): architecture "llama", the metadata llama.cpp's converter writes for a Llama checkpoint, the
-embedded model's tokenizer (its `tokenizer.*` fields and chat template: a 49152-token vocabulary, SmolLM2's, for
-every shape) and the tensors' quantized blocks written as bytes straight from numpy: random codes, and fp16 scales
-chosen so every weight stays within |w| <= WEIGHT_LIMIT (activations stay finite through 32 layers). Norms are F32
-ones. Tensor by tensor: the largest tensor (8b's token_embd) is held in memory, never the file. Quantization mixes
+The GGUF (`shape_gguf`): architecture "llama" (or "olmoe", below), the metadata llama.cpp's converter writes for a
+Llama checkpoint, the embedded model's tokenizer (its `tokenizer.*` fields and chat template: a 49152-token
+vocabulary, SmolLM2's, for every shape) and the tensors' quantized blocks written as bytes straight from numpy: random
+codes, and fp16 scales chosen so every weight stays within |w| <= WEIGHT_LIMIT (activations stay finite through 32
+layers). Norms are F32 ones (a MoE router F32 random values within the same limit: tokens pick different experts).
+Tensor by tensor: the largest tensor (8b's token_embd) is held in memory, never the file. Quantization mixes
 (`tensor_types`):
 
 - q4_0: every projection Q4_0; token_embd Q8_0 (as in the Q4_0 / Q4_1 files published for SmolLM2, the embedded
   one included); an untied output head Q6_K (llama.cpp's choice for the output of a Q4_0 file).
-- q4_k_m: projections Q4_K, attn_v and ffn_down Q6_K in every layer (llama.cpp's Q4_K_M uses Q6_K for those in
-  about half the layers: all of them here, simpler, and a slightly larger file), the output head Q6_K (a tied
-  token_embd is the output head: Q6_K; untied, token_embd Q4_K).
-- q8_0: every tensor but the norms Q8_0.
-- f16: every tensor but the norms F16 (the float path: weights read in place, converted as they are read).
+- q4_k_m: projections Q4_K, attn_v and ffn_down (ffn_down_exps) Q6_K in every layer (llama.cpp's Q4_K_M uses Q6_K
+  for those in about half the layers: all of them here, simpler, and a slightly larger file), the output head Q6_K (a
+  tied token_embd is the output head: Q6_K; untied, token_embd Q4_K).
+- q8_0: every tensor but the norms (and the router) Q8_0.
+- f16: every tensor but the norms (and the router) F16 (the float path: weights read in place, converted as they are
+  read).
 
 The twin: app/bench/shape_twin.py.
 
@@ -25,6 +27,16 @@ FFN size, rope theta, tied or untied head) with the embedded vocabulary, 49152 t
 Llamas' is 128256, so their embedding and output head here are 38% of the real ones (a decode step reads ~0.3 GB
 less of an 8B Q4_0 file than the real one). Llama 3.2's llama3 rope scaling is left out (no effect on speed at
 these context lengths). TEST_SHAPES adds "tiny" (hidden 256, 2 layers) for the tests and a quick smoke run.
+
+One mixture-of-experts shape, OLMoE-1B-7B's ("olmoe-1b-7b": 64 experts of FFN 1024 a layer, 8 a token, no shared
+expert; its vocabulary is 50304, 49152 here), written as llama.cpp's converter writes OLMoE (OlmoeModel): architecture
+"olmoe", its keys (`olmoe.expert_count`, `olmoe.expert_used_count`, `olmoe.feed_forward_length` = one expert's size;
+no vocab_size or rope dimension count, which only LlamaModel writes), q / k norms over the whole projection, the router
+`ffn_gate_inp` [experts, hidden] kept F32 (as llama.cpp keeps it), and each projection's experts stacked in one 3-D
+tensor `ffn_{gate,up,down}_exps` [experts, rows, row length], quantized per row like the dense projections (every
+block type is a per-row layout, so a 3-D tensor is its experts' rows one after another). A row that is not whole
+blocks of its type (tiny-moe's ffn_down rows of 128 in Q6_K) gets llama.cpp's fallback type (`fallback_types`), as
+llama-quantize does. TEST_SHAPES adds "tiny-moe" (hidden 256, 2 layers, 8 experts of 128, 2 a token).
 
 Files are cached under `cache_dir() / "bench_shapes"`, named by shape, quantization and FORMAT_VERSION, written to a
 temporary name and renamed into place: a second run reuses them, a crash leaves no half file.
@@ -61,14 +73,25 @@ class Shape:
     context: int  # the model's context length (llama.context_length, max_position_embeddings)
     rms_eps: float = 1e-5
     vocab: int = VOCAB
+    arch: str = "llama"  # the GGUF's general.architecture: "llama" (dense) or "olmoe" (mixture of experts)
+    experts: int = 0  # experts a layer (then `ffn` is one expert's size)
+    experts_used: int = 0  # experts a token
+
+    def __post_init__(self) -> None:
+        # llama.cpp's olmoe loader wants an output head, k_norm of the hidden size and experts (llama-model.cpp)
+        if self.arch == "olmoe" and (self.tied or self.kv_heads != self.heads or not 0 < self.experts_used
+                                     <= self.experts):
+            raise ValueError(f"shape {self.name}: an olmoe shape is untied, with KV heads = heads, and has experts")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def describe(self) -> str:
+        ffn = (f"{self.experts} experts of FFN {self.ffn}, {self.experts_used} a token" if self.experts
+               else f"FFN {self.ffn}")
         return (f"{self.body} body: hidden {self.hidden}, {self.layers} layers, {self.heads} heads, {self.kv_heads} KV "
-                f"heads, FFN {self.ffn}, vocabulary {self.vocab}, {'tied' if self.tied else 'untied'} output head; "
+                f"heads, {ffn}, vocabulary {self.vocab}, {'tied' if self.tied else 'untied'} output head; "
                 "random weights")
 
 
@@ -76,8 +99,14 @@ SHAPES = {
     "1.7b": Shape("1.7b", "SmolLM2-1.7B", 2048, 24, 32, 32, 8192, 130000.0, tied=True, context=8192),
     "3b": Shape("3b", "Llama-3.2-3B", 3072, 28, 24, 8, 8192, 500000.0, tied=True, context=131072),
     "8b": Shape("8b", "Llama-3-8B", 4096, 32, 32, 8, 14336, 500000.0, tied=False, context=8192),
+    "olmoe-1b-7b": Shape("olmoe-1b-7b", "OLMoE-1B-7B", 2048, 16, 16, 16, 1024, 10000.0, tied=False, context=4096,
+                         arch="olmoe", experts=64, experts_used=8),
 }
-TEST_SHAPES = {"tiny": Shape("tiny", "tiny test", 256, 2, 4, 2, 512, 10000.0, tied=False, context=2048)}
+TEST_SHAPES = {
+    "tiny": Shape("tiny", "tiny test", 256, 2, 4, 2, 512, 10000.0, tied=False, context=2048),
+    "tiny-moe": Shape("tiny-moe", "tiny MoE test", 256, 2, 4, 4, 128, 10000.0, tied=False, context=2048,
+                      arch="olmoe", experts=8, experts_used=2),
+}
 ALL_SHAPES = SHAPES | TEST_SHAPES
 
 
@@ -105,29 +134,44 @@ PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"
 
 
 def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> its shape in numpy order (rows, row length), in the order written."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    """GGUF tensor name -> its shape in numpy order ((experts,) rows, row length), in the order written."""
+    h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn
     out: dict[str, tuple[int, ...]] = {"token_embd.weight": (shape.vocab, h)}
     for i in range(shape.layers):
         out |= {f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.attn_q.weight": (q, h), f"blk.{i}.attn_k.weight": (kv, h),
-                f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, q),
-                f"blk.{i}.ffn_norm.weight": (h,), f"blk.{i}.ffn_gate.weight": (shape.ffn, h),
-                f"blk.{i}.ffn_up.weight": (shape.ffn, h), f"blk.{i}.ffn_down.weight": (h, shape.ffn)}
+                f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, q)}
+        if shape.arch == "olmoe":
+            e = shape.experts
+            out |= {f"blk.{i}.attn_q_norm.weight": (q,), f"blk.{i}.attn_k_norm.weight": (kv,),
+                    f"blk.{i}.ffn_norm.weight": (h,), f"blk.{i}.ffn_gate_inp.weight": (e, h),
+                    f"blk.{i}.ffn_gate_exps.weight": (e, f, h), f"blk.{i}.ffn_up_exps.weight": (e, f, h),
+                    f"blk.{i}.ffn_down_exps.weight": (e, h, f)}
+        else:
+            out |= {f"blk.{i}.ffn_norm.weight": (h,), f"blk.{i}.ffn_gate.weight": (f, h),
+                    f"blk.{i}.ffn_up.weight": (f, h), f"blk.{i}.ffn_down.weight": (h, f)}
     out["output_norm.weight"] = (h,)
     if not shape.tied:
         out["output.weight"] = (shape.vocab, h)
     return out
 
 
+def fallback_types() -> dict:
+    """llama-quantize's fallback for a row that is not whole blocks of 256 (llama-quant.cpp), for the K-quants here."""
+    from gguf import GGMLQuantizationType as T
+
+    return {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}
+
+
 def tensor_types(shape: Shape, quant: str):
     """GGUF tensor name -> GGMLQuantizationType, per the mixes in the module's docstring."""
+    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as T
 
     check_quant(quant)
     types = {}
     for name, dims in tensor_shapes(shape).items():
         kind = name.split(".")[-2]
-        if len(dims) == 1:
+        if len(dims) == 1 or kind == "ffn_gate_inp":  # norms; the router, as llama.cpp keeps it
             types[name] = T.F32
         elif quant == "q8_0":
             types[name] = T.Q8_0
@@ -137,7 +181,9 @@ def tensor_types(shape: Shape, quant: str):
             types[name] = {"token_embd": T.Q8_0, "output": T.Q6_K}.get(kind, T.Q4_0)
         else:  # q4_k_m
             head = kind == "output" or (kind == "token_embd" and shape.tied)
-            types[name] = T.Q6_K if head or kind in ("attn_v", "ffn_down") else T.Q4_K
+            types[name] = T.Q6_K if head or kind in ("attn_v", "ffn_down", "ffn_down_exps") else T.Q4_K
+        if dims[-1] % GGML_QUANT_SIZES[types[name]][0]:
+            types[name] = fallback_types()[types[name]]
     return types
 
 
@@ -176,6 +222,8 @@ def random_blocks(qtype, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
         return rng.uniform(-WEIGHT_LIMIT, WEIGHT_LIMIT, n_blocks).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if qtype == T.Q4_0:  # d (fp16), 16 bytes of 4-bit codes q: w = d * (q - 8)
         blocks[:, 0:2] = scale(WEIGHT_LIMIT / 8)
+    elif qtype == T.Q5_0:  # d (fp16), 4 bytes of high bits, 16 bytes of low 4 bits: w = d * (q - 16)
+        blocks[:, 0:2] = scale(WEIGHT_LIMIT / 16)
     elif qtype == T.Q8_0:  # d (fp16), 32 int8 codes: w = d * q
         blocks[:, 0:2] = scale(WEIGHT_LIMIT / 128)
     elif qtype == T.Q4_K:  # d, dmin (fp16), 12 bytes of 6-bit sub-scales and mins, 128 bytes of 4-bit codes
@@ -288,8 +336,9 @@ def write_gguf(shape: Shape, quant: str, path: Path, seed: int = 0) -> None:
     from kvforge.core.loader import embedded_gguf_path
 
     shapes, types = tensor_shapes(shape), tensor_types(shape, quant)
-    writer = GGUFWriter(path, "llama")
-    # what convert_hf_to_gguf.py writes for a Llama checkpoint (and llama-quantize: file type, quantization version)
+    writer = GGUFWriter(path, shape.arch)
+    # what convert_hf_to_gguf.py writes for a Llama / OLMoE checkpoint (and llama-quantize: file type, quantization
+    # version)
     writer.add_type("model")
     writer.add_name(f"kvforge random {shape.body} shape")
     writer.add_block_count(shape.layers)
@@ -300,9 +349,13 @@ def write_gguf(shape: Shape, quant: str, path: Path, seed: int = 0) -> None:
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
     writer.add_file_type(file_type(quant))
-    writer.add_vocab_size(shape.vocab)
-    writer.add_rope_dimension_count(shape.head_dim)
+    if shape.arch == "llama":  # LlamaModel's own keys
+        writer.add_vocab_size(shape.vocab)
+        writer.add_rope_dimension_count(shape.head_dim)
     for key, val, kind, sub in tokenizer_fields(embedded_gguf_path()):
         writer.add_key_value(key, val, GGUFValueType(kind), GGUFValueType(sub) if sub is not None else None)
     writer.add_quantization_version(2)
@@ -311,22 +364,25 @@ def write_gguf(shape: Shape, quant: str, path: Path, seed: int = 0) -> None:
         if qtype == T.F32:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
-            nbytes = tensor_nbytes(dims, qtype)
-            writer.add_tensor_info(name, (dims[0], nbytes // dims[0]), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            nbytes, rows = tensor_nbytes(dims, qtype), int(np.prod(dims[:-1]))
+            writer.add_tensor_info(name, (*dims[:-1], nbytes // rows), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rngs = np.random.SeedSequence([seed, len(shapes)]).spawn(len(shapes))
     for (name, dims), seq in zip(shapes.items(), rngs):
         qtype = types[name]
-        if qtype == T.F32:
+        if len(dims) > 1 and qtype == T.F32:  # the router: random, so tokens pick different experts
+            writer.write_tensor_data(np.random.default_rng(seq).uniform(-WEIGHT_LIMIT, WEIGHT_LIMIT, dims)
+                                     .astype(np.float32))
+        elif qtype == T.F32:
             writer.write_tensor_data(np.ones(dims, np.float32))
         else:
             from gguf import GGML_QUANT_SIZES
 
             n_blocks = int(np.prod(dims)) // GGML_QUANT_SIZES[qtype][0]
             blocks = random_blocks(qtype, n_blocks, np.random.default_rng(seq))
-            writer.write_tensor_data(blocks.reshape(dims[0], -1))
+            writer.write_tensor_data(blocks.reshape(*dims[:-1], -1))
             del blocks
     writer.close()
 

@@ -4,7 +4,8 @@ the CPU's identity (model, family / model / stepping, the vector ISA flags) that
 
 A decode step at batch 1 and short context reads every weight matrix once (the projections of every layer and the
 output head: its GGUF byte sizes; one row of a separate token embedding, the norms and the KV read are left out,
-a fraction of a percent at these sizes). It cannot run faster than bandwidth / those bytes: an engine's batch-1
+a fraction of a percent at these sizes); of a mixture-of-experts layer's stacked experts only the experts a token
+uses (`expert_used_count` of `expert_count`). It cannot run faster than bandwidth / those bytes: an engine's batch-1
 rate as a fraction of that says how much of the memory system it uses.
 """
 
@@ -68,14 +69,19 @@ def stream_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 3) -> d
 def decode_bytes(gguf: Path) -> dict:
     """The bytes of `gguf` one decode step reads: every tensor of two or more dimensions (the projections and the
     output head), the token embedding left out when the file has a separate output head (a step reads one row of
-    it)."""
+    it), and of stacked experts (3-D `ffn_*_exps`) the used experts' share. `experts`: "used of count", or None."""
+    from kvforge.core.gguf_moe import STACKED
     from kvforge.core.model_files import read_gguf_header
 
-    tensors = read_gguf_header(Path(gguf)).tensors
+    header = read_gguf_header(Path(gguf))
+    tensors, metadata = header.tensors, header.metadata
+    arch = metadata.get("general.architecture")
+    count, used = metadata.get(f"{arch}.expert_count"), metadata.get(f"{arch}.expert_used_count")
     untied = any(t.name == "output.weight" for t in tensors)
     read = [t for t in tensors if len(t.shape) >= 2 and not (untied and t.name == "token_embd.weight")]
-    return {"bytes": sum(t.n_bytes for t in read), "tensors": len(read),
-            "head": "output.weight" if untied else "token_embd.weight (tied)"}
+    total = sum(t.n_bytes * used // count if count and STACKED.fullmatch(t.name) else t.n_bytes for t in read)
+    return {"bytes": total, "tensors": len(read), "head": "output.weight" if untied else "token_embd.weight (tied)",
+            "experts": f"{used} of {count}" if count else None}
 
 
 def roofline_tok_s(bandwidth_bytes_per_s: float, step_bytes: int) -> float:

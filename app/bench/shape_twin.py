@@ -1,8 +1,10 @@
 """The safetensors "twin" of a real shape (app/bench/real_shapes.py), for the engines that need one (HF, vLLM CPU,
-kvforge fp32 / bf16): config.json (LlamaForCausalLM of the same shape), the embedded model's tokenizer files and
-random bf16 weights (normal, std 0.02, seeded), in safetensors shards of at most SHARD_BYTES with an index, written
-shard by shard. Its values are NOT the GGUF's (no engine's output is compared across the two: speed and memory
-only). Cached like the GGUF files, written to a temporary name and renamed into place."""
+kvforge fp32 / bf16): config.json (LlamaForCausalLM, or OlmoeForCausalLM for an olmoe shape, of the same shape), the
+embedded model's tokenizer files and random bf16 weights (normal, std 0.02, seeded), in safetensors shards of at most
+SHARD_BYTES with an index, written shard by shard. An OLMoE twin's experts are named one by one
+(`mlp.experts.E.gate_proj.weight`), as the published checkpoint's are: what vLLM and kvforge read, and what
+transformers 5 stacks as it loads. Its values are NOT the GGUF's (no engine's output is compared across the two:
+speed and memory only). Cached like the GGUF files, written to a temporary name and renamed into place."""
 
 from __future__ import annotations
 
@@ -25,7 +27,19 @@ def twin_name(shape: Shape) -> str:
 
 
 def twin_config(shape: Shape) -> dict:
-    """config.json of the twin: what transformers 4.x and 5.x and vLLM read for a Llama."""
+    """config.json of the twin: what transformers 4.x and 5.x and vLLM read for a Llama (an OLMoE: its published
+    config's fields, no q/k/v clipping, as llama.cpp's olmoe does none)."""
+    if shape.arch == "olmoe":
+        return {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": shape.hidden,
+                "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,
+                "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+                "num_experts": shape.experts, "num_experts_per_tok": shape.experts_used, "norm_topk_prob": False,
+                "clip_qkv": None, "hidden_act": "silu", "max_position_embeddings": shape.context,
+                "rms_norm_eps": shape.rms_eps, "rope_theta": shape.rope_theta, "rope_scaling": None,
+                "attention_bias": False, "attention_dropout": 0.0, "output_router_logits": False,
+                "router_aux_loss_coef": 0.01, "tie_word_embeddings": shape.tied, "vocab_size": shape.vocab,
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "initializer_range": 0.02,
+                "torch_dtype": "bfloat16", "use_cache": True}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
             "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
             "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "hidden_act": "silu",
@@ -37,15 +51,22 @@ def twin_config(shape: Shape) -> dict:
 
 def twin_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, in the order written."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, h)}
     for i in range(shape.layers):
         p = f"model.layers.{i}."
         out |= {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
                 p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (shape.ffn, h), p + "mlp.up_proj.weight": (shape.ffn, h),
-                p + "mlp.down_proj.weight": (h, shape.ffn)}
+                p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)}
+        if shape.arch == "olmoe":
+            out |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,),
+                    p + "mlp.gate.weight": (shape.experts, h)}
+            for e in range(shape.experts):
+                x = f"{p}mlp.experts.{e}."
+                out |= {x + "gate_proj.weight": (f, h), x + "up_proj.weight": (f, h), x + "down_proj.weight": (h, f)}
+        else:
+            out |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f)}
     out["model.norm.weight"] = (h,)
     if not shape.tied:
         out["lm_head.weight"] = (shape.vocab, h)

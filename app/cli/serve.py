@@ -207,4 +207,6 @@ def runs_on(engine) -> str:
     if chosen:
         parts.append(f"{' + '.join(chosen)} chosen by timing")
     parts.append(f"KV {runtime.kv_cache_bytes / GIB:.2f} GiB")
+    if len(runtime.stages) > 1:  # pipeline stages: which layers each holds
+        parts.append("stages " + " + ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in runtime.stages))
     return ", ".join(parts)

@@ -68,7 +68,9 @@ def models_router(context: ServerContext) -> APIRouter:
                 "memory": {"weights_bytes": runtime.weight_bytes, "kv_cache_bytes": runtime.kv_cache_bytes,
                            "kv_bytes_per_token": runtime.kv_bytes_per_token,
                            "kv_cache_tokens": int(runtime.kv_cache_bytes // runtime.kv_bytes_per_token),
-                           "gpus": gpu_memory()}}
+                           "gpus": gpu_memory()},
+                # where each part lives: a stage's layers, the embedding / LM head, its processes, device, bytes
+                "stages": runtime.stages}
 
     @router.get("/v1/models")
     async def list_models():

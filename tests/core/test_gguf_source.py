@@ -1,15 +1,18 @@
 """A GGUF served in place (core/gguf_source.py): indexed once into a small directory with no weights, every block-type
 tensor a view of one memory mapping of the file (projections of mixed types, an untied head, a quantized
 embedding), the model close to the same file dequantized; a tensor type without a kernel named with the way out.
-On a llama-shaped file with llama.cpp's metadata and Q4_K_M mix (app/bench/real_shapes.py's tiny shape)."""
+On a llama-shaped file with llama.cpp's metadata and Q4_K_M mix (app/bench/real_shapes.py's tiny shape), and on its
+mixture-of-experts shape (tiny-moe, architecture olmoe: stacked experts served one expert at a time in place)."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 
 from kvforge.app.bench.real_shapes import shape_gguf
-from kvforge.core import LLM
+from kvforge.core import LLM, SamplingParams
 from kvforge.core.gguf_source import INDEX_FILE
 from kvforge.core.loader import resolve_model
 from kvforge.core.perplexity import perplexity
@@ -90,3 +93,35 @@ def test_a_type_without_a_kernel_is_named(tmp_path, embedded_path):
     writer.close()
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has type IQ4_NL.*--gguf-dense"):
         resolve_model(str(tmp_path / "iq.gguf"), native_gguf=True)
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+def test_a_moe_shape_is_served_in_place_with_the_dense_loads_tokens(quant, tmp_path_factory, embedded_path):
+    """real_shapes' tiny-moe (olmoe, 8 experts of 128, 2 a token) as `bench peers --shape` writes it: every expert's
+    gate/up and down a slice of the one mapping of the file (q4_k_m: Q4_K gate / up, ffn_down in llama.cpp's Q8_0
+    fallback for rows of 128), and greedy tokens those of the same file loaded with --gguf-dense (fp32 activations in
+    place: the same math to rounding; random weights' logits are flat, so one prompt may part at a near tie)."""
+    gguf = shape_gguf("tiny-moe", quant, root=tmp_path_factory.mktemp("moe_shape"))
+    prompts = [list(map(int, np.random.default_rng(n).integers(3, 40000, n))) for n in (1, 5, 17, 40)]
+    tokens = {}
+    for dense in (False, True):
+        options = {} if dense else {"quant_options": {"activations": "fp32"}}
+        llm = LLM(str(gguf), progress=False, dtype="float32", num_kv_blocks=128, gguf_dense=dense, **options)
+        try:
+            model = llm.engine.runner.model
+            block = model.model.layers[0].mlp
+            assert model.config.model_type == "olmoe" and model.config.num_experts_per_tok == 2
+            assert len(block.experts) == 8 and block.experts[0].down_proj.in_features == 128
+            if not dense:
+                layers = [m for e in block.experts for m in (e.gate_up_proj, e.down_proj)]
+                assert {q for m in layers for q, _ in m.segments.parts} == ({2} if quant == "q4_0" else {12, 8})
+                views = [b for m in layers for _, b in m.segments.parts]
+                assert len({b.data_ptr() for b in views}) == len(views) == 3 * 8
+                assert {b.untyped_storage().nbytes() for b in views} == {gguf.stat().st_size}
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+            tokens[dense] = [o.token_ids for o in outs]
+        finally:
+            llm.engine.close()
+            shutil.rmtree(resolve_model(str(gguf), native_gguf=not dense))  # this file's index / conversion (108 MB)
+    assert all(len(t) == 16 for t in tokens[False])
+    assert sum(a == b for a, b in zip(tokens[False], tokens[True])) >= len(prompts) - 1, tokens

@@ -171,6 +171,25 @@ class TestOnePP2EngineOfTheEmbeddedModel:
     def test_weights_are_counted_over_every_stage(self, one_process, pp2_llm):
         assert pp2_llm.engine.runner.weight_bytes() == one_process.engine.runner.weight_bytes()
 
+    def test_where_each_part_lives_is_told_stage_by_stage(self, one_process, pp2_llm):
+        """The model card's and the dashboard's `stages`: each stage's layers, its parts, its weights and KV pool."""
+        from types import SimpleNamespace
+
+        from kvforge.ui.dashboard import DashboardSampler, dashboard_markdown
+
+        first, last = pp2_llm.engine.runtime().stages
+        assert (first["layers"], last["layers"]) == ([0, 11], [11, 30])
+        assert first["embedding_and_lm_head"] and not first["final_norm"] and last["final_norm"]
+        (whole,) = one_process.engine.runtime().stages
+        assert first["weights_bytes"] + last["weights_bytes"] == whole["weights_bytes"]
+        assert first["weights_bytes"] > last["weights_bytes"]  # the embedding and the LM head (tied, two copies)
+        per_layer = whole["kv_cache_bytes"] / one_process.engine.block_pool.num_blocks / 30
+        assert last["kv_cache_bytes"] == 19 * 64 * per_layer  # 64 blocks of 19 layers
+        sampler = DashboardSampler(SimpleNamespace(engine=pp2_llm.engine, name="embedded"))
+        text = dashboard_markdown(SimpleNamespace(latest_sample=sampler.sample, recent_ttfts=list))
+        assert "| Stage 0: layers 0-10, embedding + LM head | cpu x 1" in text
+        assert "| Stage 1: layers 11-29 | cpu x 1" in text
+
 
 def test_persisted_kv_written_by_pp2_is_loaded_by_a_restarted_pp2_engine(embedded_path, chat_prompts,
                                                                           reference, tmp_path):

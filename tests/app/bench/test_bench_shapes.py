@@ -1,6 +1,7 @@
 """Random-weight models of real shapes (app/bench/real_shapes.py) and what `kvforge bench peers --shape` adds (the
-roofline, memory per engine): on the tiny shape (hidden 256, 2 layers, the embedded 49152-token tokenizer), written
-once per module into a temporary cache.
+roofline, memory per engine): on the tiny shape (hidden 256, 2 layers, the embedded 49152-token tokenizer), and its
+mixture-of-experts one tiny-moe (llama.cpp's olmoe layout), written once per module into a temporary cache (kvforge
+serving tiny-moe in place: tests/core/test_gguf_source.py).
 
 The gguf package's GGUFReader builds a numpy view per token of the vocabulary (~5 s here): it reads one file once
 and transformers' GGUF loader is handed the same reader (it would read the file twice more). The other files'
@@ -26,7 +27,7 @@ from kvforge.app.bench import shape_twin as twin_module
 from kvforge.app.bench.real_shapes import QUANTS, SHAPES, TEST_SHAPES, shape_gguf, tensor_shapes, tensor_types
 from kvforge.app.bench.shape_twin import shape_twin
 
-TINY = TEST_SHAPES["tiny"]
+TINY, TINY_MOE = TEST_SHAPES["tiny"], TEST_SHAPES["tiny-moe"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,12 @@ def files(tmp_path_factory, embedded_path):
         mp.setattr(twin_module, "SHARD_BYTES", 16 << 20)
         twin = shape_twin("tiny", root=root, tokenizer_dir=embedded_path)
     return root, ggufs, twin
+
+
+@pytest.fixture(scope="module")
+def moe_files(files):
+    """tiny-moe's GGUF in q4_0 and q4_k_m (its ffn_down rows of 128 take llama.cpp's Q8_0 fallback there)."""
+    return {q: shape_gguf("tiny-moe", q, root=files[0]) for q in ("q4_0", "q4_k_m")}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +123,91 @@ def test_the_other_quantizations_dequantize_within_the_limit(files, quant):
             assert abs(weights.mean()) < 0.1 * weights.std(), t.name  # centred (Q4_K: dmin = 7.5 d)
 
 
+def test_the_moe_shape_follows_llama_cpps_olmoe():
+    """olmoe-1b-7b's tensors: the names gguf-py lists for MODEL_ARCH.OLMOE, stacked experts [E, rows, row length],
+    the router F32, the projections in the quantization's types; its Q4_0 file ~3.97 GB (6.9B weights)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+
+    olmoe = SHAPES["olmoe-1b-7b"]
+    shapes, q4_0, q4_k_m = tensor_shapes(olmoe), tensor_types(olmoe, "q4_0"), tensor_types(olmoe, "q4_k_m")
+    expected = {TENSOR_NAMES[t].format(bid=i) + ".weight" for t in MODEL_TENSORS[MODEL_ARCH.OLMOE]
+                for i in range(olmoe.layers)}
+    assert set(shapes) == expected
+    assert shapes["blk.15.ffn_gate_exps.weight"] == shapes["blk.0.ffn_up_exps.weight"] == (64, 1024, 2048)
+    assert shapes["blk.0.ffn_down_exps.weight"] == (64, 2048, 1024)
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (64, 2048)
+    assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.0.attn_k_norm.weight"] == (2048,)
+    assert q4_0["blk.0.ffn_gate_inp.weight"] == q4_k_m["blk.0.ffn_gate_inp.weight"] == T.F32
+    assert q4_0["blk.3.ffn_down_exps.weight"] == q4_0["blk.0.attn_q.weight"] == T.Q4_0
+    assert (q4_0["token_embd.weight"], q4_0["output.weight"]) == (T.Q8_0, T.Q6_K)
+    assert q4_k_m["blk.0.ffn_down_exps.weight"] == q4_k_m["blk.0.attn_v.weight"] == T.Q6_K
+    assert q4_k_m["blk.0.ffn_gate_exps.weight"] == T.Q4_K
+    assert tensor_types(TINY_MOE, "q4_k_m")["blk.0.ffn_down_exps.weight"] == T.Q8_0  # rows of 128: the fallback
+    size = sum(int(np.prod(d)) * 4 if q4_0[n] == T.F32 else real_shapes.tensor_nbytes(d, q4_0[n])
+               for n, d in shapes.items())
+    assert size == 3_973_324_800 and sum(int(np.prod(d)) for d in shapes.values()) == 6_914_443_264
+    assert "64 experts of FFN 1024, 8 a token" in olmoe.describe()
+
+
+def test_the_moe_gguf_is_llama_cpps_olmoe_file(moe_files):
+    """tiny-moe through kvforge's header reader: olmoe's metadata as llama.cpp's converter writes it, the stacked
+    experts' blocks dequantized within the limit, a random F32 router; a decode step reads 2 of the 8 experts."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvforge.app.bench.roofline import decode_bytes
+    from kvforge.core.model_files import read_gguf_header
+
+    path = moe_files["q4_0"]
+    header = read_gguf_header(path)
+    meta = header.metadata
+    assert meta["general.architecture"] == "olmoe" and meta["general.file_type"] == 2
+    experts = (meta["olmoe.expert_count"], meta["olmoe.expert_used_count"], meta["olmoe.feed_forward_length"])
+    assert experts == (8, 2, 128)  # feed_forward_length: one expert's
+    assert (meta["olmoe.embedding_length"], meta["olmoe.block_count"], meta["olmoe.context_length"]) == (256, 2, 2048)
+    assert (meta["olmoe.attention.head_count"], meta["olmoe.attention.head_count_kv"]) == (4, 4)
+    assert "olmoe.vocab_size" not in meta and "olmoe.rope.dimension_count" not in meta  # LlamaModel's keys only
+    types, shapes = tensor_types(TINY_MOE, "q4_0"), tensor_shapes(TINY_MOE)
+    assert [t.name for t in header.tensors] == list(shapes)
+    data = np.memmap(path, np.uint8, mode="r")
+    for t in header.tensors:
+        qtype, dims = GGMLQuantizationType(t.ggml_type), shapes[t.name]
+        assert qtype == types[t.name] and tuple(reversed(t.shape)) == dims
+        raw = np.asarray(data[header.data_offset + t.offset:header.data_offset + t.offset + t.n_bytes])
+        if t.name.endswith("ffn_gate_inp.weight"):
+            router = raw.view(np.float32).reshape(dims)
+            assert np.abs(router).max() <= real_shapes.WEIGHT_LIMIT and router.std() > 0.005
+        elif len(dims) == 3:
+            weights = dequantize(raw.reshape(*dims[:-1], -1), qtype)
+            assert weights.shape == dims and np.abs(weights).max() <= real_shapes.WEIGHT_LIMIT * 1.01
+            assert weights.std(axis=(1, 2)).min() > 0.002  # every expert random
+    # per layer: q, k, v, o 256x256 in Q4_0, the F32 router 8x256, of each stacked 8x128x256 Q4_0 tensor 2 experts;
+    # the output head 49152x256 in Q6_K
+    layer = 4 * 256 * 256 // 32 * 18 + 8 * 256 * 4 + 3 * 2 * 128 * 256 // 32 * 18
+    assert decode_bytes(path) == {"bytes": 2 * layer + 49152 * 210, "tensors": 17, "head": "output.weight",
+                                  "experts": "2 of 8"}
+
+
+def test_the_moe_twin_is_an_olmoe_checkpoint(files, embedded_path):
+    """tiny-moe's twin: OlmoeForCausalLM, each expert's tensors under its own name (as published OLMoE checkpoints),
+    loaded by transformers."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    twin = shape_twin("tiny-moe", root=files[0], tokenizer_dir=embedded_path)
+    config = json.loads((twin / "config.json").read_text())
+    assert config["architectures"] == ["OlmoeForCausalLM"] and config["num_experts"] == 8
+    assert (config["num_experts_per_tok"], config["intermediate_size"], config["clip_qkv"]) == (2, 128, None)
+    with safe_open(twin / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(twin_module.twin_tensors(TINY_MOE))
+        assert tuple(f.get_slice("model.layers.1.mlp.experts.7.down_proj.weight").get_shape()) == (256, 128)
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32)
+    assert type(model).__name__ == "OlmoeForCausalLM" and model.config.num_experts == 8
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
 def test_transformers_loads_the_gguf_and_generates(files, reader, monkeypatch):
     import gguf
     from transformers import AutoModelForCausalLM
@@ -170,7 +262,7 @@ def test_roofline_arithmetic(files):
     layer = (2 * 256 * 256 + 2 * 128 * 256 + 3 * 512 * 256) // 32 * 18
     head = 49152 * 256 // 256 * 210
     step = decode_bytes(files[1]["q4_0"])
-    assert step == {"bytes": 2 * layer + head, "tensors": 15, "head": "output.weight"}
+    assert step == {"bytes": 2 * layer + head, "tensors": 15, "head": "output.weight", "experts": None}
     assert roofline_tok_s(10e9, step["bytes"]) == pytest.approx(10e9 / 10_985_472)
     threads = torch.get_num_threads()
     measured = stream_bandwidth(1, nbytes=16 << 20, repeats=2)
@@ -191,7 +283,7 @@ def test_worker_reads_the_memory_of_its_process_tree():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--shape", "2b"], "--shape '2b': unknown (choose from 1.7b, 3b, 8b, tiny)"),
+    (["--shape", "2b"], "--shape '2b': unknown (choose from 1.7b, 3b, 8b, olmoe-1b-7b, tiny, tiny-moe)"),
     (["--shape", "tiny", "--quant", "q5_k"], "--quant 'q5_k': unknown (choose from q4_0, q4_k_m, q8_0, f16)"),
     (["--quant", "q8_0"], "--quant is for --shape"),
     (["--shape", "tiny", "--gguf", "x.gguf"], "--shape and --gguf: choose one"),
@@ -258,8 +350,9 @@ def test_peers_with_shape_run_the_gguf_and_the_twin_and_report_the_roofline(file
     assert json.loads(out.read_text())["shape"]["twin"] == str(twin)
 
 
-def test_llama_cpp_loads_the_ggufs(files):
-    """llama-cpp-python (the peers dir's, not part of CI) loads each quantization and computes finite logits."""
+def test_llama_cpp_loads_the_ggufs(files, moe_files):
+    """llama-cpp-python (the peers dir's, not part of CI) loads each quantization, tiny-moe's olmoe files too, and
+    computes finite logits and a few greedy tokens."""
     from kvforge.app.bench.peer_engines import find_peer
 
     args = argparse.Namespace(no_peers=False, llama_python=None, vllm_python=None, peers_dir=None)
@@ -275,8 +368,11 @@ def test_llama_cpp_loads_the_ggufs(files):
             llm.eval(ids)
             assert np.isfinite(np.asarray(llm.scores[:llm.n_tokens])).all(), path
             assert llm.n_vocab() == 49152
+            llm.reset()
+            out = llm.create_completion("Hello there", max_tokens=4, temperature=0)
+            assert out["usage"]["completion_tokens"] >= 1, path
         print("ok")
     """)
-    result = subprocess.run([python, "-c", script, *map(str, files[1].values())], capture_output=True, text=True,
-                            timeout=120)
+    paths = [*files[1].values(), *moe_files.values()]
+    result = subprocess.run([python, "-c", script, *map(str, paths)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

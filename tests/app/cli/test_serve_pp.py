@@ -38,6 +38,7 @@ def test_serve_pp2_answers_the_openai_client_swaps_and_leaves_no_process(tmp_pat
         assert ask(client) == reference_text
         (card,) = client.models.list().data
         assert card.model_extra["pp"] == 2 and card.model_extra["tp"] == 1
+        assert [stage["layers"] for stage in card.model_extra["stages"]] == [[0, 11], [11, 30]]
         loaded = httpx.post(f"{server.url}/admin/models/load", json={"pp": 1, "dtype": "float32"}, timeout=120)
         assert loaded.status_code == 200 and loaded.json()["loaded"]["pp"] == 1, loaded.text
         assert _gone(stage1) and not rank_processes(server.process.pid)
