@@ -209,6 +209,10 @@ class ServeSettings:
     gguf_dense: bool = engine_setting(engine_default("gguf_dense"), "load a .gguf model dequantized into dense "
                                       "weights, as transformers does, instead of from its own quantized blocks "
                                       "(the gguf quant plugin)", bool, engine="gguf_dense")
+    cpu_experts: bool = engine_setting(engine_default("cpu_experts"), "mixture-of-experts models: keep every "
+                                       "expert's weights in host memory and compute them on the CPU (llama.cpp's "
+                                       "--cpu-moe); the rest of the model stays on --device", bool,
+                                       engine="cpu_experts")
     quant: str = engine_setting(  # a quantized checkpoint picks its own plugin when this is "none"
         engine_default("quant"), "quantization plugin (see `kvforge plugins`; default: {default}, or what a "
         "quantized checkpoint says)")

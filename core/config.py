@@ -73,6 +73,9 @@ class EngineConfig:
     gguf_dense: bool = knob(False, "load a GGUF source dequantized into dense weights (as transformers does) "
                             "instead of from its own quantized blocks (the `gguf` quant method); another quant "
                             "plugin asked for a GGUF source also starts from the dense weights")
+    cpu_experts: bool = knob(False, "mixture-of-experts models: every expert's weights in host memory, computed on "
+                             "the CPU (llama.cpp's --cpu-moe); routers, shared experts, attention and the KV stay on "
+                             "the device. No effect on a dense model")
     quant: str = knob("none", "a `kvforge.quant` plugin name")
     quant_options: dict[str, Any] = knob(default_factory=dict, help="the quant plugin's options")
     decoding: str = knob("none", "a `kvforge.decoding` plugin name (speculative decoding); \"none\": off")

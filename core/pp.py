@@ -266,7 +266,8 @@ class PipelineRunner:
         chains = self._command("placement").wait()  # per tensor-parallel rank: its stages in order
         return [dataclasses.replace(parts[0], processes=len(parts),
                                     weights_bytes=sum(p.weights_bytes for p in parts),
-                                    kv_cache_bytes=sum(p.kv_cache_bytes for p in parts))
+                                    kv_cache_bytes=sum(p.kv_cache_bytes for p in parts),
+                                    experts_bytes=sum(p.experts_bytes for p in parts))
                 for parts in zip(*chains)]
 
     # --- messages -----------------------------------------------------------------------------

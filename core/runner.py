@@ -28,6 +28,7 @@ from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.kv.quant import kv_format
 from kvforge.core.layers.backend import kernel_backend
+from kvforge.core.layers.moe import SparseMoeBlock, host_experts
 from kvforge.core.loader import build_model, load_weights
 from kvforge.core.models.causal_lm import StageCarry
 from kvforge.core.models.llama import head_dim_of
@@ -94,11 +95,14 @@ class StagePlacement:
     device: str
     weights_bytes: int
     kv_cache_bytes: int
+    experts_device: str | None = None  # a mixture-of-experts model's experts (cpu under cpu_experts); None: dense
+    experts_bytes: int = 0  # of weights_bytes, the experts'
 
     def as_dict(self) -> dict:
         return {"layers": [self.first_layer, self.last_layer], "embedding_and_lm_head": self.embedding,
                 "final_norm": self.final_norm, "processes": self.processes, "device": self.device,
-                "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes}
+                "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+                "experts_device": self.experts_device, "experts_bytes": self.experts_bytes}
 
 
 PROMPT_LOGITS_ROWS = 64  # rows turned into logits at once: a 128k vocabulary's fp32 logits of 64 rows are 32 MiB
@@ -186,7 +190,8 @@ class ModelRunner:
                              f"not on {torch.device(config.device).type}")
         options = quant_cls.validate_options(config.quant_options)
         kernels = resolve_kernels(config.kernels, torch.device(config.device))
-        with torch.device(config.device), kernel_backend(kernels, quant_cls.exact_fp32(options)):
+        with torch.device(config.device), kernel_backend(kernels, quant_cls.exact_fp32(options)), \
+                host_experts(config.cpu_experts):
             model = build_model(hf_config, config.torch_dtype, QuantConfig.for_checkpoint(
                 quant_cls, options, checkpoint_quantization(hf_config, model_path)), config.context_length(hf_config))
         load_weights(model, model_path, progress=progress,
@@ -201,12 +206,16 @@ class ModelRunner:
     def placement(self) -> list[StagePlacement]:
         """This runner's stage (one process; a parallel runner adds its other ranks)."""
         stage = self.stage
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        experts_device = None if not blocks else "cpu" if blocks[0].on_host else str(self.device)
         return [StagePlacement(stage.first, stage.last, stage.is_first, stage.is_last, 1, str(self.device),
-                               self.weight_bytes(), self.kv_cache_bytes)]
+                               self.weight_bytes(), self.kv_cache_bytes, experts_device,
+                               sum(self.weight_bytes(block.experts) for block in blocks))]
 
-    def weight_bytes(self) -> int:
+    def weight_bytes(self, part: torch.nn.Module | None = None) -> int:
+        """The weights' bytes (of `part` of the model: None, all of it)."""
         total = 0
-        for module in self.model.modules():
+        for module in (part or self.model).modules():
             method = getattr(module, "quant_method", None)
             if method is not None:
                 total += method.weight_bytes(module)

@@ -138,7 +138,8 @@ class ParallelRunner:
         """One stage: every layer, split across the ranks (their weights and KV pools summed)."""
         parts = [part for (part,) in self._gather(self._call("placement"))]
         return [dataclasses.replace(parts[0], processes=self.size, weights_bytes=sum(p.weights_bytes for p in parts),
-                                    kv_cache_bytes=sum(p.kv_cache_bytes for p in parts))]
+                                    kv_cache_bytes=sum(p.kv_cache_bytes for p in parts),
+                                    experts_bytes=sum(p.experts_bytes for p in parts))]
 
     # --- commands -----------------------------------------------------------------------------
 

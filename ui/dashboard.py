@@ -115,11 +115,16 @@ def kv_cache_row(s: Sample) -> str:
 
 
 def stage_rows(s: Sample) -> list[str]:
-    """Where each part of the model lives, one row per pipeline stage (none for a model in one stage)."""
+    """Where each part of the model lives: a mixture-of-experts model's experts (host memory under cpu_experts), and
+    one row per pipeline stage (none for a model in one stage)."""
     stages = s.config.get("stages") or []
-    if len(stages) < 2:
-        return []
     rows = []
+    experts = [stage for stage in stages if stage.get("experts_device")]
+    if experts:
+        where = experts[0]["experts_device"]
+        rows.append(f"| Experts' weights | {human_bytes(sum(st['experts_bytes'] for st in experts))} on {where} |")
+    if len(stages) < 2:
+        return rows
     for i, stage in enumerate(stages):
         first, last = stage["layers"]
         holds = ", embedding + LM head" if stage["embedding_and_lm_head"] else ""

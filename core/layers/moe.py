@@ -13,19 +13,39 @@ tensor parallelism (each expert split like a dense MLP) apply to it as to any pr
 Under tensor parallelism the experts' (and the shared expert's) partial outputs are summed on each rank and
 all-reduced once per block, not once per expert. With the Triton kernels and dense experts, the experts' weights are
 stacked once loaded and the block runs as two grouped GEMMs (core/kernels/fused_moe.py) instead of the loop.
+
+Experts in host memory (`cpu_experts`, llama.cpp's --cpu-moe): a model built inside `host_experts(True)` keeps every
+expert's weights on the CPU, built with the torch (CPU) kernels, and computes them there: the routed rows go to the
+host and their sum comes back, while the router, the shared expert, attention and the KV stay on the model's device.
+The experts are most of a MoE model's bytes and few of its FLOPs per token (8 of 64 run), so the device holds the
+rest; without a GPU the device is the CPU and the same path runs (the copies are no-ops).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvforge.core.layers.backend import use_triton
+from kvforge.core.layers.backend import fused_fp32_elementwise, kernel_backend, use_triton
 from kvforge.core.layers.linear import ReplicatedLinear
 from kvforge.core.quant_config import dense_method
+
+_building = threading.local()  # whether the MoE blocks being built keep their experts in host memory (per thread)
+HOST = torch.device("cpu")
+
+
+@contextmanager
+def host_experts(enabled: bool) -> Iterator[None]:
+    previous, _building.host = getattr(_building, "host", False), enabled
+    try:
+        yield
+    finally:
+        _building.host = previous
 
 
 def moe_layout(config) -> tuple[int, int, int] | None:
@@ -56,13 +76,18 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = bool(getattr(config, "norm_topk_prob", config.model_type == "mixtral"))
         self.gate = ReplicatedLinear(config.hidden_size, self.num_experts, quant_method=dense_method(),
                                      params_dtype=dtype, prefix=f"{prefix}.gate")
-        self.experts = nn.ModuleList(make_mlp(size, f"{prefix}.experts.{e}") for e in range(self.num_experts))
+        self.on_host = getattr(_building, "host", False)  # the experts' weights and compute on the CPU
+        if self.on_host:
+            with torch.device(HOST), kernel_backend("torch", not fused_fp32_elementwise()):
+                self.experts = nn.ModuleList(make_mlp(size, f"{prefix}.experts.{e}") for e in range(self.num_experts))
+        else:
+            self.experts = nn.ModuleList(make_mlp(size, f"{prefix}.experts.{e}") for e in range(self.num_experts))
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = make_mlp(shared, f"{prefix}.shared_expert") if shared else None
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, quant_method=dense_method(),
                                                    params_dtype=dtype, prefix=f"{prefix}.shared_expert_gate") \
             if shared else None
-        self.triton = use_triton()
+        self.triton = use_triton() and not self.on_host
         self.w_gate_up = self.w_down = None  # the experts' weights stacked for the fused kernel (after_layers_loaded)
 
     def after_layers_loaded(self) -> None:
@@ -100,6 +125,9 @@ class SparseMoeBlock(nn.Module):
 
             out = fused_moe(x, self.w_gate_up, self.w_down, experts, weights, self.experts[0].act)
             return self._with_shared_expert(x, out)
+        device = x.device
+        if self.on_host:  # the routed rows to the experts' memory; their weighted sum comes back
+            x, experts, weights = x.to(HOST), experts.to(HOST), weights.to(HOST)
         out = torch.zeros_like(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
@@ -112,7 +140,7 @@ class SparseMoeBlock(nn.Module):
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, self.experts[expert](x[rows]) * sorted_weights[start:start + count])
                 start += count
-        return self._with_shared_expert(x, out)
+        return self._with_shared_expert(x.to(device), out.to(device))
 
     def _with_shared_expert(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum plus the shared expert's gated output, all-reduced once under TP."""

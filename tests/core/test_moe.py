@@ -93,3 +93,38 @@ def test_the_memory_estimate_counts_every_expert(tmp_path, embedded_path, name):
         llm.engine.close()
     estimated = estimate_memory(model.config, "float32", 0)["weights_bytes"]
     assert abs(estimated - held) <= 0.01 * held, (estimated, held)
+
+
+def test_experts_in_host_memory_give_the_same_tokens_and_are_placed_there(qwen2_moe, embedded_path):
+    """cpu_experts (llama.cpp's --cpu-moe): every expert built on the CPU with the torch kernels and computed there,
+    the rest on the device; with no GPU the device is the CPU too, so the same path runs and must give HF's tokens.
+    The placement says where the experts live and what they weigh; a dense model has none to move."""
+    from types import SimpleNamespace
+
+    from kvforge.ui.dashboard import DashboardSampler, dashboard_markdown, human_bytes
+
+    path, prompts, reference = qwen2_moe
+    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=64, cpu_experts=True)
+    try:
+        blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert blocks and all(b.on_host and b.syncs_with_host for b in blocks)
+        held = [t for b in blocks for t in b.experts.state_dict().values()]
+        assert held and all(t.device.type == "cpu" for t in held)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+        report = compare([o.token_ids for o in outs], *reference)
+        assert report.exact >= len(prompts) - 1, report
+        (stage,) = llm.engine.runtime().stages
+        config = llm.engine.hf_config  # fp32 experts: gate, up and down of hidden x moe_intermediate_size each
+        expert_bytes = len(blocks) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size * 4
+        assert stage["experts_device"] == "cpu" and stage["experts_bytes"] == expert_bytes
+        sampler = DashboardSampler(SimpleNamespace(engine=llm.engine, name="qwen2_moe"))
+        text = dashboard_markdown(SimpleNamespace(latest_sample=sampler.sample, recent_ttfts=list))
+        assert f"| Experts' weights | {human_bytes(expert_bytes)} on cpu |" in text
+    finally:
+        llm.engine.close()
+    dense = LLM(str(embedded_path), progress=False, num_kv_blocks=8, cpu_experts=True)
+    try:
+        (stage,) = dense.engine.runtime().stages
+        assert stage["experts_device"] is None and stage["experts_bytes"] == 0
+    finally:
+        dense.engine.close()
