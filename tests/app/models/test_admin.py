@@ -221,10 +221,11 @@ def test_the_admin_request_takes_every_model_setting():
     body = LoadModelRequest(model="m.gguf", dtype="bfloat16", quant="gguf", quant_options={"kernel": "blocks"},
                             served_model_name="m", kv_cache_gb=0.5, kv_cache_dtype="int8", decoding="ngram",
                             decoding_options={"k": 2})
-    assert asdict(body.spec(default_tp=2)) == {
+    assert asdict(body.spec(default_tp=2, default_pp=3)) == {
         "model": "m.gguf", "dtype": "bfloat16", "quant": "gguf", "quant_options": {"kernel": "blocks"},
         "served_name": "m", "kv_cache_gb": 0.5, "kv_cache_dtype": "int8", "decoding": "ngram",
-        "decoding_options": {"k": 2}, "tp": 2}
+        "decoding_options": {"k": 2}, "tp": 2, "pp": 3}
+    assert LoadModelRequest(pp=1).spec(default_tp=2, default_pp=3).pp == 1  # the body's own over the server's
 
 
 def test_a_quantized_kv_cache_holds_more_tokens_in_the_same_budget(server):
