@@ -20,12 +20,11 @@ Messages are pickled objects (`send_object_list`) between our own processes, on 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from kvforge.core.config import EngineConfig
-from kvforge.core.distributed import heads_of_rank, pipeline_stage, stage_layers, tensor_parallel
+from kvforge.core.distributed import pipeline_stage, stage_layers, tensor_parallel
 from kvforge.core.models.causal_lm import StageCarry
-from kvforge.core.ranks import COMMAND_TIMEOUT, RankProcesses, WorkerLost
+from kvforge.core.ranks import COMMAND_TIMEOUT, LeadRunner, RankProcesses, WorkerLost
 from kvforge.core.runner import ModelRunner, StagePlacement, StepInputs, StepOutput
 from kvforge.core.step import ScheduledSeq
 from kvforge.core.tp import load_rank_runner
@@ -134,7 +133,7 @@ class Pending:
         return self._replies
 
 
-class PipelineRunner:
+class PipelineRunner(LeadRunner):
     """Rank 0's handle on every stage, with ModelRunner's interface plus `submit` / `collect` (one step in flight per
     stage). Sizes and the model are rank 0's own (stage 0's layers; the KV budget is per rank, as under TP)."""
 
@@ -145,21 +144,9 @@ class PipelineRunner:
         stage_layers(hf_config, self.pipeline.stages, 0)  # a split that cannot be made: refused here
         if config.decoding != "none":
             raise ValueError("speculative decoding is not supported with pipeline parallelism (pp_size > 1)")
-        self._threads = torch.get_num_threads()  # restored at close: the thread count is process-wide
-        if config.device == "cpu" and config.num_threads is None:  # the ranks share this machine's cores
-            config = dataclasses.replace(config, num_threads=max(1, self._threads // self.size))
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        if config.tp_size > 1:  # a stage's ranks would time kernels at once on shared cores, and must agree (as TP's)
-            config = dataclasses.replace(config, linear_kernels="torch" if config.linear_kernels == "auto" else
-                                         config.linear_kernels, decode_attention="bmm" if config.decode_attention ==
-                                         "auto" else config.decode_attention)
-        self._kv_firsts = [heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads,
-                                         self.pipeline.tp, t).kv_first for t in range(self.pipeline.tp)]
+        config = self._share_machine(config, self.size, hf_config)
         self._pending: queue.Queue[Pending | None] = queue.Queue()  # sent, in order, awaiting their replies
-        self.ranks: RankProcesses | None = None
         self._reader: threading.Thread | None = None
-        atexit.register(self.close)  # a caller that never closes the engine still stops its ranks
         try:
             self.ranks = RankProcesses(self.size, __name__, "pipeline")
             dist.broadcast_object_list([self.pipeline], src=0)
@@ -184,38 +171,7 @@ class PipelineRunner:
             self.close()
             raise
 
-    # --- the Runner interface (core/runner_api.py) --------------------------------------------
-
-    device = property(lambda self: self.local.device)
-    kernels = property(lambda self: self.local.kernels)
-    block_size = property(lambda self: self.local.block_size)
-    kv_bytes_per_block = property(lambda self: self.local.kv_bytes_per_block)
-    kv_block_shape = property(lambda self: self.local.kv_block_shape)
-    kv_dtype = property(lambda self: self.local.kv_dtype)
-    kv_format = property(lambda self: self.local.kv_format)
-    kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
-    model = property(lambda self: self.local.model)
-    kernel_choices = property(lambda self: self.local.kernel_choices)
-    cuda_graph_safe = False  # a step is messages across processes: never captured
-    graphs = None
-
-    @property
-    def failure(self) -> str | None:
-        return self.ranks.failure if self.ranks is not None else None
-
-    @property
-    def on_failure(self) -> Callable[[], None] | None:
-        return self.ranks.on_failure if self.ranks is not None else None
-
-    @on_failure.setter
-    def on_failure(self, callback: Callable[[], None] | None) -> None:
-        self.ranks.on_failure = callback
-
-    def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None:
-        raise ValueError("CUDA graphs run on one rank only (pp_size 1, tp_size 1)")
-
-    def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs:
-        return self.local.layout(batch, all_logits)
+    # --- the Runner interface (core/runner_api.py): sizes and the model are rank 0's own (LeadRunner) -----
 
     def submit(self, batch: list[ScheduledSeq]) -> Pending:
         """Launch a step: this stage's layers run now, the rest of the pipeline after; `collect` gives its output."""
@@ -254,9 +210,7 @@ class PipelineRunner:
     def read_block(self, block: int) -> torch.Tensor:
         """The whole block: each tensor-parallel rank's heads with every stage's layers; a replicated head once."""
         chains = self._command("read_block", block).wait()  # per tensor-parallel rank: its shares, stage by stage
-        firsts = self._kv_firsts
-        shards = [torch.cat(chain, dim=0) for t, chain in enumerate(chains) if firsts.index(firsts[t]) == t]
-        return torch.cat(shards, dim=2).to(self.local.device)
+        return self._whole_block([torch.cat(chain, dim=0) for chain in chains])
 
     def weight_bytes(self) -> int:
         return sum(self._command("weight_bytes").wait())
@@ -318,23 +272,15 @@ class PipelineRunner:
             except Exception as exc:
                 pending.resolve(None, self._lost(f"a pipeline rank did not reply: {exc}"))
 
-    def _lost(self, why: str) -> WorkerLost:
-        return self.ranks.lost(why)
-
     def close(self) -> None:
         """Stop the workers (each passes the stop on, then exits; stragglers are killed) and leave the group."""
-        atexit.unregister(self.close)
-        if self.ranks is None or self.ranks.closing:
-            return
-
         def stop() -> None:
             for rank in range(1, self.pipeline.tp):
                 dist.send_object_list([("stop", (), None)], dst=rank, group=self._messages)
             dist.send_object_list([("stop", (), None)], dst=self.pipeline.next(0), group=self._messages)
 
         self._pending.put(None)  # the reply reader ends (or is left blocked on a dead rank: a daemon thread)
-        self.ranks.close(stop)
-        torch.set_num_threads(self._threads)
+        self._close_ranks(stop)
 
 
 def serve_rank(rank: int, size: int) -> None:

@@ -10,6 +10,8 @@ that exits while the engine runs is fatal, even while the server is idle), and a
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import importlib
 import logging
 import os
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kvforge.core.distributed import heads_of_rank
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,84 @@ def worker_main(rank: int | None = None, size: int | None = None, port: int | No
 
 
 WORKER_MODULES = ("kvforge.core.tp", "kvforge.core.pp")
+
+
+class LeadRunner:
+    """What rank 0's handles on several processes share (core/tp.py ParallelRunner, core/pp.py PipelineRunner): the
+    Runner interface's sizes and model are rank 0's own runner's (`self.local`), the ranks' failure is the engine's,
+    the machine's threads are split between the processes, and a KV block is put together from the tensor-parallel
+    ranks' heads."""
+
+    local: Any  # this process's ModelRunner, once loaded
+    ranks: RankProcesses | None = None
+    cuda_graph_safe = False  # a step is collectives or messages across processes: never captured
+    graphs = None
+
+    def _share_machine(self, config: Any, processes: int, hf_config) -> Any:
+        """The config each process runs: on CPU the threads split between the processes (restored at close: the
+        thread count is process-wide); the tensor-parallel ranks of a layer would time kernels at once on shared
+        cores, and must agree: the stock ones unless forced. Stops the ranks at exit if the caller never closes."""
+        self._threads = torch.get_num_threads()
+        if config.device == "cpu" and config.num_threads is None:
+            config = dataclasses.replace(config, num_threads=max(1, self._threads // processes))
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.tp_size > 1:
+            config = dataclasses.replace(config, linear_kernels="torch" if config.linear_kernels == "auto" else
+                                         config.linear_kernels, decode_attention="bmm" if config.decode_attention ==
+                                         "auto" else config.decode_attention)
+        self._kv_firsts = [heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads,
+                                         config.tp_size, t).kv_first for t in range(config.tp_size)]
+        atexit.register(self.close)
+        return config
+
+    device = property(lambda self: self.local.device)
+    kernels = property(lambda self: self.local.kernels)
+    block_size = property(lambda self: self.local.block_size)
+    kv_bytes_per_block = property(lambda self: self.local.kv_bytes_per_block)
+    kv_block_shape = property(lambda self: self.local.kv_block_shape)
+    kv_dtype = property(lambda self: self.local.kv_dtype)
+    kv_format = property(lambda self: self.local.kv_format)
+    kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
+    model = property(lambda self: self.local.model)
+    kernel_choices = property(lambda self: self.local.kernel_choices)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks can no longer run, once they cannot."""
+        return self.ranks.failure if self.ranks is not None else None
+
+    @property
+    def on_failure(self) -> Callable[[], None] | None:
+        return self.ranks.on_failure if self.ranks is not None else None
+
+    @on_failure.setter
+    def on_failure(self, callback: Callable[[], None] | None) -> None:
+        self.ranks.on_failure = callback
+
+    def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None:
+        raise ValueError("CUDA graphs run on one process only (tp_size 1, pp_size 1)")
+
+    def layout(self, batch: list, all_logits: bool = False) -> Any:
+        return self.local.layout(batch, all_logits)
+
+    def _whole_block(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """A KV block of every head from each tensor-parallel rank's shard (in rank order); a head replicated on
+        several ranks is taken once."""
+        firsts = self._kv_firsts
+        unique = [shard for t, shard in enumerate(shards) if firsts.index(firsts[t]) == t]
+        return torch.cat([shard.to(self.local.device) for shard in unique], dim=2)
+
+    def _lost(self, why: str) -> WorkerLost:
+        return self.ranks.lost(why)
+
+    def _close_ranks(self, stop: Callable[[], None]) -> None:
+        """Stop the ranks (`stop`: the runner's stop message) once, and give this process its threads back."""
+        atexit.unregister(self.close)
+        if self.ranks is not None and not self.ranks.closing:
+            self.ranks.close(stop)
+            torch.set_num_threads(self._threads)
+
 
 if __name__ == "__main__":  # a rank spawned by RankProcesses: rank, size, rank 0's store port
     worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -12,7 +12,6 @@ with `broadcast_object_list` (pickle between our own processes; checkpoints are 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -24,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from kvforge.core.config import EngineConfig
-from kvforge.core.distributed import heads_of_rank, tensor_parallel
-from kvforge.core.ranks import COMMAND_TIMEOUT, RankProcesses, WorkerLost
+from kvforge.core.distributed import tensor_parallel
+from kvforge.core.ranks import COMMAND_TIMEOUT, LeadRunner, RankProcesses, WorkerLost
 from kvforge.core.runner import ModelRunner, StagePlacement, StepInputs, StepOutput
 from kvforge.core.step import ScheduledSeq
 
@@ -35,25 +34,13 @@ GATHERED = ("read_block", "weight_bytes", "placement")  # commands whose result 
 __all__ = ["ParallelRunner", "WorkerLost", "serve_rank"]
 
 
-class ParallelRunner:
+class ParallelRunner(LeadRunner):
     """Rank 0's handle on the model runners of all ranks, with ModelRunner's interface: each call is
     sent to the workers, then run here. Anything else (sizes, the model) is rank 0's own."""
 
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, progress: bool = True) -> None:
         self.size = config.tp_size
-        self._threads = torch.get_num_threads()  # restored at close: the thread count is process-wide
-        if config.device == "cpu" and config.num_threads is None:  # the ranks share this machine's cores
-            config = dataclasses.replace(config, num_threads=max(1, self._threads // self.size))
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        # ranks would time kernels at once on shared cores, and must agree: the stock ones unless forced
-        config = dataclasses.replace(config, linear_kernels="torch" if config.linear_kernels == "auto" else
-                                     config.linear_kernels, decode_attention="bmm" if config.decode_attention == "auto"
-                                     else config.decode_attention)
-        self._kv_firsts = [heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, self.size,
-                                         rank).kv_first for rank in range(self.size)]  # first KV head of each rank
-        self.ranks: RankProcesses | None = None
-        atexit.register(self.close)  # a caller that never closes the engine still stops its ranks
+        config = self._share_machine(config, self.size, hf_config)
         try:
             self.ranks = RankProcesses(self.size, "kvforge.core.tp", "tensor-parallel")
             self._commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
@@ -70,39 +57,7 @@ class ParallelRunner:
             self.close()
             raise
 
-    @property
-    def failure(self) -> str | None:
-        """Why the ranks can no longer run, once they cannot."""
-        return self.ranks.failure if self.ranks is not None else None
-
-    @property
-    def on_failure(self) -> Callable[[], None] | None:
-        return self.ranks.on_failure if self.ranks is not None else None
-
-    @on_failure.setter
-    def on_failure(self, callback: Callable[[], None] | None) -> None:
-        self.ranks.on_failure = callback
-
-    # --- the Runner interface (core/runner_api.py): sizes and the model are rank 0's own ----------
-
-    device = property(lambda self: self.local.device)
-    kernels = property(lambda self: self.local.kernels)
-    block_size = property(lambda self: self.local.block_size)
-    kv_bytes_per_block = property(lambda self: self.local.kv_bytes_per_block)
-    kv_block_shape = property(lambda self: self.local.kv_block_shape)
-    kv_dtype = property(lambda self: self.local.kv_dtype)
-    kv_format = property(lambda self: self.local.kv_format)
-    kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
-    model = property(lambda self: self.local.model)
-    kernel_choices = property(lambda self: self.local.kernel_choices)
-    cuda_graph_safe = False  # a decode step is collectives across processes: never captured
-    graphs = None
-
-    def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None:
-        raise ValueError("CUDA graphs run on one rank only (tp_size 1)")
-
-    def layout(self, batch: list[ScheduledSeq], all_logits: bool = False) -> StepInputs:
-        return self.local.layout(batch, all_logits)
+    # --- the Runner interface (core/runner_api.py): sizes and the model are rank 0's own (LeadRunner) -----
 
     def forward(self, inputs: StepInputs) -> StepOutput:
         return self._call("forward", inputs)
@@ -126,10 +81,7 @@ class ParallelRunner:
 
     def read_block(self, block: int) -> torch.Tensor:
         """The whole block (every KV head) gathered from the ranks; a replicated head is taken once."""
-        shards = self._gather(self._call("read_block", block))
-        firsts = self._kv_firsts
-        unique = [shard for rank, shard in enumerate(shards) if firsts.index(firsts[rank]) == rank]
-        return torch.cat([shard.to(self.local.device) for shard in unique], dim=2)
+        return self._whole_block(self._gather(self._call("read_block", block)))
 
     def weight_bytes(self) -> int:
         return sum(self._gather(self._call("weight_bytes")))
@@ -166,15 +118,9 @@ class ParallelRunner:
             raise self._lost(f"a tensor-parallel rank did not answer: {exc}") from exc
         return results
 
-    def _lost(self, why: str) -> WorkerLost:
-        return self.ranks.lost(why)
-
     def close(self) -> None:
         """Stop the workers (they exit on their own; stragglers are terminated) and leave the group."""
-        atexit.unregister(self.close)
-        if self.ranks is not None and not self.ranks.closing:
-            self.ranks.close(lambda: dist.broadcast_object_list([("stop", ())], src=0, group=self._commands))
-            torch.set_num_threads(self._threads)
+        self._close_ranks(lambda: dist.broadcast_object_list([("stop", ())], src=0, group=self._commands))
 
 
 def serve_rank(rank: int, size: int) -> None:
