@@ -22,33 +22,13 @@ from kvforge.core.distributed import stage_layers
 from kvforge.core.ranks import WorkerLost
 from tests.helpers.parity import compare, hf_greedy
 from tests.helpers.processes import rank_processes
+from tests.helpers.rank_runs import GREEDY, NEW_TOKENS, chat_prompts_of, greedy_rounds
 from tests.helpers.tiny_models import random_prompts, save_tiny_model
-
-NEW_TOKENS = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "Give me three tips for learning to code.",
-         "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden."]
-
-
-def _tokens(path, prompts, rounds: int = 1, **config) -> tuple[list[list[list[int]]], object]:
-    """Greedy tokens of `prompts` for each round, and the engine's final stats (fp32); the engine is closed."""
-    llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **{"dtype": "float32", **config})
-    try:
-        results = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
-        stats = llm.engine.stats()
-        assert stats.kv_blocks_used == 0
-        return results, stats
-    finally:
-        llm.engine.close()
 
 
 @pytest.fixture(scope="module")
 def chat_prompts(embedded_path):
-    from kvforge.core.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(embedded_path)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    return chat_prompts_of(embedded_path)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +59,7 @@ def test_stages_split_the_work_not_only_the_layers(embedded_path):
 @pytest.mark.parametrize("layout", [{"pp_size": 2}, {"pp_size": 2, "tp_size": 2}], ids=["pp2", "pp2xtp2"])
 def test_pipeline_equals_one_process_on_the_embedded_model(embedded_path, chat_prompts, reference, layout):
     """Two rounds: the second hits the prefix cache (blocks computed by the first, on every stage)."""
-    (first, second), stats = _tokens(embedded_path, chat_prompts, rounds=2, **layout)
+    (first, second), stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, **layout)
     assert first == reference and second == reference
     assert stats.cached_tokens_total >= sum(len(p) // 16 * 16 for p in chat_prompts)
     assert not rank_processes()
@@ -194,9 +174,9 @@ class TestOnePP2EngineOfTheEmbeddedModel:
 def test_persisted_kv_written_by_pp2_is_loaded_by_a_restarted_pp2_engine(embedded_path, chat_prompts,
                                                                           reference, tmp_path):
     persist = dict(persist_kv=True, data_dir=str(tmp_path), pp_size=2)
-    (first,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    (first,), stats = greedy_rounds(embedded_path, chat_prompts, **persist)
     assert first == reference and stats.kv_disk_blocks > 0
-    (second,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    (second,), stats = greedy_rounds(embedded_path, chat_prompts, **persist)
     assert second == reference
     assert stats.kv_disk_loaded_blocks_total >= sum(len(p) // 16 for p in chat_prompts) - len(chat_prompts)
 

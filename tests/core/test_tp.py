@@ -24,42 +24,17 @@ import torch
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.tp import WorkerLost
 from tests.helpers.processes import rank_processes
+from tests.helpers.rank_runs import CHATS, GREEDY, NEW_TOKENS, chat_prompts_of, greedy_rounds
 from tests.helpers.tiny_models import COMMON, random_prompts, save_tiny_model, tiny_configs
-
-NEW_TOKENS = 12  # enough decode steps (and speculative verifications) to compare the ranks over
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "Give me three tips for learning to code.",
-         "Rewrite this sentence in the passive voice: The cat chased the mouse across the garden."]
 
 
 def _children() -> list[psutil.Process]:
     return rank_processes()
 
 
-def _tokens(path, prompts, rounds: int = 1, embeddings: list | None = None,
-            **config) -> tuple[list[list[list[int]]], dict]:
-    """Greedy tokens of `prompts` for each round, and the engine's final stats; the engine is closed. fp32 unless
-    `config` says otherwise: the ranks' tokens must equal one rank's exactly, whatever kernels each runs.
-    `embeddings`: a list the prompts' embeddings are added to."""
-    llm = LLM(str(path), progress=False, kv_cache_bytes=64 << 20, **{"dtype": "float32", **config})
-    try:
-        results = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
-        if embeddings is not None:
-            embeddings.extend(llm.embed(prompts))
-        stats = llm.engine.stats()
-        assert stats.kv_blocks_used == 0
-        return results, stats
-    finally:
-        llm.engine.close()
-
-
 @pytest.fixture(scope="module")
 def chat_prompts(embedded_path):
-    from kvforge.core.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(embedded_path)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    return chat_prompts_of(embedded_path)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +60,7 @@ def test_tp2_equals_tp1_on_the_embedded_model(embedded_path, chat_prompts, refer
     """Two rounds: the second hits the prefix cache (its prompts' blocks were computed by the first)."""
     if config.get("decoding") == "draft":
         config = {**config, "decoding_options": {"model": str(embedded_path)}}
-    (first, second), stats = _tokens(embedded_path, chat_prompts, rounds=2, tp_size=2, **config)
+    (first, second), stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, tp_size=2, **config)
     assert first == reference
     assert second == reference
     assert stats.cached_tokens_total >= sum(len(p) // 16 * 16 for p in chat_prompts)
@@ -119,8 +94,8 @@ def test_tp2_equals_tp1_on_tiny_models(tmp_path_factory, embedded_path, arch):
     """Embeddings too: rank 0 pools the hidden states every rank holds whole (to fp32 rounding of the sums)."""
     path, prompts = _tiny(tmp_path_factory, embedded_path, arch)
     embeddings: list[list[list[float]]] = [[], []]
-    (tp1,), _ = _tokens(path, prompts, embeddings=embeddings[0])
-    (tp2, cached), stats = _tokens(path, prompts, rounds=2, tp_size=2, max_num_batched_tokens=32,  # chunked
+    (tp1,), _ = greedy_rounds(path, prompts, embeddings=embeddings[0])
+    (tp2, cached), stats = greedy_rounds(path, prompts, rounds=2, tp_size=2, max_num_batched_tokens=32,  # chunked
                                    embeddings=embeddings[1])
     assert tp2 == tp1 and cached == tp1
     assert stats.cached_tokens_total > 0
@@ -191,9 +166,9 @@ def test_whole_blocks_of_a_replicated_kv_head_are_gathered_and_handed_to_the_ran
 def test_persisted_kv_written_by_tp2_is_loaded_by_a_restarted_tp2_engine(embedded_path, chat_prompts,
                                                                           reference, tmp_path):
     persist = dict(persist_kv=True, data_dir=str(tmp_path), tp_size=2)
-    (first,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    (first,), stats = greedy_rounds(embedded_path, chat_prompts, **persist)
     assert first == reference and stats.kv_disk_blocks > 0
-    (second,), stats = _tokens(embedded_path, chat_prompts, **persist)
+    (second,), stats = greedy_rounds(embedded_path, chat_prompts, **persist)
     assert second == reference
     assert stats.kv_disk_loaded_blocks_total >= sum(len(p) // 16 for p in chat_prompts) - len(chat_prompts)
 
@@ -246,8 +221,8 @@ def test_quantized_tp2_equals_tp1(quant_model, quantized, case):
                    "gptq": dict(method="gptq", group_size=64, sym=True),
                    "awq": dict(method="awq", group_size=64, sym=False)}[case]
         path, config = quantized(case, **options), {"quant_options": {"kernel": "dequant"}}
-    (tp1,), _ = _tokens(path, prompts, **config)
-    (tp2,), _ = _tokens(path, prompts, tp_size=2, **config)
+    (tp1,), _ = greedy_rounds(path, prompts, **config)
+    (tp2,), _ = greedy_rounds(path, prompts, tp_size=2, **config)
     assert tp2 == tp1
 
 
@@ -351,8 +326,8 @@ def test_a_quantized_kv_pool_split_by_heads_gives_one_ranks_tokens(embedded_path
     """int8 rows (codes and a scale) split by KV heads like a full-precision pool: two ranks give one rank's tokens over
     the same format, the second round from the prefix cache. (q4 is not compared so: the ranks' sums round apart by
     fp32's last bits, and a 4-bit code that moves with them moved one of these prompts' 10th token, 0.27 nats apart.)"""
-    (one,), _ = _tokens(embedded_path, chat_prompts, kv_cache_dtype="int8")
-    (first, second), stats = _tokens(embedded_path, chat_prompts, rounds=2, tp_size=2, kv_cache_dtype="int8")
+    (one,), _ = greedy_rounds(embedded_path, chat_prompts, kv_cache_dtype="int8")
+    (first, second), stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, tp_size=2, kv_cache_dtype="int8")
     assert first == one and second == one
     assert stats.cached_tokens_total > 0
     assert not _children()
