@@ -49,6 +49,8 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
+    "gguf_experts_linear": [_PTR, _I64, _PTR, _I32, _I32, _I32, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32,
+                            _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
     "gguf_simd_built": [],
 }
@@ -404,6 +406,52 @@ def gguf_linear(x: torch.Tensor, weights: GgufSegments, simd: str = "widest",
         else:
             _run("gguf_linear_exact", *args, batch_invariant)
     return out if plain else out.view(*x.shape[:-1], weights.out_features).to(x.dtype)
+
+
+class GgufExperts:
+    """A mixture-of-experts layer's experts for one projection (each a GgufSegments of the same shape: gate / up side
+    by side, or down), for `gguf_experts_linear`: their types, pointers and row strides in one array, expert by
+    expert, built once."""
+
+    def __init__(self, experts: list[GgufSegments]) -> None:
+        first = experts[0]
+        if any(e.in_features != first.in_features or list(e.outs) != list(first.outs) or e.floats or
+               e.columns is not None for e in experts):
+            raise ValueError("stacked GGUF experts: block weights of one shape each, in their own column order")
+        self.experts = experts  # keeps their tensors alive
+        self.in_features, self.out_features = first.in_features, first.out_features
+        self.segments = len(first.parts)
+        self.types = (_I32 * (len(experts) * self.segments))(*(t for e in experts for t in e.types))
+        self.pointers = (ctypes.c_void_p * (len(experts) * self.segments))(*(p for e in experts for p in e.pointers))
+        self.row_bytes = (_I64 * (len(experts) * self.segments))(*(b for e in experts for b in e.row_bytes))
+        self.outs = first.outs
+
+
+def gguf_experts_linear(x: torch.Tensor, starts: torch.Tensor, weights: GgufExperts, rows: torch.Tensor | None = None,
+                        activations: str = "int16", simd: str = "widest") -> torch.Tensor:
+    """Each expert's rows of x through that expert's weights in one call: expert e takes rows [starts[e], starts[e + 1])
+    of x[rows] (x itself when `rows` is None), out [len(rows), out_features] in x's dtype (fp32 / bf16 / fp16). x
+    quantized per 32 values as gguf_linear's `activations` "int16" / "int8"; each expert's outputs the bits gguf_linear
+    gives for its rows alone. `starts`: int64 [experts + 1], ascending from 0."""
+    if x.dim() != 2 or x.dtype not in DTYPE_CODES or x.stride(-1) != 1 or x.shape[1] != weights.in_features:
+        raise ValueError(f"x: [rows, {weights.in_features}] fp32 / bf16 / fp16 with unit column stride expected")
+    if activations not in ("int16", "int8"):
+        raise ValueError(f"activations: int16 or int8 expected, got {activations!r}")
+    count = x.shape[0] if rows is None else rows.shape[0]
+    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or rows.stride(0) != 1 or
+                             (count and not 0 <= int(rows.min()) <= int(rows.max()) < x.shape[0])):
+        raise ValueError(f"rows: contiguous int64 ids of x's {x.shape[0]} rows expected")
+    experts = len(weights.experts)
+    if starts.dtype != torch.int64 or starts.shape != (experts + 1,) or not starts.is_contiguous() or \
+            int(starts[0]) != 0 or int(starts[-1]) != count or bool((starts.diff() < 0).any()):
+        raise ValueError(f"starts: int64 [{experts + 1}] from 0 to the {count} rows expected")
+    out = torch.empty(count, weights.out_features, dtype=x.dtype)
+    if count:
+        _run("gguf_experts_linear", x.data_ptr(), x.stride(0), None if rows is None else rows.data_ptr(), count,
+             weights.in_features, DTYPE_CODES[x.dtype], experts, starts.data_ptr(), weights.segments, weights.types,
+             weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(), torch.get_num_threads(),
+             GGUF_SIMD[simd], GGUF_ACTIVATIONS[activations])
+    return out
 
 
 def gguf_dequant(qtype: int, blocks: torch.Tensor, in_features: int, ids: torch.Tensor | None = None,

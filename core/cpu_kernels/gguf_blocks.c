@@ -1216,6 +1216,147 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
     free(xq.qsum);
 }
 
+// ---- a mixture-of-experts layer's routed experts in one call ----
+
+// rows [r0, r0 + xrows) of the quantized x, as a quantized_x of their own (the tile path reads from row 0)
+static quantized_x rows_from(const quantized_x *x, int64_t r0, int cols) {
+    const int64_t subs = cols / SUB;
+    quantized_x v = *x;
+    v.q = x->q ? x->q + r0 * cols : NULL;
+    v.q16 = x->q16 ? x->q16 + r0 * cols : NULL;
+    v.q16s = x->q16s ? x->q16s + r0 * cols : NULL;
+    v.scale = x->scale + r0 * subs, v.sum = x->sum + r0 * subs, v.qsum = x->qsum + r0 * subs;
+    return v;
+}
+
+// Expert e's weights (`segments` side by side, as kvf_gguf_linear's: types / weights / row_bytes [e * segments + s],
+// outs [s], the same for every expert) against its own rows of x: rows [starts[e], starts[e + 1]) of the gathered x,
+// whose row p is x[ids[p]] (ids NULL: x's row p). out [rows][outs' sum] (`dtype`). One call for all the experts a
+// step routed to, where one call per expert quantized x and started a team of threads each time: OLMoE-1B-7B Q4_0 on
+// Zen 5, a decode token's 8 experts ... Each expert's outputs are the bits kvf_gguf_linear gives for its rows alone
+// (x quantized per row alike; few rows decoded in registers, many through decoded tiles, as there). `x_bits` 8 or 16.
+void kvf_gguf_experts_linear(const void *x, int64_t x_stride, const int64_t *ids, int32_t rows, int32_t cols,
+                             int32_t dtype, int32_t experts, const int64_t *starts, int32_t segments,
+                             const int32_t *types, const void *const *weights, const int64_t *row_bytes,
+                             const int64_t *outs, void *out, int32_t threads, int32_t simd, int32_t x_bits) {
+    const int portable = simd == SIMD_NONE;
+    const size_t es = dtype_size(dtype);
+    const int subs = cols / SUB, wide = x_bits == 16;
+    int64_t total = 0;
+    for (int s = 0; s < segments; s++) total += outs[s];
+    if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
+        threads = 1;
+    int slots = 0;
+    for (int i = 0; i < experts * segments; i++) {
+        block_type t;
+        block_type_of(types[i], &t);
+        slots |= wide && t.slots;
+    }
+    const size_t x_bytes = ((size_t)rows * cols * (wide ? 2 : 1) + 63) & ~(size_t)63;
+    void *codes_x = aligned_alloc(64, x_bytes * (slots ? 2 : 1));
+    quantized_x xq = {.q = wide ? NULL : codes_x, .q16 = wide ? codes_x : NULL,
+                      .q16s = slots ? (int16_t *)((char *)codes_x + x_bytes) : NULL,
+                      .scale = scratch_floats((size_t)rows * subs), .sum = scratch_floats((size_t)rows * subs),
+                      .qsum = scratch_floats((size_t)rows * subs)};
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+    for (int n = 0; n < rows; n++) {
+        float *row = scratch_floats((size_t)cols);
+        load_row((const char *)x + (size_t)(ids ? ids[n] : n) * x_stride * es, dtype, cols, row);
+        quantize_row(row, cols, wide ? NULL : xq.q + (size_t)n * cols, wide ? xq.q16 + (size_t)n * cols : NULL,
+                     slots ? xq.q16s + (size_t)n * cols : NULL, xq.scale + (size_t)n * subs,
+                     xq.sum + (size_t)n * subs, xq.qsum + (size_t)n * subs);
+        free(row);
+    }
+    int few = 0;  // rows of x up to which an expert's weights are decoded in registers (0: always decoded tiles)
+#if defined(__AVX2__)
+    const int pairs = ZMM_PAIRS && simd == SIMD_WIDEST;
+    few = portable ? 0 : pairs ? FEW_ROWS_PAIRS : FEW_ROWS;
+    int16_t *paired = NULL;
+#if ZMM_PAIRS
+    xq.pairs8 = pairs && !wide;
+    if (pairs && wide) {  // the tiles read q16 / q16s; the pairs only the rows decoded in registers
+        paired = aligned_alloc(64, x_bytes * (slots ? 2 : 1));
+        xq.q16p = pair_layout(xq.q16, paired, rows, cols);
+        xq.q16sp = slots ? pair_layout(xq.q16s, (int16_t *)((char *)paired + x_bytes), rows, cols) : NULL;
+    }
+#endif
+#endif
+    int *active = malloc(sizeof(int) * (experts > 0 ? experts : 1)), routed = 0;  // the experts with rows
+    for (int e = 0; e < experts; e++)
+        if (starts[e + 1] > starts[e]) active[routed++] = e;
+    float *sums = scratch_floats((size_t)rows * total);
+    const int64_t per_expert = (total + UNIT - 1) / UNIT, units = routed * per_expert;
+#pragma omp parallel num_threads(threads)
+    {
+        int widest = 0;  // the most rows an expert takes through the tiles
+        for (int a = 0; a < routed; a++) {
+            const int count = (int)(starts[active[a] + 1] - starts[active[a]]);
+            if (count > few && count > widest) widest = count;
+        }
+        uint8_t *codes = widest ? aligned_alloc(64, (size_t)TILE * cols) : NULL;
+        float *lanes = widest ? scratch_floats((size_t)TILE * subs * 8) : NULL;
+        float *offsets = widest ? scratch_floats((size_t)TILE * subs) : NULL;
+        float *tile_sums = widest ? scratch_floats((size_t)widest * TILE) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int e = active[u / per_expert];
+            const int64_t r0 = starts[e], xrows = starts[e + 1] - r0;
+            // the unit's output columns [u0, u0 + UNIT), over the segments they cross
+            const int64_t u0 = u % per_expert * UNIT, u1 = u0 + UNIT < total ? u0 + UNIT : total;
+            int64_t column = 0;
+            for (int s = 0; s < segments; column += outs[s], s++) {
+                const int64_t first = u0 > column ? u0 - column : 0;
+                const int64_t last = u1 - column < outs[s] ? u1 - column : outs[s];
+                if (last <= first) continue;
+                const int i = e * segments + s;
+                const uint8_t *w = weights[i];
+#if defined(__AVX2__)
+                if (xrows <= few) {
+                    const int per_pass = pairs ? MAX_XROWS : 2;
+                    for (int64_t r = r0; r < r0 + xrows; r += per_pass)
+                        rows_dot_any(types[i], r0 + xrows - r >= per_pass ? per_pass : (int)(r0 + xrows - r), w,
+                                     row_bytes[i], first, last - first, cols, &xq, (int)r,
+                                     sums + (size_t)r * total + column, total);
+                    continue;
+                }
+#endif
+                block_type t;
+                block_type_of(types[i], &t);
+                const quantized_x own = rows_from(&xq, r0, cols);
+                for (int64_t o = first; o < last; o += TILE) {
+                    const int tile = last - o < TILE ? (int)(last - o) : TILE;
+                    decode_rows(types[i], &t, w + o * row_bytes[i], row_bytes[i], tile, cols, codes, lanes, offsets,
+                                portable);
+#if defined(__AVX2__)
+                    if (!portable)
+                        dot_tile_avx2(&t, tile, (int)xrows, cols, codes, lanes, offsets, &own, tile_sums);
+                    else
+#endif
+                        dot_tile_portable(&t, tile, (int)xrows, cols, codes, lanes, offsets, &own, tile_sums);
+                    for (int64_t r = 0; r < xrows; r++)
+                        memcpy(sums + (size_t)(r0 + r) * total + column + o, tile_sums + r * tile,
+                               sizeof(float) * tile);
+                }
+            }
+        }
+        free(codes);
+        free(lanes);
+        free(offsets);
+        free(tile_sums);
+    }
+    for (int n = 0; n < rows; n++)
+        store_columns(sums + (size_t)n * total, dtype, 0, (int)total, NULL, (char *)out + (size_t)n * total * es);
+    free(sums);
+    free(active);
+#if defined(__AVX2__)
+    free(paired);
+#endif
+    free(codes_x);
+    free(xq.scale);
+    free(xq.sum);
+    free(xq.qsum);
+}
+
 // what this build's kernels use on this CPU (bits: 1 AVX2, 2 the AVX-512 pairs, 4 the AVX512_BF16 tile)
 int32_t kvf_gguf_simd_built(void) { return AVX2_BUILT | (ZMM_PAIRS << 1) | (BF16_TILE << 2); }
 

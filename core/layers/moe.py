@@ -14,6 +14,9 @@ Under tensor parallelism the experts' (and the shared expert's) partial outputs 
 all-reduced once per block, not once per expert. With the Triton kernels and dense experts, the experts' weights are
 stacked once loaded and the block runs as two grouped GEMMs (core/kernels/fused_moe.py) instead of the loop.
 
+A quant method may compute all of a layer's experts together (`stack_experts`): GGUF blocks run a decode step's
+routed experts as two kernel calls (gate / up, down) instead of two per expert, each expert's outputs the same bits.
+
 Experts in host memory (`cpu_experts`, llama.cpp's --cpu-moe): a model built inside `host_experts(True)` keeps every
 expert's weights on the CPU, built with the torch (CPU) kernels, and computes them there: the routed rows go to the
 host and their sum comes back, while the router, the shared expert, attention and the KV stay on the model's device.
@@ -89,11 +92,16 @@ class SparseMoeBlock(nn.Module):
             if shared else None
         self.triton = use_triton() and not self.on_host
         self.w_gate_up = self.w_down = None  # the experts' weights stacked for the fused kernel (after_layers_loaded)
+        self.stacked = None  # the quant method's kernel for all experts at once, where it has one (after_layers_loaded)
 
     def after_layers_loaded(self) -> None:
         """With the Triton kernels and dense experts (weights as loaded, [out, in] in the model dtype): stack them
         [E, 2I, H] and [E, H, I] for the fused grouped GEMMs, each expert's weights becoming views of them (one
         copy). Quantized experts keep the loop (each through its own quant method)."""
+        gate_up, down = [e.gate_up_proj for e in self.experts], [e.down_proj for e in self.experts]
+        method = gate_up[0].quant_method
+        if hasattr(method, "stack_experts") and all(type(p.quant_method) is type(method) for p in gate_up + down):
+            self.stacked = method.stack_experts(gate_up, down)
         projections = [p for expert in self.experts for p in (expert.gate_up_proj, expert.down_proj)]
         if not self.triton or not all(p.quant_method.name == "none" and p.weight.dtype == p.compute_dtype
                                       and p.packed_weight is None and p.float_segments is None for p in projections):
@@ -131,9 +139,17 @@ class SparseMoeBlock(nn.Module):
         out = torch.zeros_like(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         tokens = order // self.top_k
         sorted_weights = weights.flatten()[order].unsqueeze(1)
+        activations = self.stacked.takes(int(counts.max())) if self.stacked is not None else None
+        if activations is not None:  # every routed expert in one call per projection; their sum in the loop's order
+            starts = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=starts[1:])
+            out.index_add_(0, tokens, self.stacked(x, starts, tokens, self.experts[0].act, activations) *
+                           sorted_weights)
+            return self._with_shared_expert(x.to(device), out.to(device))
+        counts = counts.tolist()
         start = 0
         for expert, count in enumerate(counts):
             if count:

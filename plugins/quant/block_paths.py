@@ -125,8 +125,14 @@ def blocks_linear(x: torch.Tensor, segments, int16_rows: int, activations: str =
     without the fixed order (a decode step is int16 anyway); `fp32` keeps every row's result batch-invariant."""
     from kvforge.core.cpu_kernels import gguf_linear
 
-    invariant = activations == "fp32"
-    if activations == "auto":
-        activations = "int16" if x.numel() <= int16_rows * x.shape[-1] else "fp32"
-    out = gguf_linear(x, segments, activations=activations, batch_invariant=invariant)
+    out = gguf_linear(x, segments, activations=blocks_activations(x.numel() // x.shape[-1], int16_rows, activations),
+                      batch_invariant=activations == "fp32")
     return out if bias is None else out + bias.to(out.dtype)
+
+
+def blocks_activations(rows: int, int16_rows: int, activations: str = "auto") -> str:
+    """The blocks kernel's activations for a call of `rows` rows under the option `activations` (`auto`: int16 up to
+    `int16_rows` rows, fp32 beyond)."""
+    if activations == "auto":
+        return "int16" if rows <= int16_rows else "fp32"
+    return activations

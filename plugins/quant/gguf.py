@@ -38,7 +38,14 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 
-from kvforge.plugins.quant.block_paths import blocks_linear, expanded_linear, int8_layer_linear, int16_rows, wide_rows
+from kvforge.plugins.quant.block_paths import (
+    blocks_activations,
+    blocks_linear,
+    expanded_linear,
+    int8_layer_linear,
+    int16_rows,
+    wide_rows,
+)
 from kvforge.plugins.quant.cpu_kernels import int4_linear, int4pack_available, pack_int4_affine
 from kvforge.plugins.quant.dense import DenseMethod
 from kvforge.plugins.quant.gguf_blocks import SUPPORTED, affine_weight
@@ -312,6 +319,19 @@ class GgufMethod(DenseMethod):
         group = codes.shape[1] // scales.shape[1]
         return lambda ids: affine_weight(codes[ids], scales[ids], None if offsets is None else offsets[ids], group)
 
+    def stack_experts(self, gate_up: list, down: list) -> StackedExperts | None:
+        """A MoE layer's experts (their gate / up and down layers) computed together for a step: None unless every
+        one is on the blocks path with block types (float weights take x as given: one call each) and no bias."""
+        from kvforge.core.cpu_kernels import GgufExperts
+
+        layers = [*gate_up, *down]
+        if any(layer.segments is None or layer.segments.floats or layer.segments.columns is not None or
+               layer.bias is not None for layer in layers):
+            return None
+        return StackedExperts(GgufExperts([layer.segments for layer in gate_up]),
+                              GgufExperts([layer.segments for layer in down]), gate_up[0].int16_rows,
+                              self.options["activations"])
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.segments is not None:
             return blocks_linear(x, layer.segments, layer.int16_rows, self.options["activations"], bias)
@@ -334,6 +354,31 @@ class GgufMethod(DenseMethod):
                 return expanded_linear(x, dequant_int8(*layer.int8), bias)
             return int8_layer_linear(x, layer.int8, bias)
         return super().apply(layer, x, bias)
+
+
+class StackedExperts:
+    """A MoE layer's experts on the blocks path, each projection's experts in one kernel call: a decode step's routed
+    experts are two calls (gate / up, down) instead of two per expert, x quantized once per call and one team of
+    threads over all their weights. Each expert's outputs are the bits its own layer gives for its rows (the kernel's
+    promise), so the block's result does not change. Steps whose rows per expert take x as given (`auto` past
+    `int16_rows` rows, or `fp32`: prefill) keep one call per expert: those calls are long and the shared call would
+    save nothing."""
+
+    def __init__(self, gate_up, down, int16_rows: int, activations: str) -> None:
+        self.gate_up, self.down, self.int16_rows, self.activations = gate_up, down, int16_rows, activations
+
+    def takes(self, widest: int) -> str | None:
+        """The activations a step whose busiest expert has `widest` rows runs with together, or None (one call each)."""
+        activations = blocks_activations(widest, self.int16_rows, self.activations)
+        return None if activations == "fp32" else activations
+
+    def __call__(self, x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, act, activations: str
+                 ) -> torch.Tensor:
+        """Rows `rows` of x through expert e's MLP for e's rows [starts[e], starts[e + 1]): act(gate / up) then down."""
+        from kvforge.core.cpu_kernels import gguf_experts_linear
+
+        hidden = act(gguf_experts_linear(x, starts, self.gate_up, rows, activations))
+        return gguf_experts_linear(hidden, starts, self.down, None, activations)
 
 
 def decoded_parts(parts: list, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

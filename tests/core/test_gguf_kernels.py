@@ -13,8 +13,10 @@ from gguf.quants import dequantize
 from kvforge.core.cpu_kernels import (
     GGUF_SIMD,
     GGUF_SUPER,
+    GgufExperts,
     GgufSegments,
     gguf_dequant,
+    gguf_experts_linear,
     gguf_linear,
     gguf_simd_features,
     unavailable,
@@ -211,6 +213,38 @@ def test_output_columns_are_stored_where_asked(activations):
         assert torch.equal(gguf_linear(x, permuted, activations=activations, batch_invariant=invariant), expected)
     with pytest.raises(ValueError, match="permutation"):
         GgufSegments(parts, 512, torch.zeros(64, dtype=torch.long))
+
+
+@pytest.mark.parametrize("simd", list(GGUF_SIMD))
+@pytest.mark.parametrize("activations", list(QUANTIZED))
+def test_experts_in_one_call_equal_one_call_each(activations, simd):
+    """A MoE layer's routed experts in one call (gguf_experts_linear): each expert's rows the bits gguf_linear gives
+    for them alone, with fused gate / up segments of two types (Q4_K with Q6_K: both of x's int16 layouts), experts
+    with no rows, one row (a decode token), five and twenty (past the register path: decoded tiles), x's rows
+    gathered by id (a token routed to several experts) and in bf16."""
+    experts, cols = 6, 512
+    segments = [GgufSegments([(int(T.Q4_K), torch.from_numpy(random_blocks(T.Q4_K, 24, cols, seed=10 + e))),
+                              (int(T.Q6_K), torch.from_numpy(random_blocks(T.Q6_K, 24, cols, seed=20 + e)))], cols)
+                for e in range(experts)]
+    stacked = GgufExperts(segments)
+    counts = [1, 0, 5, 20, 0, 2]
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(11, cols).to(dtype)
+        ids = torch.randint(0, 11, (sum(counts),), generator=torch.Generator().manual_seed(1))
+        got = gguf_experts_linear(x, starts, stacked, ids, activations, simd)
+        assert got.shape == (sum(counts), 48) and got.dtype == dtype
+        for e in range(experts):
+            rows = ids[starts[e]:starts[e + 1]]
+            assert torch.equal(got[starts[e]:starts[e + 1]],
+                               gguf_linear(x[rows], segments[e], simd=simd, activations=activations)), (e, dtype)
+        # without ids: x's own rows in order
+        gathered = x[ids].contiguous()
+        assert torch.equal(gguf_experts_linear(gathered, starts, stacked, None, activations, simd), got)
+    with pytest.raises(ValueError, match="starts"):
+        gguf_experts_linear(x, starts.flip(0), stacked, ids, activations)
+    with pytest.raises(ValueError, match="rows"):
+        gguf_experts_linear(x, starts, stacked, ids + 11, activations)
 
 
 def test_the_avx2_build_passes_these_tests_too(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from kvforge.app.models.catalog import describe
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.loader import resolve_model
 from tests.helpers.moe_gguf import write_moe_gguf
@@ -70,6 +71,42 @@ def test_greedy_tokens_match_hf(moe_file, dense, embedded_path):
         report = compare([o.token_ids for o in outs], *reference)
         print(name, "dense" if dense else "in place", report)
         assert report.exact >= len(prompts) - 1, report
+    finally:
+        llm.engine.close()
+
+
+def test_routed_experts_in_one_call_give_one_call_each_bits(moe_file):
+    """Served in place with the default activations (int16 x in decode steps), a step whose experts take few rows runs
+    them in two kernel calls per layer (gguf_experts_linear, counted under torch's profiler) and gives the tokens and
+    log-probabilities of one call per expert bit for bit; prefill (more rows than int16 takes) keeps one call each.
+    F32 experts (float weights: x as given) never take it. The catalog's estimate of the experts' bytes is what the
+    loaded model places."""
+    import torch
+
+    name, gguf, experts, _, prompts, _ = moe_file
+    # no prefix cache: the second run would compute only each prompt's last token, in int16 where the first took
+    # the prompt's rows as given
+    llm = LLM(str(gguf), progress=False, dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    try:
+        blocks = [layer.mlp for layer in llm.engine.runner.model.model.layers]
+        # `kvforge models` / the UI's estimate count the experts the loaded model holds, before loading
+        (stage,) = llm.engine.runtime().stages
+        assert describe(gguf.name, gguf, 64, "float32").experts_bytes == stage["experts_bytes"] > 0
+        if experts == T.F32:
+            assert all(block.stacked is None for block in blocks)
+            return
+        assert all(block.stacked is not None for block in blocks)
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            together = llm.generate(prompts, params)
+        calls = sum(event.count for event in profile.key_averages() if event.key == "kvforge::gguf_experts_linear")
+        assert calls >= 2 * len(blocks) * 7  # at least the 7 decode steps after each prompt's first token
+        for block in blocks:
+            block.stacked = None
+        alone = llm.generate(prompts, params)
+        for a, b in zip(together, alone):
+            assert a.token_ids == b.token_ids
+            assert [(p.logprob, p.top) for p in a.logprobs] == [(p.logprob, p.top) for p in b.logprobs]
     finally:
         llm.engine.close()
 
