@@ -211,8 +211,7 @@ class ServeSettings:
                                       "(the gguf quant plugin)", bool, engine="gguf_dense")
     cpu_experts: bool = engine_setting(engine_default("cpu_experts"), "mixture-of-experts models: keep every "
                                        "expert's weights in host memory and compute them on the CPU (llama.cpp's "
-                                       "--cpu-moe); the rest of the model stays on --device", bool,
-                                       engine="cpu_experts")
+                                       "--cpu-moe); the rest of the model stays on --device", bool)
     quant: str = engine_setting(  # a quantized checkpoint picks its own plugin when this is "none"
         engine_default("quant"), "quantization plugin (see `kvforge plugins`; default: {default}, or what a "
         "quantized checkpoint says)")

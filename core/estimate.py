@@ -86,15 +86,18 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
     modules_to_not_convert) or there is no `quant`, the dtype's size (a bf16 / fp16 checkpoint's in an fp32 model that
     keeps them so, as the head too); embeddings and norms stay in `dtype` (a tied head is held twice: the embedding
     and the head's own copy), and so does the KV cache unless `kv_cache_dtype` stores it quantized (its format's
-    bytes per row: core/kv/quant.py)."""
+    bytes per row: core/kv/quant.py). A mixture-of-experts model's routed experts are also counted apart
+    (`experts_bytes`, part of the weights)."""
     torch_dtype = DTYPES[resolve_dtype(dtype)]
     element = torch.empty((), dtype=torch_dtype).element_size()
     linear_element = _dense_linear_bytes(hf_config, torch_dtype, quant) or element
     quant = quant.with_packed_modules(LlamaForCausalLM.packed_modules_mapping) if quant is not None else None
 
-    def projection_bytes(size: int = 1, rank: int = 0) -> float:
+    def projection_bytes(size: int = 1, rank: int = 0, experts_only: bool = False) -> float:
         total = 0.0
         for prefix, count in projection_weights(hf_config, size, rank).items():
+            if experts_only and ".mlp.experts." not in prefix:
+                continue
             bits = quant.bits_per_weight(prefix) if quant is not None else None
             total += count * (bits / 8 if bits else linear_element)
         return total
@@ -108,6 +111,8 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
                                              head_dim_of(hf_config), torch_dtype, kv_cache_dtype)
     estimate = {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),
                 "total_bytes": int(weights) + int(kv)}
+    if moe_layout(hf_config) is not None:  # the routed experts' share: what --cpu-experts keeps in host memory
+        estimate["experts_bytes"] = int(projection_bytes(experts_only=True))
     if tp_size > 1:  # rank 0 holds the largest share (heads split unevenly give it the extra)
         heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size, 0)
         # the projections by this rank's share; embeddings and head split evenly (norms are noise)

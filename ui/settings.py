@@ -62,7 +62,7 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
             return (f"Estimate for {int(context_tokens)} tokens of context: weights "
                     f"{human_bytes(entry.weights_bytes)} ({entry.parameters / 1e6:.1f}M parameters, the GGUF's own "
                     f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - entry.weights_bytes)}"
-                    f"{kv_type} = **{human_bytes(entry.memory_bytes)}**")
+                    f"{kv_type} = **{human_bytes(entry.memory_bytes)}**" + experts_note(entry.experts_bytes))
         path = service.local_model_dir(model)
         if path is None:
             return f"No estimate for {model!r} before it is converted (GGUF)."
@@ -87,7 +87,14 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
             f"**{human_bytes(e['total_bytes'])}**"
             + (f"; on {ranks} tensor-parallel ranks the largest share is **{human_bytes(e['rank_total_bytes'])}** "
                f"(weights {human_bytes(e['rank_weights_bytes'])} + KV {human_bytes(e['rank_kv_bytes'])})"
-               if ranks > 1 else ""))
+               if ranks > 1 else "") + experts_note(e.get("experts_bytes")))
+
+
+def experts_note(experts_bytes: int | None) -> str:
+    """Where a mixture-of-experts model's routed experts go: the part of the weights "Experts in host memory" moves."""
+    if not experts_bytes:
+        return ""
+    return f"; of the weights, the experts: {human_bytes(experts_bytes)} (in host memory when that box is ticked)"
 
 
 def kv_budget_gb(service: UIService) -> float | None:
@@ -196,7 +203,8 @@ class SettingsHandlers:
 
     def settings_values(self):
         # the panel as the running model has it (model, dtype, quant, quant options, decoding, decoding options,
-        # KV budget, tensor-parallel ranks, KV cache type); no docstring: it would become the Gradio API's description
+        # KV budget, tensor-parallel ranks, KV cache type, pipeline stages, experts in host memory); no docstring: it
+        # would become the Gradio API's description
         import gradio as gr
 
         core = self.service.running_config()
@@ -210,7 +218,8 @@ class SettingsHandlers:
                 json.dumps(core.decoding_options if core else {}), kv_budget_update(self.service),
                 core.tp_size if core else self.service.last_spec().tp,
                 core.kv_cache_dtype if core else self.service.last_spec().kv_cache_dtype,
-                core.pp_size if core else self.service.last_spec().pp)
+                core.pp_size if core else self.service.last_spec().pp,
+                core.cpu_experts if core else self.service.last_spec().cpu_experts)
 
     def update_estimate(self, m: str, d: str, c: float | None, q: str, o: str, t: float | None,
                         k: str | None = "auto") -> str:
@@ -222,10 +231,11 @@ class SettingsHandlers:
     async def apply_settings(self, model: str, dtype: str, quant: str, options: str, decoding: str,
                              decoding_json: str, kv_gb: float | None, tp: int | None,
                              kv_cache_dtype: str | None = ModelSpec.kv_cache_dtype,
-                             pp: int | None = ModelSpec.pp) -> AsyncIterator[str]:
-        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks / KV cache type / pipeline
-        stages without a restart; in-flight replies finish first. An empty KV budget (None) keeps the server's
-        default: its --kv-cache-gb, else the automatic size."""
+                             pp: int | None = ModelSpec.pp,
+                             cpu_experts: bool | None = ModelSpec.cpu_experts) -> AsyncIterator[str]:
+        """Swap model / dtype / quant / decoding / KV budget / tensor-parallel ranks / KV cache type / pipeline stages /
+        experts in host memory without a restart; in-flight replies finish first. An empty KV budget (None) keeps the
+        server's default: its --kv-cache-gb, else the automatic size."""
         if tp is None:
             yield "Refused: tensor-parallel ranks: enter a whole number >= 1"
             return
@@ -243,10 +253,12 @@ class SettingsHandlers:
         served = self.service.last_spec().served_name if model == self.service.model_choice() else None
         spec = ModelSpec(model=model, dtype=dtype, quant=quant, quant_options=parsed["quant"], served_name=served,
                          kv_cache_gb=None if kv_gb is None else float(kv_gb), kv_cache_dtype=kv_cache_dtype,
-                         decoding=decoding, decoding_options=parsed["decoding"], tp=int(tp), pp=int(pp))
+                         decoding=decoding, decoding_options=parsed["decoding"], tp=int(tp), pp=int(pp),
+                         cpu_experts=bool(cpu_experts))
         what = (f"{dtype}, quant {quant}" + (f", decoding {decoding}" if decoding != "none" else "")
                 + (f", tp {int(tp)}" if int(tp) != 1 else "") + (f", pp {int(pp)}" if int(pp) != 1 else "")
-                + (f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""))
+                + (f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+                + (", experts in host memory" if cpu_experts else ""))
         started = time.monotonic()
         task = asyncio.ensure_future(self.service.load_model(spec))
         while not task.done():
@@ -278,16 +290,17 @@ class SettingsPanel:
     kv_cache_dtype: Any
     tp: Any
     pp: Any
+    cpu_experts: Any
     context: Any
     estimate: Any
     apply: Any
     status: Any
 
     def values(self) -> list:
-        """What settings_values fills and apply_settings takes, in that order (the KV cache type and the pipeline
-        stages last: the Gradio API's callers of the earlier inputs keep working)."""
+        """What settings_values fills and apply_settings takes, in that order (the KV cache type, the pipeline stages
+        and the experts' place last: the Gradio API's callers of the earlier inputs keep working)."""
         return [self.model, self.dtype, self.quant, self.quant_options, self.decoding, self.decoding_options,
-                self.kv_gb, self.tp, self.kv_cache_dtype, self.pp]
+                self.kv_gb, self.tp, self.kv_cache_dtype, self.pp, self.cpu_experts]
 
     def estimate_inputs(self) -> list:
         return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp, self.kv_cache_dtype]
@@ -329,13 +342,17 @@ def settings_panel() -> SettingsPanel:
         tp = gr.Number(label="Tensor-parallel ranks", value=1, minimum=1, precision=0, elem_id="settings-tp")
         pp = gr.Number(label="Pipeline stages", value=1, minimum=1, precision=0, elem_id="settings-pp",
                        info="each stage: --tp processes holding consecutive layers and their KV")
+        cpu_experts = gr.Checkbox(label="Experts in host memory (mixture-of-experts models)", value=False,
+                                  elem_id="settings-cpu-experts",
+                                  info="every expert's weights in RAM, computed on the CPU (llama.cpp's --cpu-moe); "
+                                       "the rest of the model on the device")
         context = gr.Number(label="Context length for the estimate (tokens)", value=8192,
                             minimum=1, precision=0, elem_id="settings-context")
         estimate = gr.Markdown(elem_id="settings-estimate")
         apply = gr.Button("Apply", variant="primary", elem_id="settings-apply")
         status = gr.Markdown(elem_id="settings-status")
     return SettingsPanel(model, dtype, quant, quant_help, quant_options, decoding, decoding_help, decoding_options,
-                         kv_gb, kv_cache_dtype, tp, pp, context, estimate, apply, status)
+                         kv_gb, kv_cache_dtype, tp, pp, cpu_experts, context, estimate, apply, status)
 
 
 def add_settings(blocks: gr.Blocks, service: UIService) -> None:

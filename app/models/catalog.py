@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvforge.core.config import DTYPES, KV_CACHE_DTYPES, kv_bytes_per_token, resolve_dtype
+from kvforge.core.gguf_moe import STACKED as STACKED_EXPERTS
 from kvforge.core.loader import EMBEDDED_MODEL, ModelNotFoundError, embedded_gguf_path
 from kvforge.core.model_files import GGUFHeader, check_checkpoint_dir, read_gguf_header
 
@@ -49,6 +50,7 @@ class ModelEntry:
     parameters: int | None = None
     weights_bytes: int | None = None  # the weights as kvforge holds them
     memory_bytes: int | None = None  # those + the KV cache of `context` tokens
+    experts_bytes: int | None = None  # a mixture-of-experts model's routed experts, part of the weights (--cpu-experts)
     modified_ns: int | None = None  # the file's (a checkpoint's config.json's) modification time
     error: str | None = None
 
@@ -174,7 +176,7 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
     quant_config = QuantConfig.for_checkpoint(discover(QUANT_GROUP).get(quant), options, quantization)
     estimate = estimate_memory(config, dtype, context, quant_config, kv_cache_dtype=kv_cache_dtype)
     entry.parameters, entry.weights_bytes = estimate["parameters"], estimate["weights_bytes"]
-    entry.memory_bytes = estimate["total_bytes"]
+    entry.memory_bytes, entry.experts_bytes = estimate["total_bytes"], estimate.get("experts_bytes")
 
 
 @dataclass(frozen=True)
@@ -219,16 +221,19 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_c
     entry.size_bytes, entry.modified_ns = info.st_size, info.st_mtime_ns
     entry.architecture, entry.quantization = facts.architecture, facts.quantization
     element = DTYPES[dtype].itemsize
-    weights, parameters = 0.0, 0
-    for _, tensor_type, count, _ in facts.tensors:  # block types served from the file itself (a tied head shares the
-        parameters += count                          # embedding's blocks), the rest dense in the dtype
+    weights, parameters, experts = 0.0, 0, 0.0
+    for name, tensor_type, count, _ in facts.tensors:  # block types served from the file itself (a tied head shares
+        parameters += count                             # the embedding's blocks), the rest dense in the dtype
         held = held_bytes_per_weight(tensor_type, DTYPES[dtype])
         weights += count * (held[0] if held else element)
+        if STACKED_EXPERTS.fullmatch(name):
+            experts += count * (held[0] if held else element)
     f = facts.fields
     head_dim = f.get("attention.key_length") or f["embedding_length"] // f["attention.head_count"]
     kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype],
                                       kv_cache_dtype)
     entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
+    entry.experts_bytes = int(experts) if experts else None
 
 
 def quantization_name(file_type: int | None) -> str | None:
@@ -263,9 +268,10 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     dtype = resolve_dtype(args.dtype)
     print(f"models directory: {models_dir or '(none: --models-dir or KVFORGE_MODELS_DIR)'}; memory: weights in "
-          f"{dtype} + KV for {args.context} tokens ({args.kv_cache_dtype})")
+          f"{dtype} + KV for {args.context} tokens ({args.kv_cache_dtype}); experts: of the weights, a "
+          "mixture-of-experts model's routed experts (host memory under --cpu-experts)")
     header = f"{'name':<40} {'format':<11} {'architecture':<20} {'quantization':<13} {'on disk':>10} {'params':>8} " \
-             f"{'memory':>10}"
+             f"{'memory':>10} {'experts':>10}"
     print(header)
     print("-" * len(header))
     for e in entries:
@@ -274,7 +280,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             continue
         params = f"{e.parameters / 1e6:.0f}M" if e.parameters else "-"
         print(f"{e.name:<40} {e.format or '-':<11} {e.architecture or '-':<20} {e.quantization or '-':<13} "
-              f"{_size(e.size_bytes):>10} {params:>8} {_size(e.memory_bytes):>10}")
+              f"{_size(e.size_bytes):>10} {params:>8} {_size(e.memory_bytes):>10} {_size(e.experts_bytes):>10}")
     return 0
 
 

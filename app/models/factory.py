@@ -31,7 +31,7 @@ def spec_from_settings(settings: ServeSettings, served_name: str | None = None) 
                      kv_cache_dtype=settings.kv_cache_dtype,
                      decoding=settings.decoding,
                      decoding_options=json_options(settings.decoding_options, "--decoding-options"), tp=settings.tp,
-                     pp=settings.pp)
+                     pp=settings.pp, cpu_experts=settings.cpu_experts)
 
 
 def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **overrides: Any) -> EngineConfig:
@@ -55,7 +55,8 @@ def engine_config(spec: ModelSpec, settings: ServeSettings | None = None, **over
     return EngineConfig(**{**knobs, "model": spec.model, "dtype": spec.dtype, "kv_cache_dtype": spec.kv_cache_dtype,
                            "quant": quant,
                            "quant_options": spec.quant_options, "decoding": decoding,
-                           "decoding_options": spec.decoding_options, "tp_size": tp, "pp_size": spec.pp, **sized,
+                           "decoding_options": spec.decoding_options, "tp_size": tp, "pp_size": spec.pp,
+                           "cpu_experts": spec.cpu_experts, **sized,
                            **({"sampling_defaults": sampling} if sampling else {}), **overrides})
 
 

@@ -61,7 +61,8 @@ class ModelHost:
         `kv_bytes`: the KV pool an engine gets (for the memory estimate before a load); `embedding_model`: the entry
         that embeds for requests naming no model or the server's own (None: the server's own model does)."""
         self.factory, self.spec, self.engine = factory, spec, engine
-        self.default_tp, self.default_pp = spec.tp, spec.pp  # the server's --tp / --pp: for a load naming neither
+        # the server's --tp / --pp / --cpu-experts: for a load naming none of them
+        self.default_tp, self.default_pp, self.default_cpu_experts = spec.tp, spec.pp, spec.cpu_experts
         self.models_dir = models_dir.resolve() if models_dir else None
         self.in_flight = 0
         self._ready = asyncio.Event()

@@ -35,13 +35,15 @@ class LoadModelRequest(BaseModel):
     decoding_options: dict[str, Any] = Field(default_factory=dict)
     tp: int | None = Field(default=None, ge=1)  # tensor-parallel ranks; None: the server's --tp
     pp: int | None = Field(default=None, ge=1)  # pipeline stages; None: the server's --pp
+    cpu_experts: bool | None = None  # a MoE model's experts in host memory; None: the server's --cpu-experts
 
-    def spec(self, default_tp: int, default_pp: int = 1) -> ModelSpec:
-        """The model to load, as the host takes it (`default_tp` / `default_pp`: the server's --tp / --pp)."""
+    def spec(self, default_tp: int, default_pp: int = 1, default_cpu_experts: bool = False) -> ModelSpec:
+        """The model to load, as the host takes it (the defaults: the server's --tp / --pp / --cpu-experts)."""
         settings = self.model_dump()
         settings["served_name"] = settings.pop("served_model_name")  # --served-model-name's name in the API
-        settings["tp"] = default_tp if self.tp is None else self.tp
-        settings["pp"] = default_pp if self.pp is None else self.pp
+        for field, default in (("tp", default_tp), ("pp", default_pp), ("cpu_experts", default_cpu_experts)):
+            if settings[field] is None:
+                settings[field] = default
         return ModelSpec(**settings)
 
 
@@ -59,7 +61,7 @@ def models_router(context: ServerContext) -> APIRouter:
                 "decoding": core.config.decoding, "decoding_options": core.config.decoding_options,
                 "kv_cache_dtype": core.config.kv_cache_dtype,
                 # the context served, under vLLM's name and the one LM Studio's and OpenRouter's clients read
-                "tp": core.config.tp_size, "pp": core.config.pp_size,
+                "tp": core.config.tp_size, "pp": core.config.pp_size, "cpu_experts": core.config.cpu_experts,
                 "max_model_len": core.max_model_len, "context_length": core.max_model_len,
                 # what a request leaving these fields out gets (core/generation_defaults.py), and from where
                 "sampling_defaults": core.generation_defaults.values,
@@ -90,7 +92,7 @@ def models_router(context: ServerContext) -> APIRouter:
     @router.post("/admin/models/load")
     async def admin_load(body: LoadModelRequest):
         try:
-            await host.load(body.spec(host.default_tp, host.default_pp))
+            await host.load(body.spec(host.default_tp, host.default_pp, host.default_cpu_experts))
         except InvalidSpec as exc:  # refused before the swap began: a path, tp or the decoding plugin / options
             raise APIError(400, str(exc), exc.param) from None
         except ValueError as exc:  # bad path, unknown plugin, bad dtype, a split the model cannot take

@@ -67,6 +67,7 @@ class ModelSpec:
     decoding_options: dict[str, Any] = field(default_factory=dict)
     tp: int = engine_default("tp_size")  # tensor-parallel ranks, one process each
     pp: int = engine_default("pp_size")  # pipeline stages, each of tp processes
+    cpu_experts: bool = engine_default("cpu_experts")  # a MoE model's experts in host memory, computed on the CPU
 
     @property
     def entry(self) -> str:

@@ -81,7 +81,8 @@ def test_each_routed_expert_runs_once_a_step_on_all_its_tokens_and_no_other_runs
 def test_the_memory_estimate_counts_every_expert(tmp_path, embedded_path, name):
     """core/estimate.py's parameter count (what `kvforge models`, the UI's estimate and the KV budget start from)
     equals the HF model's: every expert, the shared expert and its gate, the routers, OLMoE's whole-projection norms;
-    and the fp32 weights estimate is within 1% of what the loaded engine holds."""
+    the fp32 weights estimate is within 1% of what the loaded engine holds, its experts' share exactly the loaded
+    placement's."""
     from kvforge.core.estimate import estimate_memory, parameter_count
 
     model = save_tiny_model(name, tmp_path, embedded_path, seed=1234)
@@ -89,10 +90,12 @@ def test_the_memory_estimate_counts_every_expert(tmp_path, embedded_path, name):
     llm = LLM(str(tmp_path), progress=False, dtype="float32", num_kv_blocks=16)
     try:
         held = llm.engine.runner.weight_bytes()
+        (stage,) = llm.engine.runtime().stages
     finally:
         llm.engine.close()
-    estimated = estimate_memory(model.config, "float32", 0)["weights_bytes"]
-    assert abs(estimated - held) <= 0.01 * held, (estimated, held)
+    estimate = estimate_memory(model.config, "float32", 0)
+    assert abs(estimate["weights_bytes"] - held) <= 0.01 * held, (estimate, held)
+    assert estimate["experts_bytes"] == stage["experts_bytes"]  # what --cpu-experts moves, before loading
 
 
 def test_experts_in_host_memory_give_the_same_tokens_and_are_placed_there(qwen2_moe, embedded_path):

@@ -1,7 +1,7 @@
-"""The KV cache type in the UI without a browser: the settings panel's memory estimate counts the chosen type's bytes
-(the GGUF's own blocks and a converted checkpoint alike, as `kvforge models` does), Apply builds the spec with it,
-and the dashboard shows the type and the tokens the pool holds (the model card's kv_cache_tokens). The browser
-drives the same panel in tests/ui/test_settings.py."""
+"""The KV cache type (and the model's placement inputs) in the UI without a browser: the settings panel's memory
+estimate counts the chosen type's bytes (the GGUF's own blocks and a converted checkpoint alike, as `kvforge models`
+does), Apply builds the spec with it, and the dashboard shows the type and the tokens the pool holds (the model
+card's kv_cache_tokens). The browser drives the same panel in tests/ui/test_settings.py."""
 
 from __future__ import annotations
 
@@ -97,6 +97,21 @@ def test_apply_loads_the_kv_cache_type_chosen_and_keeps_the_default_for_older_ca
     assert service.loaded[-1].kv_cache_dtype == "q4" and "KV cache q4" in statuses[-1], statuses
     asyncio.run(apply(EMBEDDED_MODEL, "bfloat16", "none", "{}", "none", "{}", 0.25, 1))  # the eight earlier inputs
     assert service.loaded[-1].kv_cache_dtype == "auto"
+
+
+def test_apply_places_a_moe_models_experts_in_host_memory_when_asked(service):
+    """The panel's last input, "Experts in host memory": Apply loads the spec with cpu_experts (the engine's --cpu-
+    experts) and says so; a caller of the earlier inputs gets the default (off). The loaded placement itself:
+    tests/core/test_moe.py and the admin test."""
+    on = SettingsHandlers(service)
+
+    async def apply(*values) -> list[str]:
+        return [status async for status in on.apply_settings(*values)]
+
+    statuses = asyncio.run(apply(EMBEDDED_MODEL, "bfloat16", "none", "{}", "none", "{}", 0.25, 1, "auto", 1, True))
+    assert service.loaded[-1].cpu_experts is True and "experts in host memory" in statuses[-1], statuses
+    asyncio.run(apply(EMBEDDED_MODEL, "bfloat16", "none", "{}", "none", "{}", 0.25, 1, "auto", 1))
+    assert service.loaded[-1].cpu_experts is False
 
 
 def test_the_dashboard_shows_the_kv_cache_type_and_the_tokens_the_pool_holds(embedded_llm):

@@ -221,11 +221,13 @@ def test_the_admin_request_takes_every_model_setting():
     body = LoadModelRequest(model="m.gguf", dtype="bfloat16", quant="gguf", quant_options={"kernel": "blocks"},
                             served_model_name="m", kv_cache_gb=0.5, kv_cache_dtype="int8", decoding="ngram",
                             decoding_options={"k": 2})
-    assert asdict(body.spec(default_tp=2, default_pp=3)) == {
+    assert asdict(body.spec(default_tp=2, default_pp=3, default_cpu_experts=True)) == {
         "model": "m.gguf", "dtype": "bfloat16", "quant": "gguf", "quant_options": {"kernel": "blocks"},
         "served_name": "m", "kv_cache_gb": 0.5, "kv_cache_dtype": "int8", "decoding": "ngram",
-        "decoding_options": {"k": 2}, "tp": 2, "pp": 3}
-    assert LoadModelRequest(pp=1).spec(default_tp=2, default_pp=3).pp == 1  # the body's own over the server's
+        "decoding_options": {"k": 2}, "tp": 2, "pp": 3, "cpu_experts": True}
+    # the body's own over the server's
+    assert LoadModelRequest(pp=1).spec(default_tp=2, default_pp=3).pp == 1
+    assert LoadModelRequest(cpu_experts=False).spec(2, 3, default_cpu_experts=True).cpu_experts is False
 
 
 def test_a_quantized_kv_cache_holds_more_tokens_in_the_same_budget(server):
