@@ -49,12 +49,12 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "dequant_int8": [_PTR, _PTR, _PTR, _PTR, _I64, _I32, _I32, _I32],
     "gguf_linear": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
-    "gguf_experts_linear": [_PTR, _I64, _PTR, _I32, _I32, _I32, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32,
-                            _I32, _I32],
+    "gguf_experts_linear": [_PTR, _I64, _I64, _PTR, _I32, _I32, _I32, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _PTR,
+                            _I32, _I32, _I32],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
     "gguf_simd_built": [],
 }
-RETURNS = {"gguf_simd_built": _I32}  # (the others return nothing)
+RETURNS = {"gguf_simd_built": _I32, "gguf_experts_linear": _I32}  # (the others return nothing)
 
 
 class KernelUnavailable(RuntimeError):
@@ -171,13 +171,14 @@ def _kernel(kernel: str):
     return getattr(_library(), f"kvf_{kernel}")
 
 
-def _run(kernel: str, *args) -> None:
-    """Call kvf_<kernel>; under torch's profiler named as an op (a ctypes call is none: it would count as Python)."""
+def _run(kernel: str, *args):
+    """Call kvf_<kernel> (what it returns); under torch's profiler named as an op (a ctypes call is none: it would
+    count as Python)."""
     fn = _kernel(kernel)
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.profiler.record_function(f"kvforge::{kernel}"):
             return fn(*args)
-    fn(*args)
+    return fn(*args)
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)  # what the fused elementwise kernels take
@@ -438,19 +439,21 @@ def gguf_experts_linear(x: torch.Tensor, starts: torch.Tensor, weights: GgufExpe
     if activations not in ("int16", "int8"):
         raise ValueError(f"activations: int16 or int8 expected, got {activations!r}")
     count = x.shape[0] if rows is None else rows.shape[0]
-    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or rows.stride(0) != 1 or
-                             (count and not 0 <= int(rows.min()) <= int(rows.max()) < x.shape[0])):
-        raise ValueError(f"rows: contiguous int64 ids of x's {x.shape[0]} rows expected")
+    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or rows.stride(0) != 1):
+        raise ValueError("rows: contiguous int64 ids of x's rows expected")
     experts = len(weights.experts)
-    if starts.dtype != torch.int64 or starts.shape != (experts + 1,) or not starts.is_contiguous() or \
-            int(starts[0]) != 0 or int(starts[-1]) != count or bool((starts.diff() < 0).any()):
-        raise ValueError(f"starts: int64 [{experts + 1}] from 0 to the {count} rows expected")
+    if starts.dtype != torch.int64 or starts.shape != (experts + 1,) or not starts.is_contiguous():
+        raise ValueError(f"starts: contiguous int64 [{experts + 1}] expected")
     out = torch.empty(count, weights.out_features, dtype=x.dtype)
-    if count:
-        _run("gguf_experts_linear", x.data_ptr(), x.stride(0), None if rows is None else rows.data_ptr(), count,
-             weights.in_features, DTYPE_CODES[x.dtype], experts, starts.data_ptr(), weights.segments, weights.types,
-             weights.pointers, weights.row_bytes, weights.outs, out.data_ptr(), torch.get_num_threads(),
-             GGUF_SIMD[simd], GGUF_ACTIVATIONS[activations])
+    # their values are checked by the kernel before it reads anything
+    refused = _run("gguf_experts_linear", x.data_ptr(), x.stride(0), x.shape[0],
+                   None if rows is None else rows.data_ptr(), count, weights.in_features, DTYPE_CODES[x.dtype],
+                   experts, starts.data_ptr(), weights.segments, weights.types, weights.pointers, weights.row_bytes,
+                   weights.outs, out.data_ptr(), torch.get_num_threads(), GGUF_SIMD[simd],
+                   GGUF_ACTIVATIONS[activations])
+    if refused:
+        raise ValueError(f"starts: ascending from 0 to the {count} rows expected" if refused == 1 else
+                         f"rows: ids of x's {x.shape[0]} rows expected")
     return out
 
 
