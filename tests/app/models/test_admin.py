@@ -230,6 +230,18 @@ def test_the_admin_request_takes_every_model_setting():
     assert LoadModelRequest(cpu_experts=False).spec(2, 3, default_cpu_experts=True).cpu_experts is False
 
 
+def test_the_servers_cpu_experts_reaches_the_engine_through_the_spec():
+    """--cpu-experts (settings file, environment) is a model setting: the server's spec carries it to the engine's
+    config, and a load naming none keeps it (the host's default)."""
+    from kvforge.app.models.factory import engine_config, spec_from_settings
+    from kvforge.app.settings import ServeSettings
+
+    for value in (True, False):
+        settings = ServeSettings(cpu_experts=value)
+        spec = spec_from_settings(settings)
+        assert spec.cpu_experts is value and engine_config(spec, settings).cpu_experts is value
+
+
 def test_a_quantized_kv_cache_holds_more_tokens_in_the_same_budget(server):
     """The card shows the KV cache type, its bytes per token and the tokens the pool holds: in the same --kv-cache-gb,
     int8 holds 128 / 66 of bf16's tokens (head_dim 64: 64 codes + a bf16 scale a row against 64 bf16 values), q4
