@@ -51,10 +51,13 @@ SIGNATURES = {  # kvf_<name>'s argument types, as declared in the C files
     "gguf_linear_exact": [_PTR, _I64, _I32, _I32, _I32, _I32, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _I32],
     "gguf_experts_linear": [_PTR, _I64, _I64, _PTR, _I32, _I32, _I32, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _PTR,
                             _I32, _I32, _I32],
+    "moe_group": [_PTR, _PTR, _I64, _I32, _I32, _I32, _PTR, _PTR, _PTR],
+    "moe_combine": [_PTR, _PTR, _PTR, _I64, _I32, _I32, _I64, _PTR],
     "gguf_dequant": [_I32, _PTR, _I64, _PTR, _I64, _I32, _PTR, _I32, _I32],
     "gguf_simd_built": [],
 }
-RETURNS = {"gguf_simd_built": _I32, "gguf_experts_linear": _I32}  # (the others return nothing)
+RETURNS = {"gguf_simd_built": _I32, "gguf_experts_linear": _I32, "moe_group": _I32,
+           "moe_combine": _I32}  # (the others return nothing)
 
 
 class KernelUnavailable(RuntimeError):
@@ -199,6 +202,40 @@ def _fused_dtype(x: torch.Tensor, *others: torch.Tensor) -> int:
         raise ValueError(f"the fused elementwise kernels take bfloat16 or float32 tensors, all one dtype, got "
                          f"{[t.dtype for t in (x, *others)]}")
     return DTYPE_CODES[x.dtype]
+
+
+def moe_group(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A MoE step's routing grouped by expert (core/cpu_kernels/elementwise.c): `experts` int64 and `weights` (fp32 /
+    bf16 / fp16) [tokens, k] -> (each grouped pair's token [pairs], its weight [pairs], starts [num_experts + 1], the
+    most pairs one expert has); pairs in their order within an expert, as torch's stable argsort groups them."""
+    flat, flat_weights = experts.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    if flat.dtype != torch.int64 or flat_weights.dtype not in DTYPE_CODES or flat.numel() != flat_weights.numel():
+        raise ValueError("experts: int64 and weights: fp32 / bf16 / fp16 of one shape expected")
+    pairs = flat.numel()
+    tokens = torch.empty(pairs, dtype=torch.int64)
+    sorted_weights = torch.empty(pairs, dtype=flat_weights.dtype)
+    starts = torch.empty(num_experts + 1, dtype=torch.int64)
+    widest = _run("moe_group", flat.data_ptr(), flat_weights.data_ptr(), pairs, experts.shape[-1], num_experts,
+                  DTYPE_CODES[flat_weights.dtype], tokens.data_ptr(), sorted_weights.data_ptr(), starts.data_ptr())
+    if widest < 0:
+        raise ValueError(f"expert ids outside [0, {num_experts})")
+    return tokens, sorted_weights, starts, widest
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[num_tokens, hidden]: zeros, then y[p] * weights[p] added into row tokens[p] for each grouped pair p in order,
+    each product and sum kept in the dtype (fp32 / bf16 / fp16): the bits of transformers' MoE loop, one `index_add_`
+    of `y * w` per expert."""
+    y, weights, tokens = y.contiguous(), weights.contiguous(), tokens.contiguous()
+    if y.dtype not in DTYPE_CODES or weights.dtype != y.dtype or tokens.dtype != torch.int64 or \
+            y.shape[0] != weights.numel() or tokens.numel() != y.shape[0]:
+        raise ValueError("y [pairs, hidden], weights [pairs] of y's dtype, tokens int64 [pairs] expected")
+    out = torch.zeros(num_tokens, y.shape[1], dtype=y.dtype)
+    if _run("moe_combine", y.data_ptr(), weights.data_ptr(), tokens.data_ptr(), tokens.numel(), y.shape[1],
+            DTYPE_CODES[y.dtype], num_tokens, out.data_ptr()):
+        raise ValueError(f"tokens outside [0, {num_tokens})")
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

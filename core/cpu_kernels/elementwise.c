@@ -247,3 +247,69 @@ void kvf_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
     free(row);
     free(rounded);
 }
+
+// ---- a mixture-of-experts step's bookkeeping (core/layers/moe.py): one pass each where torch takes ~10 ops ----
+
+// The step's (token, slot) pairs grouped by expert, in pair order within an expert (torch's argsort(stable) and
+// bincount): `experts` [pairs] (pair p = token p / k, slot p % k) -> tokens [pairs] (each grouped pair's token),
+// sorted_weights [pairs] (its router weight, `weights` [pairs] in `dtype`, copied), starts [num_experts + 1]. Returns
+// the most pairs one expert has, or -1 (nothing written) where an id is outside [0, num_experts).
+int32_t kvf_moe_group(const int64_t *experts, const void *weights, int64_t pairs, int32_t k, int32_t num_experts,
+                      int32_t dtype, int64_t *tokens, void *sorted_weights, int64_t *starts) {
+    const size_t size = dtype_size(dtype);
+    for (int64_t p = 0; p < pairs; p++)
+        if (experts[p] < 0 || experts[p] >= num_experts)
+            return -1;
+    memset(starts, 0, sizeof(int64_t) * (num_experts + 1));
+    for (int64_t p = 0; p < pairs; p++) starts[experts[p] + 1]++;
+    int64_t widest = 0;
+    for (int e = 0; e < num_experts; e++) {
+        widest = starts[e + 1] > widest ? starts[e + 1] : widest;
+        starts[e + 1] += starts[e];
+    }
+    int64_t *next = malloc(sizeof(int64_t) * (num_experts > 0 ? num_experts : 1));
+    memcpy(next, starts, sizeof(int64_t) * num_experts);
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t at = next[experts[p]]++;
+        tokens[at] = p / k;
+        memcpy((char *)sorted_weights + at * size, (const char *)weights + p * size, size);
+    }
+    free(next);
+    return (int32_t)widest;
+}
+
+// out[tokens[p]] += y[p] * w[p] for p in order (out [.., hidden] zeroed by the caller, y [pairs, hidden], w [pairs],
+// all `dtype`), pairs grouped by expert: as transformers' loop, `index_add_` of `y * w` once per expert in expert
+// order, so each product and each token's running sum is kept in the dtype (a token meets each expert once). The
+// products go through memory, not into an FMA with the sum (torch rounds them apart). Returns 0, or -1 (nothing written) where a token is outside [0, num_tokens).
+int32_t kvf_moe_combine(const void *y, const void *w, const int64_t *tokens, int64_t pairs, int32_t hidden,
+                        int32_t dtype, int64_t num_tokens, void *out) {
+    const size_t size = dtype_size(dtype);
+    for (int64_t p = 0; p < pairs; p++)
+        if (tokens[p] < 0 || tokens[p] >= num_tokens)
+            return -1;
+    float *product = scratch_floats(hidden), *sum = scratch_floats(hidden), *weight = scratch_floats(1);
+    for (int64_t p = 0; p < pairs; p++) {
+        load_row((const char *)w + p * size, dtype, 1, weight);
+        load_row((const char *)y + p * hidden * size, dtype, hidden, product);
+        const float scale = weight[0];
+        if (dtype == BF16) {
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) product[i] = round_bf16(product[i] * scale);
+        } else if (dtype == F16) {
+            for (int i = 0; i < hidden; i++) product[i] = (float)(_Float16)(product[i] * scale);
+        } else {
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) product[i] *= scale;
+        }
+        char *row = (char *)out + tokens[p] * hidden * size;
+        load_row(row, dtype, hidden, sum);
+#pragma omp simd
+        for (int i = 0; i < hidden; i++) sum[i] += product[i];
+        store_row(sum, dtype, hidden, row);
+    }
+    free(product);
+    free(sum);
+    free(weight);
+    return 0;
+}

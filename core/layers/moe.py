@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kvforge.core import cpu_kernels
 from kvforge.core.layers.backend import fused_fp32_elementwise, kernel_backend, use_triton
 from kvforge.core.layers.linear import ReplicatedLinear
 from kvforge.core.quant_config import dense_method
@@ -66,6 +67,41 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     if moe_layout(config) is None or layer_idx in (getattr(config, "mlp_only_layers", None) or []):
         return False
     return (layer_idx + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
+def _c_bookkeeping(t: torch.Tensor) -> bool:
+    """Whether the C kernels group and sum a step's pairs for tensors like `t` (CPU; else torch's ops)."""
+    return t.device.type == "cpu" and t.dtype in cpu_kernels.DTYPE_CODES and cpu_kernels.unavailable() is None
+
+
+def group_by_expert(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The step's (token, slot) pairs grouped by expert (a stable sort): each pair's token, its router weight, where
+    each expert's pairs start [num_experts + 1], and the most pairs one expert has. On CPU one C pass (a decode step's
+    ~10 torch ops took ~60 us a layer)."""
+    if _c_bookkeeping(weights):
+        return cpu_kernels.moe_group(experts, weights, num_experts)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    torch.cumsum(counts, 0, out=starts[1:])
+    return order // experts.shape[-1], weights.flatten()[order], starts, int(counts.max())
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
+                 num_tokens: int) -> torch.Tensor:
+    """Each grouped pair's expert output times its weight, added into its token's row expert by expert as
+    transformers adds them (one `index_add_` per expert: the product and each sum in y's dtype, where one call over
+    every pair would sum in fp32 and round once)."""
+    if _c_bookkeeping(y):
+        return cpu_kernels.moe_combine(y, weights, tokens, num_tokens)
+    out = torch.zeros(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    bounds = starts.tolist()
+    for first, last in zip(bounds, bounds[1:]):
+        if last > first:
+            out.index_add_(0, tokens[first:last], y[first:last] * weights[first:last].unsqueeze(1))
+    return out
 
 
 class SparseMoeBlock(nn.Module):
@@ -136,26 +172,19 @@ class SparseMoeBlock(nn.Module):
         device = x.device
         if self.on_host:  # the routed rows to the experts' memory; their weighted sum comes back
             x, experts, weights = x.to(HOST), experts.to(HOST), weights.to(HOST)
-        out = torch.zeros_like(x)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        tokens = order // self.top_k
-        sorted_weights = weights.flatten()[order].unsqueeze(1)
-        activations = self.stacked.takes(int(counts.max())) if self.stacked is not None else None
-        if activations is not None:  # every routed expert in one call per projection; their sum in the loop's order
-            starts = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=starts[1:])
-            out.index_add_(0, tokens, self.stacked(x, starts, tokens, self.experts[0].act, activations) *
-                           sorted_weights)
-            return self._with_shared_expert(x.to(device), out.to(device))
-        counts = counts.tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = tokens[start:start + count]
-                out.index_add_(0, rows, self.experts[expert](x[rows]) * sorted_weights[start:start + count])
-                start += count
+        # (token, slot) pairs grouped by expert, tokens in order within an expert
+        tokens, sorted_weights, starts, widest = group_by_expert(experts, weights, self.num_experts)
+        activations = self.stacked.takes(widest) if self.stacked is not None else None
+        if activations is not None:  # every routed expert in one call per projection
+            y = self.stacked(x, starts, tokens, self.experts[0].act, activations)
+        else:  # each expert that received tokens once, on all of them
+            y = x.new_empty(tokens.shape[0], x.shape[1])
+            bounds = starts.tolist()
+            for expert in range(self.num_experts):
+                first, last = bounds[expert], bounds[expert + 1]
+                if last > first:
+                    y[first:last] = self.experts[expert](x[tokens[first:last]])
+        out = weighted_sum(y, sorted_weights, tokens, starts, x.shape[0])
         return self._with_shared_expert(x.to(device), out.to(device))
 
     def _with_shared_expert(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

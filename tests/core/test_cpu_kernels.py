@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.core.cpu_kernels import paged_attention, unavailable
+from kvforge.core.cpu_kernels import moe_combine, moe_group, paged_attention, unavailable
 from tests.helpers.optional_parts import require
 
 
@@ -184,3 +184,31 @@ def test_store_kv_writes_what_stack_and_index_copy_write(dtype):
     assert torch.equal(cache, expected)
     with pytest.raises(ValueError, match="store_kv"):
         store_kv(k, v.float() if dtype != torch.float32 else v.half(), cache, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_moe_grouping_and_weighted_sum_are_torchs_bits(dtype):
+    """A MoE step's bookkeeping in C (core/layers/moe.py): the (token, slot) pairs grouped by expert exactly as torch's
+    stable argsort and bincount group them, and the weighted sum the bits of transformers' loop (`index_add_` of
+    `y * w` once per expert, in expert order: each product and each token's running sum rounded to the dtype; one
+    `index_add_` over every pair would sum in fp32 and round once); experts with no pairs; ids outside the range
+    refused."""
+    generator = torch.Generator().manual_seed(0)
+    tokens_count, k, experts_count, hidden = 7, 3, 30, 96
+    experts = torch.stack([torch.randperm(experts_count, generator=generator)[:k] for _ in range(tokens_count)])
+    weights = torch.rand(tokens_count, k, generator=generator).to(dtype)
+    tokens, sorted_weights, starts, widest = moe_group(experts, weights, experts_count)
+    flat = experts.flatten()
+    order, counts = torch.argsort(flat, stable=True), torch.bincount(flat, minlength=experts_count)
+    assert torch.equal(tokens, order // k) and torch.equal(sorted_weights, weights.flatten()[order])
+    assert torch.equal(starts, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+    assert widest == int(counts.max()) and (counts == 0).any()
+    y = (torch.randn(tokens_count * k, hidden, generator=generator) * 4).to(dtype)
+    expected = torch.zeros(tokens_count, hidden, dtype=dtype)
+    for first, last in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        expected.index_add_(0, tokens[first:last], y[first:last] * sorted_weights[first:last].unsqueeze(1))
+    assert torch.equal(moe_combine(y, sorted_weights, tokens, tokens_count), expected)
+    with pytest.raises(ValueError, match="expert ids"):
+        moe_group(experts + experts_count, weights, experts_count)
+    with pytest.raises(ValueError, match="tokens outside"):
+        moe_combine(y, sorted_weights, tokens + tokens_count, tokens_count)
