@@ -1136,28 +1136,17 @@ static void decode_rows(int type, const block_type *t, const uint8_t *rows, int6
     }
 }
 
-// out[n][segment's columns] = x[n] @ W.T for each of `segments` weights (a fused projection: q / k / v or gate / up,
-// possibly of different types), their outputs side by side in `out` (contiguous [rows][sum of outs], `dtype`); x
-// [rows][cols] of `dtype` with row stride x_stride. Weight s: `types[s]`, `weights[s]` its first row, `row_bytes[s]`
-// between rows, `outs[s]` rows; `columns` (or NULL) where each output column goes in `out`. `simd`: SIMD_WIDEST, SIMD_NONE (the plain C dot products even where AVX2 runs) or
-// SIMD_AVX2 (not the AVX-512 pairs where they are built): the tests check each.
-// `x_bits`: 8 or 16, x's quantization.
-void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype, int32_t segments,
-                     const int32_t *types, const void *const *weights, const int64_t *row_bytes, const int64_t *outs,
-                     const int64_t *columns, void *out, int32_t threads, int32_t simd, int32_t x_bits) {
-    const int portable = simd == SIMD_NONE;
+// x's rows quantized per 32 values for weights of `types` (`count` of them), once for all of them: row n is x's row
+// ids[n] (ids NULL: row n), in int8, or int16 (x_bits 16; also in slot order where one of the types takes it).
+// Released by free_x.
+static quantized_x quantize_x(const void *x, int64_t x_stride, const int64_t *ids, int rows, int cols, int dtype,
+                              const int32_t *types, int count, int x_bits, int threads) {
     const size_t es = dtype_size(dtype);
     const int subs = cols / SUB, wide = x_bits == 16;
-    int64_t total = 0;
-    for (int s = 0; s < segments; s++) total += outs[s];
-    const int64_t tiles = row_groups(segments, outs, TILE);
-    if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
-        threads = 1;
-    // x quantized once for every segment (in int16 also in slot order where a segment's type takes it)
     int slots = 0;
-    for (int s = 0; s < segments; s++) {
+    for (int i = 0; i < count; i++) {
         block_type t;
-        block_type_of(types[s], &t);
+        block_type_of(types[i], &t);
         slots |= wide && t.slots;
     }
     const size_t x_bytes = ((size_t)rows * cols * (wide ? 2 : 1) + 63) & ~(size_t)63;
@@ -1169,22 +1158,61 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
     for (int n = 0; n < rows; n++) {
         float *row = scratch_floats((size_t)cols);
-        load_row((const char *)x + (size_t)n * x_stride * es, dtype, cols, row);
+        load_row((const char *)x + (size_t)(ids ? ids[n] : n) * x_stride * es, dtype, cols, row);
         quantize_row(row, cols, wide ? NULL : xq.q + (size_t)n * cols, wide ? xq.q16 + (size_t)n * cols : NULL,
-                     slots ? xq.q16s + (size_t)n * cols : NULL, xq.scale + (size_t)n * subs, xq.sum + (size_t)n * subs, xq.qsum + (size_t)n * subs);
+                     slots ? xq.q16s + (size_t)n * cols : NULL, xq.scale + (size_t)n * subs,
+                     xq.sum + (size_t)n * subs, xq.qsum + (size_t)n * subs);
         free(row);
     }
+    return xq;
+}
+
+#if ZMM_PAIRS
+// the quantized x also as row_dot's AVX-512 pairs take it: int8 as it is, int16 (and its slot order) in the pair
+// layout (the decoded tiles read q16 / q16s)
+static void pair_x(quantized_x *xq, int rows, int cols) {
+    xq->pairs8 = xq->q != NULL;
+    if (xq->q16 == NULL)
+        return;
+    const size_t x_bytes = ((size_t)rows * cols * 2 + 63) & ~(size_t)63;
+    int16_t *paired = aligned_alloc(64, x_bytes * (xq->q16s ? 2 : 1));
+    xq->q16p = pair_layout(xq->q16, paired, rows, cols);
+    xq->q16sp = xq->q16s ? pair_layout(xq->q16s, (int16_t *)((char *)paired + x_bytes), rows, cols) : NULL;
+}
+#endif
+
+static void free_x(quantized_x *xq) {
+    free(xq->q ? (void *)xq->q : (void *)xq->q16);  // q16s lies in the same block, q16sp in q16p's
+    free(xq->q16p);
+    free(xq->scale);
+    free(xq->sum);
+    free(xq->qsum);
+}
+
+// out[n][segment's columns] = x[n] @ W.T for each of `segments` weights (a fused projection: q / k / v or gate / up,
+// possibly of different types), their outputs side by side in `out` (contiguous [rows][sum of outs], `dtype`); x
+// [rows][cols] of `dtype` with row stride x_stride. Weight s: `types[s]`, `weights[s]` its first row, `row_bytes[s]`
+// between rows, `outs[s]` rows; `columns` (or NULL) where each output column goes in `out`. `simd`: SIMD_WIDEST, SIMD_NONE (the plain C dot products even where AVX2 runs) or
+// SIMD_AVX2 (not the AVX-512 pairs where they are built): the tests check each.
+// `x_bits`: 8 or 16, x's quantization.
+void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols, int32_t dtype, int32_t segments,
+                     const int32_t *types, const void *const *weights, const int64_t *row_bytes, const int64_t *outs,
+                     const int64_t *columns, void *out, int32_t threads, int32_t simd, int32_t x_bits) {
+    const int portable = simd == SIMD_NONE;
+    const size_t es = dtype_size(dtype);
+    const int subs = cols / SUB;
+    int64_t total = 0;
+    for (int s = 0; s < segments; s++) total += outs[s];
+    const int64_t tiles = row_groups(segments, outs, TILE);
+    if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
+        threads = 1;
+    quantized_x xq = quantize_x(x, x_stride, NULL, rows, cols, dtype, types, segments, x_bits, threads);
 #if defined(__AVX2__)
     const int pairs = ZMM_PAIRS && simd == SIMD_WIDEST;
     if (!portable && rows <= (pairs ? FEW_ROWS_PAIRS : FEW_ROWS)) {  // decoded in registers, once per 2 or 4 rows of x
 #if ZMM_PAIRS
-        int16_t *paired = NULL;
-        xq.pairs8 = pairs && !wide;
-        if (pairs && wide) {
-            paired = aligned_alloc(64, x_bytes * (slots ? 2 : 1));
-            xq.q16p = pair_layout(xq.q16, paired, rows, cols);
-            xq.q16sp = slots ? pair_layout(xq.q16s, (int16_t *)((char *)paired + x_bytes), rows, cols) : NULL;
-        }
+        if (pairs)
+            pair_x(&xq, rows, cols);
 #endif
         float *sums = scratch_floats((size_t)rows * total);
         const int64_t units = (total + UNIT - 1) / UNIT;
@@ -1210,13 +1238,7 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
         for (int n = 0; n < rows; n++)
             store_columns(sums + (size_t)n * total, dtype, 0, (int)total, columns, (char *)out + (size_t)n * total * es);
         free(sums);
-#if ZMM_PAIRS
-        free(paired);
-#endif
-        free(codes_x);
-        free(xq.scale);
-        free(xq.sum);
-        free(xq.qsum);
+        free_x(&xq);
         return;
     }
 #endif
@@ -1249,10 +1271,7 @@ void kvf_gguf_linear(const void *x, int64_t x_stride, int32_t rows, int32_t cols
         free(offsets);
         free(sums);
     }
-    free(codes_x);
-    free(xq.scale);
-    free(xq.sum);
-    free(xq.qsum);
+    free_x(&xq);
 }
 
 // ---- a mixture-of-experts layer's routed experts in one call ----
@@ -1291,44 +1310,19 @@ int32_t kvf_gguf_experts_linear(const void *x, int64_t x_stride, int64_t x_rows,
             return 2;
     const int portable = simd == SIMD_NONE;
     const size_t es = dtype_size(dtype);
-    const int subs = cols / SUB, wide = x_bits == 16;
+    const int subs = cols / SUB;
     int64_t total = 0;
     for (int s = 0; s < segments; s++) total += outs[s];
     if ((int64_t)rows * total * cols < PARALLEL_MIN * threads)
         threads = 1;
-    int slots = 0;
-    for (int i = 0; i < experts * segments; i++) {
-        block_type t;
-        block_type_of(types[i], &t);
-        slots |= wide && t.slots;
-    }
-    const size_t x_bytes = ((size_t)rows * cols * (wide ? 2 : 1) + 63) & ~(size_t)63;
-    void *codes_x = aligned_alloc(64, x_bytes * (slots ? 2 : 1));
-    quantized_x xq = {.q = wide ? NULL : codes_x, .q16 = wide ? codes_x : NULL,
-                      .q16s = slots ? (int16_t *)((char *)codes_x + x_bytes) : NULL,
-                      .scale = scratch_floats((size_t)rows * subs), .sum = scratch_floats((size_t)rows * subs),
-                      .qsum = scratch_floats((size_t)rows * subs)};
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
-    for (int n = 0; n < rows; n++) {
-        float *row = scratch_floats((size_t)cols);
-        load_row((const char *)x + (size_t)(ids ? ids[n] : n) * x_stride * es, dtype, cols, row);
-        quantize_row(row, cols, wide ? NULL : xq.q + (size_t)n * cols, wide ? xq.q16 + (size_t)n * cols : NULL,
-                     slots ? xq.q16s + (size_t)n * cols : NULL, xq.scale + (size_t)n * subs,
-                     xq.sum + (size_t)n * subs, xq.qsum + (size_t)n * subs);
-        free(row);
-    }
+    quantized_x xq = quantize_x(x, x_stride, ids, rows, cols, dtype, types, experts * segments, x_bits, threads);
     int few = 0;  // rows of x up to which an expert's weights are decoded in registers (0: always decoded tiles)
 #if defined(__AVX2__)
     const int pairs = ZMM_PAIRS && simd == SIMD_WIDEST;
     few = portable ? 0 : pairs ? FEW_ROWS_PAIRS : FEW_ROWS;
-    int16_t *paired = NULL;
 #if ZMM_PAIRS
-    xq.pairs8 = pairs && !wide;
-    if (pairs && wide) {  // the tiles read q16 / q16s; the pairs only the rows decoded in registers
-        paired = aligned_alloc(64, x_bytes * (slots ? 2 : 1));
-        xq.q16p = pair_layout(xq.q16, paired, rows, cols);
-        xq.q16sp = slots ? pair_layout(xq.q16s, (int16_t *)((char *)paired + x_bytes), rows, cols) : NULL;
-    }
+    if (pairs)  // the tiles read q16 / q16s; the pairs only the rows decoded in registers
+        pair_x(&xq, rows, cols);
 #endif
 #endif
     int *active = malloc(sizeof(int) * (experts > 0 ? experts : 1)), routed = 0;  // the experts with rows
@@ -1398,13 +1392,7 @@ int32_t kvf_gguf_experts_linear(const void *x, int64_t x_stride, int64_t x_rows,
         store_columns(sums + (size_t)n * total, dtype, 0, (int)total, NULL, (char *)out + (size_t)n * total * es);
     free(sums);
     free(active);
-#if defined(__AVX2__)
-    free(paired);
-#endif
-    free(codes_x);
-    free(xq.scale);
-    free(xq.sum);
-    free(xq.qsum);
+    free_x(&xq);
     return 0;
 }
 
