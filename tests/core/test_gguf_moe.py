@@ -97,10 +97,13 @@ def test_routed_experts_in_one_call_give_one_call_each_bits(moe_file):
             return
         assert all(block.stacked is not None for block in blocks)
         params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+        # one sequence: each decode step gives an expert one row, which `auto` quantizes on any CPU where int16 wins
+        # at all (how many rows it takes is timed per machine: a batch's steps may go past it)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            together = llm.generate(prompts, params)
+            llm.generate(prompts[:1], params)
         calls = sum(event.count for event in profile.key_averages() if event.key == "kvforge::gguf_experts_linear")
-        assert calls >= 2 * len(blocks) * 7  # at least the 7 decode steps after each prompt's first token
+        assert calls >= 2 * len(blocks) * 7  # at least the 7 decode steps after the prompt's first token
+        together = llm.generate(prompts, params)
         for block in blocks:
             block.stacked = None
         alone = llm.generate(prompts, params)
