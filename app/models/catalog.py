@@ -225,9 +225,10 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_c
     for name, tensor_type, count, _ in facts.tensors:  # block types served from the file itself (a tied head shares
         parameters += count                             # the embedding's blocks), the rest dense in the dtype
         held = held_bytes_per_weight(tensor_type, DTYPES[dtype])
-        weights += count * (held[0] if held else element)
+        tensor_bytes = count * (held[0] if held else element)
+        weights += tensor_bytes
         if STACKED_EXPERTS.fullmatch(name):
-            experts += count * (held[0] if held else element)
+            experts += tensor_bytes
     f = facts.fields
     head_dim = f.get("attention.key_length") or f["embedding_length"] // f["attention.head_count"]
     kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype],

@@ -131,22 +131,22 @@ class SparseMoeBlock(nn.Module):
         self.stacked = None  # the quant method's kernel for all experts at once, where it has one (after_layers_loaded)
 
     def after_layers_loaded(self) -> None:
-        """With the Triton kernels and dense experts (weights as loaded, [out, in] in the model dtype): stack them
-        [E, 2I, H] and [E, H, I] for the fused grouped GEMMs, each expert's weights becoming views of them (one
-        copy). Quantized experts keep the loop (each through its own quant method)."""
+        """The quant method's kernel for all experts at once, where it has one (`stack_experts`). With the Triton
+        kernels and dense experts (weights as loaded, [out, in] in the model dtype): stack them [E, 2I, H] and
+        [E, H, I] for the fused grouped GEMMs, each expert's weights becoming views of them (one copy). Other
+        quantized experts keep the loop (each through its own quant method)."""
         gate_up, down = [e.gate_up_proj for e in self.experts], [e.down_proj for e in self.experts]
         method = gate_up[0].quant_method
         if hasattr(method, "stack_experts") and all(type(p.quant_method) is type(method) for p in gate_up + down):
             self.stacked = method.stack_experts(gate_up, down)
-        projections = [p for expert in self.experts for p in (expert.gate_up_proj, expert.down_proj)]
         if not self.triton or not all(p.quant_method.name == "none" and p.weight.dtype == p.compute_dtype
-                                      and p.packed_weight is None and p.float_segments is None for p in projections):
+                                      and p.packed_weight is None and p.float_segments is None for p in gate_up + down):
             return
-        self.w_gate_up = torch.stack([expert.gate_up_proj.weight.data for expert in self.experts])
-        self.w_down = torch.stack([expert.down_proj.weight.data for expert in self.experts])
-        for e, expert in enumerate(self.experts):  # each expert's weights now views of the stacks: one copy
-            expert.gate_up_proj.weight.data = self.w_gate_up[e]
-            expert.down_proj.weight.data = self.w_down[e]
+        self.w_gate_up = torch.stack([p.weight.data for p in gate_up])
+        self.w_down = torch.stack([p.weight.data for p in down])
+        for e, (first, second) in enumerate(zip(gate_up, down)):  # each expert's weights now views of the stacks
+            first.weight.data = self.w_gate_up[e]
+            second.weight.data = self.w_down[e]
 
     @property
     def syncs_with_host(self) -> bool:
