@@ -28,7 +28,7 @@ from typing import Any
 
 from kvforge.app.http.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.app.models.keep_alive import parse_keep_alive
-from kvforge.core.config import DECODE_ATTENTION, KERNELS, KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
+from kvforge.core.config import DECODE_ATTENTION, GGUF_WEIGHTS, KERNELS, KV_CACHE_DTYPES, LINEAR_KERNELS, engine_default
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -209,6 +209,12 @@ class ServeSettings:
     gguf_dense: bool = engine_setting(engine_default("gguf_dense"), "load a .gguf model dequantized into dense "
                                       "weights, as transformers does, instead of from its own quantized blocks "
                                       "(the gguf quant plugin)", bool, engine="gguf_dense")
+    gguf_weights: str = engine_setting(engine_default("gguf_weights"), "a .gguf model's blocks: mapped (served from "
+                                       "the file's pages: shared, reclaimable) or copied (read once into memory on "
+                                       "huge pages: faster decode, the whole file resident; llama.cpp's --no-mmap); "
+                                       "auto: copied by one CPU process when the file takes at most 3/4 of the "
+                                       "available memory (default: {default})", choices=GGUF_WEIGHTS,
+                                       engine="gguf_weights")
     cpu_experts: bool = engine_setting(engine_default("cpu_experts"), "mixture-of-experts models: keep every "
                                        "expert's weights in host memory and compute them on the CPU (llama.cpp's "
                                        "--cpu-moe); the rest of the model stays on --device", bool)

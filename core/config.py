@@ -23,6 +23,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # the long names: what
 LINEAR_KERNELS = ("auto", "torch", "onednn")  # see core/kernel_choice.py
 DECODE_ATTENTION = ("auto", "bmm", "bmm-native", "sdpa", "paged")  # see core/layers/decode_attention.py
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)  # auto: the model's dtype, unquantized (core/kv/quant.py)
+GGUF_WEIGHTS = ("auto", "mapped", "copied")  # see core/gguf_source.py's copies_weights
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -73,6 +74,11 @@ class EngineConfig:
     gguf_dense: bool = knob(False, "load a GGUF source dequantized into dense weights (as transformers does) "
                             "instead of from its own quantized blocks (the `gguf` quant method); another quant "
                             "plugin asked for a GGUF source also starts from the dense weights")
+    gguf_weights: str = knob("auto", "a GGUF file's blocks, which the kernels read in place: mapped (the file's "
+                             "pages, 4 KiB each: shared with the page cache, reclaimable, resident as read) or copied "
+                             "(read once into memory on 2 MiB huge pages: faster decode, the whole file resident); "
+                             "auto: copied by a single CPU process when the file takes at most 3/4 of the available "
+                             "memory, else mapped", choices=GGUF_WEIGHTS)
     cpu_experts: bool = knob(False, "mixture-of-experts models: every expert's weights in host memory, computed on "
                              "the CPU (llama.cpp's --cpu-moe); routers, shared experts, attention and the KV stay on "
                              "the device. No effect on a dense model")

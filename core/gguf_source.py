@@ -9,7 +9,9 @@ MoE file it does not read, Mixtral's or OLMoE's, from core/gguf_moe.py); reading
 written.
 
 At every load (`tensors`) the file is mapped (a private mapping: pages come from the page cache, shared with any
-other reader of the file, and are never written) and each tensor yielded as a view of the mapping:
+other reader of the file, and are never written), or, when the engine copies it (`gguf_weights`, decided by
+`copies_weights`), its tensor data read once into anonymous memory on huge pages; each tensor is yielded as a view of
+that memory:
 - a projection, the LM head or the embedding (in a block type, or F32 / F16 / BF16 but for a fused layer mixing
   float and block types, which is served dense): uint8 [rows, row bytes] with three attributes,
   `gguf_type` (ggml's type number), `gguf_in_features` and `gguf_rows` (None, or the HF row order as indices of the
@@ -232,8 +234,28 @@ def tensor_names(path: Path) -> list[str]:
     return [name for entry in index["tensors"].values() for name in _names(entry)]
 
 
-def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The index directory `path`'s tensors under their HF names, read in place from its GGUF file (see above)."""
+def copies_weights(setting: str, gguf: Path, device: str, processes: int) -> bool:
+    """Whether a load copies the GGUF file's tensor data onto huge pages instead of mapping it (EngineConfig's
+    `gguf_weights`). auto copies for one CPU process when the file takes at most COPY_SHARE of the available memory:
+    the copy is resident for the engine's life, while a mapping's pages are shared and reclaimable (a model larger
+    than memory still runs, slowly, from the page cache); every process of a parallel engine would copy the whole
+    file for its share of it; a GPU engine moves the blocks it serves onto the GPU anyway."""
+    if setting != "auto":
+        return setting == "copied"
+    if device != "cpu" or processes > 1:
+        return False
+    from kvforge.core.metrics import available_memory_bytes
+
+    available = available_memory_bytes()
+    return available is not None and gguf.stat().st_size <= COPY_SHARE * available
+
+
+COPY_SHARE = 0.75  # the largest share of the available memory auto copies a GGUF file into
+
+
+def tensors(path: Path, copied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The index directory `path`'s tensors under their HF names, read in place from its GGUF file (see above);
+    `copied`: from a copy of its tensor data on huge pages (core/host_memory.py) instead of the file's mapping."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from kvforge.core.model_files import read_gguf_header
@@ -241,14 +263,19 @@ def tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     index = json.loads((path / INDEX_FILE).read_text())
     gguf = Path(index["source"])
     header = read_gguf_header(gguf)
-    flat = _mapped(gguf)
+    if copied:
+        from kvforge.core.host_memory import read_into_huge_pages
+
+        base, flat = 0, read_into_huge_pages(gguf, header.data_offset, gguf.stat().st_size - header.data_offset)
+    else:
+        base, flat = header.data_offset, _mapped(gguf)
     processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=index["processor_config"])
     blocks = block_types()
     for tensor in header.tensors:
         entry = index["tensors"].get(tensor.name)
         if entry is None:
             continue
-        start = header.data_offset + tensor.offset
+        start = base + tensor.offset
         data = flat[start: start + tensor.n_bytes]
         shape = tuple(reversed(tensor.shape))
         if isinstance(entry["hf"], list):  # stacked experts [E, rows, row length]: each expert's rows, in place

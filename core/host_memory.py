@@ -1,6 +1,7 @@
-"""glibc malloc tuned for a step loop: large activation buffers stay in the process between steps.
+"""Host memory: glibc malloc tuned for a step loop (large activation buffers stay in the process between steps),
+pools committed as they are written, a GGUF file's blocks copied onto huge pages.
 
-Why: by default glibc serves allocations above a dynamic threshold (128 KiB at first, rising only as such chunks
+malloc, why: by default glibc serves allocations above a dynamic threshold (128 KiB at first, rising only as such chunks
 are freed) with fresh mmap()s and gives them back on free, so the first steps that meet new sizes (a batch of
 prefill chunks: [2048, 3072] gate/up outputs and the like) fault in and zero every page of every buffer, at every
 layer. Measured on an AMD EPYC Zen 5 VM (2 cores): the first 64-prompt prefill after load took 4.7 s with 325k
@@ -17,6 +18,7 @@ import functools
 import logging
 import math
 import mmap
+import os
 
 import torch
 
@@ -70,3 +72,28 @@ def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
+def read_into_huge_pages(path: str | os.PathLike, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes [offset, offset + nbytes) of a file as a uint8 tensor in private anonymous memory, the kernel asked for
+    transparent huge pages (madvise: 2 MiB pages where it has them, 4 KiB where it has none). Why: the GGUF kernels
+    stream every weight of a decode step, and on a file's mapping each 4 KiB page costs a TLB miss and stops the
+    hardware prefetcher; measured on OLMoE-1B-7B Q4_0 (AMD EPYC Zen 5, 2 cores) the routed experts' kernel ran at
+    ~28 GB/s from the mapping and ~31 GB/s from huge pages. Read with read() (no mapping of the file): the process
+    holds only the copy, the page cache the file's pages (reclaimable)."""
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    view, done = memoryview(pages), 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while done < nbytes:
+            read = f.readinto(view[done: done + min(nbytes - done, READ_CHUNK)])
+            if not read:
+                raise ValueError(f"{path}: the file ended {nbytes - done} bytes early")
+            done += read
+    view.release()
+    return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
+
+
+READ_CHUNK = 64 << 20  # bytes per read() while copying a file in

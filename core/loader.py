@@ -215,11 +215,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_tensors(path: Path, gguf_copied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """`gguf_copied`: a GGUF file's tensors from a copy on huge pages, not its mapping (gguf_source.tensors)."""
     from kvforge.core import gguf_source
 
     if gguf_source.is_index(path):
-        yield from gguf_source.tensors(path)
+        yield from gguf_source.tensors(path, gguf_copied)
         return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -238,10 +239,10 @@ TensorStream = Iterator[tuple[str, torch.Tensor]]
 
 
 def load_weights(model: nn.Module, path: Path, progress: bool = True,
-                 transform: Callable[[TensorStream], TensorStream] | None = None) -> None:
+                 transform: Callable[[TensorStream], TensorStream] | None = None, gguf_copied: bool = False) -> None:
     """Copy checkpoint tensors into the model through each parameter's weight_loader, then let
     every layer post-process (transpose, repack, quantize) what it loaded. `transform` (the quant
-    method's `checkpoint_tensors`) may rewrite the tensor stream first."""
+    method's `checkpoint_tensors`) may rewrite the tensor stream first; `gguf_copied`: see iterate_tensors."""
     from kvforge.core.gguf_source import dequantized, is_blocks
 
     params = dict(model.named_parameters())
@@ -251,7 +252,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             if target in params or _blocks_param(target) in params}
     loaded: set[str] = set()
     total = sum(1 for _ in _tensor_names(path))
-    tensors = iterate_tensors(path) if transform is None else transform(iterate_tensors(path))
+    stream = iterate_tensors(path, gguf_copied)
+    tensors = stream if transform is None else transform(stream)
     nested = any(n.startswith("model.") for n in params)
     for name, tensor in tqdm(tensors, total=total, desc="Loading weights", unit="tensor",
                              disable=not progress, leave=False):

@@ -6,11 +6,13 @@ stage's hidden states (core/pp.py)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from kvforge.core import gguf_source
 from kvforge.core.config import EngineConfig, kv_bytes_per_token
 from kvforge.core.context import (
     DECODE_GROUP_SIZE,
@@ -36,6 +38,8 @@ from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover
 from kvforge.core.pooling import PooledHidden
 from kvforge.core.quant_config import QuantConfig
 from kvforge.core.step import ScheduledSeq
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -195,9 +199,23 @@ class ModelRunner:
             model = build_model(hf_config, config.torch_dtype, QuantConfig.for_checkpoint(
                 quant_cls, options, checkpoint_quantization(hf_config, model_path)), config.context_length(hf_config))
         load_weights(model, model_path, progress=progress,
-                     transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options))
+                     transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options),
+                     gguf_copied=ModelRunner._copies_gguf(config, model_path))
         syncs = any(getattr(module, "syncs_with_host", False) for module in model.modules())  # (core/layers/moe.py)
         return model, kernels, quant_cls.cuda_graph_safe and not syncs
+
+    @staticmethod
+    def _copies_gguf(config: EngineConfig, model_path: Path) -> bool:
+        """Whether a GGUF model's blocks are read into huge-page memory (config.gguf_weights), logged when they are."""
+        if not (config.native_gguf and gguf_source.is_index(model_path)):
+            return False
+        gguf = gguf_source.source_of(model_path)
+        copied = gguf_source.copies_weights(config.gguf_weights, gguf, torch.device(config.device).type,
+                                            config.tp_size * config.pp_size)
+        if copied:
+            log.info("GGUF blocks of %s copied onto huge pages (%.2f GiB; --gguf-weights mapped serves them from "
+                     "the file)", gguf.name, gguf.stat().st_size / 2**30)
+        return copied
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -135,6 +135,10 @@ class SparseMoeBlock(nn.Module):
         kernels and dense experts (weights as loaded, [out, in] in the model dtype): stack them [E, 2I, H] and
         [E, H, I] for the fused grouped GEMMs, each expert's weights becoming views of them (one copy). Other
         quantized experts keep the loop (each through its own quant method)."""
+        # the router: one small GEMV a layer a step, whose oneDNN call took ~50 us in a decode step of OLMoE-1B-7B
+        # (Zen 5, 2 threads: the weight from memory, the call's own cost) where the C kernel reading it in place
+        # takes ~25; the same fp32 sums rounded once to the dtype (a different order: equal bits in bf16 at one row)
+        self.gate.quant_method.use_float_kernel(self.gate)
         gate_up, down = [e.gate_up_proj for e in self.experts], [e.down_proj for e in self.experts]
         method = gate_up[0].quant_method
         if hasattr(method, "stack_experts") and all(type(p.quant_method) is type(method) for p in gate_up + down):

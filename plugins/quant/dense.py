@@ -113,10 +113,21 @@ class DenseMethod(QuantMethod):
         w = layer.weight
         layer.weight_bytes = w.numel() * w.element_size()
         if w.dtype != layer.compute_dtype:  # kept as the checkpoint stores it: read by the GGUF float kernel
-            from kvforge.core.cpu_kernels import GGUF_FLOATS, GgufSegments
+            self.use_float_kernel(layer)
 
-            code = next(code for code, dtype in GGUF_FLOATS.items() if dtype == w.dtype)
-            layer.float_segments = GgufSegments([(code, w.data.contiguous().view(torch.uint8))], w.shape[1])
+    @staticmethod
+    def use_float_kernel(layer) -> bool:
+        """Serve the loaded layer with the C kernel of GGUF's float weights (its weight read in place, fp32 math,
+        the output rounded once to x's dtype) where it runs: a CPU weight, the kernels built; whether it does. A
+        weight kept narrower than the model dtype always takes it; a MoE router too (core/layers/moe.py)."""
+        from kvforge.core.cpu_kernels import GGUF_FLOATS, GgufSegments, unavailable
+
+        w = layer.weight
+        code = next((code for code, dtype in GGUF_FLOATS.items() if dtype == w.dtype), None)
+        if code is None or w.device.type != "cpu" or unavailable() is not None:
+            return False
+        layer.float_segments = GgufSegments([(code, w.data.contiguous().view(torch.uint8))], w.shape[1])
+        return True
 
     def kernels(self, layer) -> dict[str, LinearKernel]:
         if layer.weight is None or getattr(layer, "float_segments", None) is not None or \

@@ -61,12 +61,12 @@ def test_greedy_tokens_match_hf(moe_file, dense, embedded_path):
         block = model.model.layers[0].mlp
         assert len(block.experts) == count and block.experts[0].down_proj.in_features == 32
         assert (block.shared_expert is not None) == name.startswith("qwen2_moe")
-        if not dense:  # every expert's gate/up and down: its own slice of the one mapping of the file
+        if not dense:  # every expert's gate/up and down: its own slice of the file's one mapping (or copy)
             layers = [m for e in block.experts for m in (e.gate_up_proj, e.down_proj)]
             assert {q for m in layers for q, _ in m.segments.parts} == {int(experts)}
             views = [b for m in layers for _, b in m.segments.parts]
             assert len({b.data_ptr() for b in views}) == len(views) == 3 * count
-            assert {b.untyped_storage().nbytes() for b in views} == {gguf.stat().st_size}
+            assert len({b.untyped_storage().data_ptr() for b in views}) == 1
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
         report = compare([o.token_ids for o in outs], *reference)
         print(name, "dense" if dense else "in place", report)

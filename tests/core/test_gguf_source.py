@@ -1,8 +1,9 @@
 """A GGUF served in place (core/gguf_source.py): indexed once into a small directory with no weights, every block-type
-tensor a view of one memory mapping of the file (projections of mixed types, an untied head, a quantized
-embedding), the model close to the same file dequantized; a tensor type without a kernel named with the way out.
-On a llama-shaped file with llama.cpp's metadata and Q4_K_M mix (app/bench/real_shapes.py's tiny shape), and on its
-mixture-of-experts shape (tiny-moe, architecture olmoe: stacked experts served one expert at a time in place)."""
+tensor a view of one memory mapping of the file (projections of mixed types, an untied head, a quantized embedding),
+the model close to the same file dequantized; a tensor type without a kernel named with the way out. Read from a
+copy on huge pages or from the file's mapping (gguf_weights). On a llama-shaped file with llama.cpp's metadata and
+Q4_K_M mix (app/bench/real_shapes.py's tiny shape), and on its mixture-of-experts shape (tiny-moe, architecture
+olmoe: stacked experts served one expert at a time in place)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 
 from kvforge.app.bench.real_shapes import shape_gguf
 from kvforge.core import LLM, SamplingParams
-from kvforge.core.gguf_source import INDEX_FILE
+from kvforge.core.gguf_source import COPY_SHARE, INDEX_FILE, copies_weights
 from kvforge.core.loader import resolve_model
+from kvforge.core.metrics import available_memory_bytes
+from kvforge.core.model_files import read_gguf_header
 from kvforge.core.perplexity import perplexity
 
 
@@ -34,7 +37,7 @@ def test_served_in_place_from_a_small_index(files):
     assert not list(index.glob("*.safetensors"))
     assert sum(f.stat().st_size for f in index.iterdir()) < gguf.stat().st_size / 4
 
-    llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20)
+    llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20, gguf_weights="mapped")
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if getattr(m, "segments", None) is not None]
     blocks = [b for m in layers for _, b in m.segments.parts]
@@ -58,7 +61,7 @@ def test_float_weights_are_served_in_place_too(files):
     """An F16 file: every projection, the head and the embedding read from the mapping, in fp32 math: the same
     perplexity as the file's weights copied into dense fp32 layers, to fp32 rounding."""
     gguf = files["f16"]
-    llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20)
+    llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20, gguf_weights="mapped")
     layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "segments", None) is not None]
     assert len(layers) == 2 * 4 + 1 and {q for m in layers for q, _ in m.segments.parts} == {1}
     assert {b.untyped_storage().nbytes() for m in layers for _, b in m.segments.parts} == {gguf.stat().st_size}
@@ -67,6 +70,46 @@ def test_float_weights_are_served_in_place_too(files):
     dense = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20, quant_options={"kernel": "dense"})
     ours, reference = perplexity(llm.engine, ids), perplexity(dense.engine, ids)
     assert abs(ours / reference - 1) < 1e-4, (ours, reference)
+
+
+def test_auto_copies_the_blocks_onto_huge_pages_and_mapped_serves_the_file(files, tmp_path):
+    """gguf_weights: auto (the default; this machine's memory holds the file many times over) reads the file's tensor
+    data once into anonymous memory, every block a view of that one copy; mapped serves the file's own pages. Told
+    apart by what they read: the file's tensor data overwritten in place after both loaded, the copied engine's
+    perplexity stays as it was and the mapped one's changes (a private mapping sees the file's unwritten pages)."""
+    gguf = tmp_path / "model.gguf"
+    shutil.copyfile(files["q4_k_m"], gguf)
+    data_offset = read_gguf_header(gguf).data_offset
+    ids = list(np.random.default_rng(2).integers(3, 40000, 64))
+    engines, before = {}, {}
+    for mode in ("auto", "mapped"):
+        llm = LLM(str(gguf), progress=False, dtype="float32", kv_cache_bytes=16 << 20, gguf_weights=mode)
+        layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "segments", None) is not None]
+        storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+                    for m in layers for _, b in m.segments.parts}
+        assert list(storages.values()) == [gguf.stat().st_size - (data_offset if mode == "auto" else 0)]
+        engines[mode], before[mode] = llm, perplexity(llm.engine, ids)
+    assert before["auto"] == before["mapped"]  # the same bytes either way
+    with open(gguf, "r+b") as f:  # every tensor's bytes zeroed, in place
+        f.seek(data_offset)
+        f.write(bytes(gguf.stat().st_size - data_offset))
+    assert perplexity(engines["auto"].engine, ids) == before["auto"]
+    assert perplexity(engines["mapped"].engine, ids) != before["mapped"]
+    for llm in engines.values():
+        llm.engine.close()
+
+
+def test_auto_maps_what_a_copy_would_not_suit(tmp_path):
+    """auto maps a file over 3/4 of the available memory (a sparse file that large), on a GPU, and in each process
+    of a parallel engine; the explicit settings are followed."""
+    huge = tmp_path / "huge.gguf"
+    with open(huge, "wb") as f:
+        f.truncate(int(available_memory_bytes() * COPY_SHARE) + (1 << 30))
+    small = tmp_path / "small.gguf"
+    small.write_bytes(bytes(4096))
+    assert copies_weights("auto", small, "cpu", 1) and not copies_weights("auto", huge, "cpu", 1)
+    assert not copies_weights("auto", small, "cuda", 1) and not copies_weights("auto", small, "cpu", 2)
+    assert copies_weights("copied", huge, "cuda", 4) and not copies_weights("mapped", small, "cpu", 1)
 
 
 def test_a_type_without_a_kernel_is_named(tmp_path, embedded_path):
@@ -117,7 +160,7 @@ def test_a_moe_shape_is_served_in_place_with_the_dense_loads_tokens(quant, tmp_p
                 assert {q for m in layers for q, _ in m.segments.parts} == ({2} if quant == "q4_0" else {12, 8})
                 views = [b for m in layers for _, b in m.segments.parts]
                 assert len({b.data_ptr() for b in views}) == len(views) == 3 * 8
-                assert {b.untyped_storage().nbytes() for b in views} == {gguf.stat().st_size}
+                assert len({b.untyped_storage().data_ptr() for b in views}) == 1
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
             tokens[dense] = [o.token_ids for o in outs]
         finally:

@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from kvforge.core import LLM, SamplingParams
+from kvforge.core import LLM, SamplingParams, cpu_kernels
 from kvforge.core.layers.moe import SparseMoeBlock
 from tests.helpers.parity import compare, hf_greedy
 from tests.helpers.tiny_models import random_prompts, save_tiny_model
@@ -75,6 +77,22 @@ def test_each_routed_expert_runs_once_a_step_on_all_its_tokens_and_no_other_runs
         assert len(rows) <= min(8, 2 * tokens) and set(runs.values()) == {1}
     decode_steps = [rows for tokens, rows, _ in calls if tokens == 1]
     assert decode_steps and all(len(rows) == 2 for rows in decode_steps)
+
+
+def test_the_router_reads_its_weight_in_place_on_cpu(qwen2_moe):
+    """On CPU the router's logits come from the C kernel of float weights (its weight read in place), torch's
+    logits to fp32 rounding; the engine's tokens are HF's (the preemption test above)."""
+    if cpu_kernels.unavailable() is not None:
+        pytest.skip(f"the C kernels do not build here: {cpu_kernels.unavailable()}")
+    path, _, _ = qwen2_moe
+    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=16)
+    try:
+        gate = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)).gate
+        assert gate.float_segments is not None and gate.packed_weight is None
+        x = torch.randn(5, gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(gate(x), F.linear(x, gate.weight), rtol=1e-6, atol=1e-6)
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
