@@ -1155,7 +1155,9 @@ static quantized_x quantize_x(const void *x, int64_t x_stride, const int64_t *id
                       .q16s = slots ? (int16_t *)((char *)codes_x + x_bytes) : NULL,
                       .scale = scratch_floats((size_t)rows * subs), .sum = scratch_floats((size_t)rows * subs),
                       .qsum = scratch_floats((size_t)rows * subs)};
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+    // a team only for enough values to pay for it: a MoE decode step's down call quantizes one row per routed expert
+    // (OLMoE: 8 x 1024), which one thread does in a few us where the team's start and join cost more
+#pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)rows * cols >= 32768)
     for (int n = 0; n < rows; n++) {
         float *row = scratch_floats((size_t)cols);
         load_row((const char *)x + (size_t)(ids ? ids[n] : n) * x_stride * es, dtype, cols, row);
