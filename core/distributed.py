@@ -85,17 +85,18 @@ def stage_layers(config, stages: int | None = None, stage: int | None = None) ->
     49k-row head weighs 8 of its 30 layers: 11 + 19). Every stage holds at least one layer."""
     if stages is None:
         stages, stage = _stage()
-    num_layers = config.num_hidden_layers
+    bounds = stage_bounds(config.num_hidden_layers, head_weight_in_layers(config), stages)
+    return StageLayers(bounds[stage], bounds[stage + 1], stage == 0, stage == stages - 1)
+
+
+def stage_bounds(num_layers: int, head: float, stages: int) -> list[int]:
+    """Each stage's first layer and the end [stages + 1]: `head` (the first stage's LM head in decoder layers' work)
+    counted with the first stage's layers, every stage at least one layer."""
     if num_layers < stages:
         raise ValueError(f"{num_layers} layers cannot be split into {stages} pipeline stages")
-    head = head_weight_in_layers(config)
     total = num_layers + head
-
-    def boundary(s: int) -> int:  # the first layer of stage s
-        return 0 if s == 0 else num_layers if s == stages else min(max(round(s * total / stages - head), s),
-                                                                       num_layers - (stages - s))
-
-    return StageLayers(boundary(stage), boundary(stage + 1), stage == 0, stage == stages - 1)
+    return [0 if s == 0 else num_layers if s == stages else
+            min(max(round(s * total / stages - head), s), num_layers - (stages - s)) for s in range(stages + 1)]
 
 
 def head_weight_in_layers(config) -> float:

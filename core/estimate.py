@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
-from kvforge.core.distributed import heads_of_rank
+from kvforge.core.distributed import head_weight_in_layers, heads_of_rank, stage_bounds
 from kvforge.core.layers.moe import is_sparse_layer, moe_layout
 from kvforge.core.models.llama import LlamaForCausalLM, head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, discover
@@ -80,23 +80,28 @@ def _dense_linear_bytes(hf_config, torch_dtype: torch.dtype, quant: QuantConfig 
 
 
 def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConfig | None = None,
-                    tp_size: int = 1, kv_cache_dtype: str = "auto") -> dict:
+                    tp_size: int = 1, kv_cache_dtype: str = "auto", pp_size: int = 1) -> dict:
     """Bytes of weights and of the KV cache for `context_tokens` tokens. Each projection takes the bits per
     weight `quant` stores it in (its method's figure, scales included) or, when `quant` keeps it dense (the
     modules_to_not_convert) or there is no `quant`, the dtype's size (a bf16 / fp16 checkpoint's in an fp32 model that
     keeps them so, as the head too); embeddings and norms stay in `dtype` (a tied head is held twice: the embedding
     and the head's own copy), and so does the KV cache unless `kv_cache_dtype` stores it quantized (its format's
     bytes per row: core/kv/quant.py). A mixture-of-experts model's routed experts are also counted apart
-    (`experts_bytes`, part of the weights)."""
+    (`experts_bytes`, part of the weights). Under pipeline parallelism (`pp_size` > 1) `stages` says what each
+    stage's process holds (its rank 0's share under tensor parallelism): its layers [first, last), their weights and
+    KV, the first stage's embedding and LM head besides (core/distributed.py's stage_layers split)."""
     torch_dtype = DTYPES[resolve_dtype(dtype)]
     element = torch.empty((), dtype=torch_dtype).element_size()
     linear_element = _dense_linear_bytes(hf_config, torch_dtype, quant) or element
     quant = quant.with_packed_modules(LlamaForCausalLM.packed_modules_mapping) if quant is not None else None
 
-    def projection_bytes(size: int = 1, rank: int = 0, experts_only: bool = False) -> float:
+    def projection_bytes(size: int = 1, rank: int = 0, experts_only: bool = False,
+                         layers: range | None = None) -> float:
         total = 0.0
         for prefix, count in projection_weights(hf_config, size, rank).items():
             if experts_only and ".mlp.experts." not in prefix:
+                continue
+            if layers is not None and int(prefix.split(".")[2]) not in layers:  # model.layers.<i>.
                 continue
             bits = quant.bits_per_weight(prefix) if quant is not None else None
             total += count * (bits / 8 if bits else linear_element)
@@ -120,4 +125,25 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
         rank_kv = kv * heads.kv_count / hf_config.num_key_value_heads
         estimate |= {"rank_weights_bytes": int(rank_weights), "rank_kv_bytes": int(rank_kv),
                      "rank_total_bytes": int(rank_weights) + int(rank_kv)}
+    if pp_size > 1:
+        layers, vocab = hf_config.num_hidden_layers, hf_config.vocab_size * hf_config.hidden_size
+        kv_share = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size,
+                                 0).kv_count / hf_config.num_key_value_heads
+        # norms, biases and routers: the weights that are neither projections, embedding, head nor final norm
+        rest = (params - linear - vocab - (0 if tied else head) - hf_config.hidden_size) * element / tp_size
+        ends = stage_bounds(layers, head_weight_in_layers(hf_config), pp_size)
+        estimate["stages"] = []
+        for first, last in zip(ends, ends[1:]):
+            held = range(first, last)
+            stage_weights = projection_bytes(tp_size, 0, layers=held) + rest * len(held) / layers
+            if first == 0:  # the embedding and the LM head
+                stage_weights += (vocab * element + head * linear_element) / tp_size
+            if last == layers:
+                stage_weights += hf_config.hidden_size * element
+            stage_kv = kv * kv_share * len(held) / layers
+            stage = {"layers": [first, last], "weights_bytes": int(stage_weights), "kv_bytes": int(stage_kv),
+                     "total_bytes": int(stage_weights) + int(stage_kv)}
+            if "experts_bytes" in estimate:
+                stage["experts_bytes"] = int(projection_bytes(tp_size, 0, experts_only=True, layers=held))
+            estimate["stages"].append(stage)
     return estimate

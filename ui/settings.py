@@ -46,9 +46,11 @@ KV_CACHE_INFO = ("How the KV pool stores K and V. auto: the model's dtype, exact
 
 
 def memory_estimate_markdown(service: UIService, model: str, dtype: str, context_tokens: float, quant: str = "none",
-                             options: str = "{}", tp: float | None = 1, kv_cache_dtype: str | None = "auto") -> str:
+                             options: str = "{}", tp: float | None = 1, kv_cache_dtype: str | None = "auto",
+                             pp: float | None = 1) -> str:
     """Weights (at the quant plugin's bits per weight; a quantized checkpoint decides its own) + KV for
-    the chosen context length in the chosen KV cache type, before anything is loaded."""
+    the chosen context length in the chosen KV cache type, before anything is loaded; with pipeline stages, each
+    stage's share."""
     kv_cache_dtype = kv_cache_dtype or "auto"
     kv_type = "" if kv_cache_dtype == "auto" else f" ({kv_cache_dtype})"
     try:
@@ -56,13 +58,14 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
         if gguf is not None and loads_gguf_natively(quant or "none", running is not None and running.gguf_dense):
             from kvforge.app.models.catalog import describe
 
-            entry = describe(model, gguf, int(context_tokens), dtype, kv_cache_dtype)
+            entry = describe(model, gguf, int(context_tokens), dtype, kv_cache_dtype, int(pp or 1))
             if entry.error:
                 raise ValueError(entry.error)
             return (f"Estimate for {int(context_tokens)} tokens of context: weights "
                     f"{human_bytes(entry.weights_bytes)} ({entry.parameters / 1e6:.1f}M parameters, the GGUF's own "
                     f"{entry.quantization} blocks) + KV {human_bytes(entry.memory_bytes - entry.weights_bytes)}"
-                    f"{kv_type} = **{human_bytes(entry.memory_bytes)}**" + experts_note(entry.experts_bytes))
+                    f"{kv_type} = **{human_bytes(entry.memory_bytes)}**" + stages_note(entry.stages)
+                    + experts_note(entry.experts_bytes))
         path = service.local_model_dir(model)
         if path is None:
             return f"No estimate for {model!r} before it is converted (GGUF)."
@@ -78,7 +81,7 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
         quant_config = QuantConfig.for_checkpoint(method, quant_options, checkpoint_quantization(hf_config, path))
         ranks = int(tp or 1)
         e = estimate_memory(hf_config, dtype, int(context_tokens), quant_config, tp_size=ranks,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype, pp_size=int(pp or 1))
     except Exception as exc:  # a broken config or option: say so, never break the page
         return f"No estimate: {type(exc).__name__}: {exc}"
     layers = f"{quant} at {bits:.2f} bits per weight" if bits else f"dense {dtype}"
@@ -87,7 +90,16 @@ def memory_estimate_markdown(service: UIService, model: str, dtype: str, context
             f"**{human_bytes(e['total_bytes'])}**"
             + (f"; on {ranks} tensor-parallel ranks the largest share is **{human_bytes(e['rank_total_bytes'])}** "
                f"(weights {human_bytes(e['rank_weights_bytes'])} + KV {human_bytes(e['rank_kv_bytes'])})"
-               if ranks > 1 else "") + experts_note(e.get("experts_bytes")))
+               if ranks > 1 else "") + stages_note(e.get("stages")) + experts_note(e.get("experts_bytes")))
+
+
+def stages_note(stages: list[dict] | None) -> str:
+    """Each pipeline stage's share (its process's; rank 0's under tensor parallelism too): layers and bytes."""
+    if not stages:
+        return ""
+    parts = [f"stage {n} (layers {s['layers'][0]}-{s['layers'][1] - 1}{', embedding + LM head' if n == 0 else ''}) "
+             f"**{human_bytes(s['total_bytes'])}**" for n, s in enumerate(stages)]
+    return f"; on {len(stages)} pipeline stages, each process holds: " + ", ".join(parts)
 
 
 def experts_note(experts_bytes: int | None) -> str:
@@ -222,11 +234,12 @@ class SettingsHandlers:
                 core.cpu_experts if core else self.service.last_spec().cpu_experts)
 
     def update_estimate(self, m: str, d: str, c: float | None, q: str, o: str, t: float | None,
-                        k: str | None = "auto") -> str:
+                        k: str | None = "auto", p: float | None = 1) -> str:
         # (model, dtype, context tokens, quant, quant options, tensor-parallel ranks, KV cache type); the short names
         # and no docstring: the Gradio API (/update_estimate) shows them as it always has. The KV cache type comes
-        # last with a default (the input's initial value, for Gradio clients): a caller of the six others still works
-        return memory_estimate_markdown(self.service, m, d, c or 1, q, o, t, k)
+        # last with a default (the input's initial value, for Gradio clients): a caller of the six others still works;
+        # the pipeline stages after it, the same way
+        return memory_estimate_markdown(self.service, m, d, c or 1, q, o, t, k, p)
 
     async def apply_settings(self, model: str, dtype: str, quant: str, options: str, decoding: str,
                              decoding_json: str, kv_gb: float | None, tp: int | None,
@@ -303,7 +316,8 @@ class SettingsPanel:
                 self.kv_gb, self.tp, self.kv_cache_dtype, self.pp, self.cpu_experts]
 
     def estimate_inputs(self) -> list:
-        return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp, self.kv_cache_dtype]
+        return [self.model, self.dtype, self.context, self.quant, self.quant_options, self.tp, self.kv_cache_dtype,
+                self.pp]
 
 
 def plugin_choice(kind: str, label: str, options_label: str, group: str):
@@ -359,7 +373,8 @@ def add_settings(blocks: gr.Blocks, service: UIService) -> None:
     """The Model settings panel, filled from the running model on load and again after each Apply."""
     on, panel = SettingsHandlers(service), settings_panel()
     blocks.load(on.settings_values, outputs=panel.values())
-    for component in (panel.model, panel.dtype, panel.context, panel.quant_options, panel.tp, panel.kv_cache_dtype):
+    for component in (panel.model, panel.dtype, panel.context, panel.quant_options, panel.tp, panel.kv_cache_dtype,
+                      panel.pp):
         component.change(on.update_estimate, panel.estimate_inputs(), panel.estimate, queue=False)
     panel.quant.change(plugin_help, panel.quant, panel.quant_help, queue=False)
 

@@ -51,6 +51,8 @@ class ModelEntry:
     weights_bytes: int | None = None  # the weights as kvforge holds them
     memory_bytes: int | None = None  # those + the KV cache of `context` tokens
     experts_bytes: int | None = None  # a mixture-of-experts model's routed experts, part of the weights (--cpu-experts)
+    # under pipeline parallelism (pp > 1): each stage's layers [first, last) and bytes (weights, kv, total, experts)
+    stages: list[dict] | None = None
     modified_ns: int | None = None  # the file's (a checkpoint's config.json's) modification time
     error: str | None = None
 
@@ -83,10 +85,10 @@ def model_names(models_dir: Path | None) -> list[str]:
 
 
 def catalog(models_dir: Path | None, context: int, dtype: str = "auto", names: Collection[str] | None = None,
-            deadline_s: float | None = None, kv_cache_dtype: str = "auto") -> list[ModelEntry]:
-    """Every entry described (or those of `names`). With `deadline_s`, the entries are read on the catalog's
-    reader threads and one not read by then is returned with an error saying so (its read goes on and is
-    cached)."""
+            deadline_s: float | None = None, kv_cache_dtype: str = "auto", pp: int = 1) -> list[ModelEntry]:
+    """Every entry described (or those of `names`; `pp` > 1: with each pipeline stage's share). With `deadline_s`,
+    the entries are read on the catalog's reader threads and one not read by then is returned with an error saying
+    so (its read goes on and is cached)."""
     paths: dict[str, Path | ModelEntry] = {}
     for name in model_names(models_dir):
         if names is not None and name not in names:
@@ -96,9 +98,9 @@ def catalog(models_dir: Path | None, context: int, dtype: str = "auto", names: C
         except ModelNotFoundError as exc:
             paths[name] = ModelEntry(name, None, error=str(exc))
     if deadline_s is None:
-        return [p if isinstance(p, ModelEntry) else describe(n, p, context, dtype, kv_cache_dtype)
+        return [p if isinstance(p, ModelEntry) else describe(n, p, context, dtype, kv_cache_dtype, pp)
                 for n, p in paths.items()]
-    reads = {n: _describing(n, p, context, dtype, kv_cache_dtype) for n, p in paths.items()
+    reads = {n: _describing(n, p, context, dtype, kv_cache_dtype, pp) for n, p in paths.items()
              if not isinstance(p, ModelEntry)}
     wait(reads.values(), timeout=deadline_s)
     entries = []
@@ -118,8 +120,8 @@ _WORK: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _WORKERS: list[threading.Thread] = []
 
 
-def _describing(name: str, path: Path, context: int, dtype: str, kv_cache_dtype: str) -> Future:
-    key = (name, str(path), context, dtype, kv_cache_dtype)
+def _describing(name: str, path: Path, context: int, dtype: str, kv_cache_dtype: str, pp: int = 1) -> Future:
+    key = (name, str(path), context, dtype, kv_cache_dtype, pp)
     with _READS_LOCK:
         if key in _READS:
             return _READS[key]
@@ -131,7 +133,7 @@ def _describing(name: str, path: Path, context: int, dtype: str, kv_cache_dtype:
 
     def run() -> None:
         try:
-            future.set_result(describe(name, path, context, dtype, kv_cache_dtype))
+            future.set_result(describe(name, path, context, dtype, kv_cache_dtype, pp))
         finally:
             with _READS_LOCK:
                 _READS.pop(key, None)
@@ -145,19 +147,21 @@ def _work() -> None:
         _WORK.get()()
 
 
-def describe(name: str, path: Path, context: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> ModelEntry:
+def describe(name: str, path: Path, context: int, dtype: str = "auto", kv_cache_dtype: str = "auto",
+             pp: int = 1) -> ModelEntry:
     entry = ModelEntry(name, str(path))
     try:
         if path.suffix == ".gguf":
-            _describe_gguf(entry, path, context, resolve_dtype(dtype), kv_cache_dtype)
+            _describe_gguf(entry, path, context, resolve_dtype(dtype), kv_cache_dtype, pp)
         else:
-            _describe_checkpoint(entry, path, context, resolve_dtype(dtype), kv_cache_dtype)
+            _describe_checkpoint(entry, path, context, resolve_dtype(dtype), kv_cache_dtype, pp)
     except Exception as exc:  # a broken entry is listed with why, the others still are
         entry.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     return entry
 
 
-def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str, kv_cache_dtype: str) -> None:
+def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str, kv_cache_dtype: str,
+                         pp: int = 1) -> None:
     from kvforge.core.estimate import estimate_memory
     from kvforge.core.loader import load_config
     from kvforge.core.plugins import QUANT_GROUP, checkpoint_quantization, discover, resolve_quant
@@ -174,9 +178,10 @@ def _describe_checkpoint(entry: ModelEntry, path: Path, context: int, dtype: str
     entry.quantization = "none" if quantization is None else (
         f"{quant} {options['bits']}-bit" if "bits" in options else quant)
     quant_config = QuantConfig.for_checkpoint(discover(QUANT_GROUP).get(quant), options, quantization)
-    estimate = estimate_memory(config, dtype, context, quant_config, kv_cache_dtype=kv_cache_dtype)
+    estimate = estimate_memory(config, dtype, context, quant_config, kv_cache_dtype=kv_cache_dtype, pp_size=pp)
     entry.parameters, entry.weights_bytes = estimate["parameters"], estimate["weights_bytes"]
     entry.memory_bytes, entry.experts_bytes = estimate["total_bytes"], estimate.get("experts_bytes")
+    entry.stages = estimate.get("stages")
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ class GGUFFacts:
     """What an estimate reads from a GGUF file's header."""
     architecture: str | None
     quantization: str | None
-    fields: dict[str, int]  # the attention shape: block_count, head_count(_kv), key_length, embedding_length
+    fields: dict[str, int]  # the shape: block_count, head_count(_kv), key_length, embedding_length, the MLP's
     tensors: tuple[tuple[str, int, int, int], ...]  # (name, GGML type, elements, dimensions)
 
 
@@ -195,7 +200,7 @@ def gguf_facts(path: Path) -> GGUFFacts:
 
 
 _SHAPE_FIELDS = ("block_count", "attention.head_count_kv", "attention.head_count", "attention.key_length",
-                 "embedding_length")
+                 "embedding_length", "feed_forward_length", "expert_feed_forward_length", "expert_used_count")
 
 
 @lru_cache(maxsize=256)
@@ -212,7 +217,7 @@ def _facts(header: GGUFHeader) -> GGUFFacts:
     return GGUFFacts(arch, quantization_name(file_type if isinstance(file_type, int) else None), fields, tensors)
 
 
-def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_cache_dtype: str) -> None:
+def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_cache_dtype: str, pp: int = 1) -> None:
     from kvforge.plugins.quant.gguf import held_bytes_per_weight
 
     entry.format = "gguf"
@@ -222,19 +227,56 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_c
     entry.architecture, entry.quantization = facts.architecture, facts.quantization
     element = DTYPES[dtype].itemsize
     weights, parameters, experts = 0.0, 0, 0.0
+    by_tensor = {}
     for name, tensor_type, count, _ in facts.tensors:  # block types served from the file itself (a tied head shares
         parameters += count                             # the embedding's blocks), the rest dense in the dtype
         held = held_bytes_per_weight(tensor_type, DTYPES[dtype])
-        tensor_bytes = count * (held[0] if held else element)
-        weights += tensor_bytes
+        by_tensor[name] = count * (held[0] if held else element)
+        weights += by_tensor[name]
         if STACKED_EXPERTS.fullmatch(name):
-            experts += tensor_bytes
+            experts += by_tensor[name]
     f = facts.fields
     head_dim = f.get("attention.key_length") or f["embedding_length"] // f["attention.head_count"]
     kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype],
                                       kv_cache_dtype)
     entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
     entry.experts_bytes = int(experts) if experts else None
+    if pp > 1:
+        entry.stages = _gguf_stages(facts, by_tensor, kv, pp)
+
+
+def _gguf_stages(facts: GGUFFacts, by_tensor: dict[str, float], kv: float, pp: int) -> list[dict]:
+    """Each pipeline stage's share of a GGUF's weights and KV: its layers' tensors (`blk.<i>.`), the first stage's
+    embedding and LM head, the last one's final norm; split as the engine splits the file's config
+    (core/distributed.py: the head counted in decoder layers' work, here from the same header fields)."""
+    from types import SimpleNamespace
+
+    from kvforge.core.distributed import head_weight_in_layers, stage_bounds
+
+    f = facts.fields
+    hidden, layers = f["embedding_length"], f["block_count"]
+    embedding = next(count for name, _, count, _ in facts.tensors if name == "token_embd.weight")
+    config = SimpleNamespace(
+        hidden_size=hidden, num_attention_heads=f["attention.head_count"],
+        num_key_value_heads=f.get("attention.head_count_kv"), head_dim=f.get("attention.key_length"),
+        num_experts_per_tok=f.get("expert_used_count"), intermediate_size=f.get("feed_forward_length"),
+        moe_intermediate_size=f.get("expert_feed_forward_length"), vocab_size=embedding // hidden)
+    ends = stage_bounds(layers, head_weight_in_layers(config), pp)
+    stages = [{"layers": [first, last], "weights_bytes": 0.0, "experts_bytes": 0.0} for first, last in
+              zip(ends, ends[1:])]
+    for name, size in by_tensor.items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        stage = stages[-1] if name.startswith("output_norm") else stages[0] if layer is None else \
+            next(s for s in stages if s["layers"][0] <= layer < s["layers"][1])
+        stage["weights_bytes"] += size
+        if STACKED_EXPERTS.fullmatch(name):
+            stage["experts_bytes"] += size
+    for stage in stages:
+        first, last = stage["layers"]
+        stage["weights_bytes"], stage["kv_bytes"] = int(stage["weights_bytes"]), int(kv * (last - first) / layers)
+        stage["total_bytes"] = stage["weights_bytes"] + stage["kv_bytes"]
+        stage["experts_bytes"] = int(stage["experts_bytes"]) if stage["experts_bytes"] else None
+    return stages
 
 
 def quantization_name(file_type: int | None) -> str | None:
@@ -263,7 +305,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     models_dir = Path(directory).expanduser().resolve() if directory else None
     if models_dir is not None and not models_dir.is_dir():
         raise ValueError(f"--models-dir {models_dir} is not a directory")
-    entries = catalog(models_dir, args.context, args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    entries = catalog(models_dir, args.context, args.dtype, kv_cache_dtype=args.kv_cache_dtype, pp=args.pp)
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=2))
         return 0
@@ -282,6 +324,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         params = f"{e.parameters / 1e6:.0f}M" if e.parameters else "-"
         print(f"{e.name:<40} {e.format or '-':<11} {e.architecture or '-':<20} {e.quantization or '-':<13} "
               f"{_size(e.size_bytes):>10} {params:>8} {_size(e.memory_bytes):>10} {_size(e.experts_bytes):>10}")
+        for number, stage in enumerate(e.stages or []):
+            first, last = stage["layers"]
+            label = f"  stage {number}: layers {first}-{last - 1}" + (", embed + head" if number == 0 else "")
+            print(f"{label:<40} {'':<11} {'':<20} {'':<13} {'':>10} {'':>8} {_size(stage['total_bytes']):>10} "
+                  f"{_size(stage.get('experts_bytes')):>10}")
     return 0
 
 
@@ -295,5 +342,7 @@ def add_parser(sub) -> None:
                         help="the compute dtype of the estimate (auto: as the server picks it)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="how the KV cache is stored in the estimate (as serve's --kv-cache-dtype; default auto)")
+    parser.add_argument("--pp", type=int, default=1, metavar="N",
+                        help="pipeline stages: each stage's layers and memory under its model (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     parser.set_defaults(func=cmd_models)

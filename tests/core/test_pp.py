@@ -19,6 +19,7 @@ import torch
 
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.distributed import stage_layers
+from kvforge.core.estimate import estimate_memory
 from kvforge.core.ranks import WorkerLost
 from tests.helpers.parity import compare, hf_greedy
 from tests.helpers.processes import rank_processes
@@ -90,7 +91,8 @@ def test_steps_stay_in_flight_on_different_sequences(embedded_path, chat_prompts
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "gemma2"])
 def test_pp2_matches_hf_on_tiny_models(tmp_path_factory, embedded_path, arch):
     """One layer a stage, fp32, against HF transformers' greedy tokens: whole prompts, then 7-token chunks with a
-    pool so small that sequences are preempted while other steps are in flight."""
+    pool so small that sequences are preempted while other steps are in flight. The memory estimate's stages
+    (core/estimate.py) are what each stage holds once loaded: its layers, its weights to 1%, its experts exactly."""
     path = tmp_path_factory.mktemp(arch)
     model = save_tiny_model(arch, path, embedded_path, seed=1234)
     prompts = random_prompts((1, 5, 17, 40, 63), seed=7)
@@ -104,6 +106,12 @@ def test_pp2_matches_hf_on_tiny_models(tmp_path_factory, embedded_path, arch):
             assert llm.engine.stats().kv_blocks_used == 0
             if config:
                 assert llm.engine.stats().preemptions_total > 0
+            else:  # the memory estimate before loading splits the model as the stages hold it
+                estimated = estimate_memory(model.config, "float32", 0, pp_size=2)["stages"]
+                for guess, held in zip(estimated, llm.engine.runtime().stages, strict=True):
+                    assert guess["layers"] == held["layers"]
+                    assert abs(guess["weights_bytes"] - held["weights_bytes"]) <= 0.01 * held["weights_bytes"]
+                    assert guess.get("experts_bytes", 0) == held["experts_bytes"]
         finally:
             llm.engine.close()
     assert not rank_processes()

@@ -74,6 +74,25 @@ def test_the_gguf_estimate_counts_the_kv_cache_type_as_kvforge_models_does(servi
     assert on.update_estimate(EMBEDDED_MODEL, "bfloat16", 8192, "none", "{}", 1) == texts["auto"]
 
 
+def test_pipeline_stages_split_the_estimate_as_the_engine_splits_the_layers(service):
+    """The panel's pipeline stages: each stage's layers as core/distributed.py splits them (the embedded model's 30:
+    11 + 19, tests/core/test_pp.py) and its share, the shares summing to the whole, for the GGUF (`kvforge models
+    --pp`) and the checkpoint paths alike."""
+    on = SettingsHandlers(service)
+    whole = on.update_estimate(EMBEDDED_MODEL, "bfloat16", 8192, "none", "{}", 1, "auto")
+    assert "pipeline" not in whole
+    entry = describe(EMBEDDED_MODEL, embedded_gguf_path(), 8192, "bfloat16", "auto", pp=2)
+    first, last = entry.stages
+    assert (first["layers"], last["layers"]) == ([0, 11], [11, 30])
+    assert first["total_bytes"] + last["total_bytes"] == pytest.approx(entry.memory_bytes, abs=2)
+    for quant in ("none", "bnb-int8"):  # the GGUF's own blocks, and its conversion (estimate_memory)
+        text = on.update_estimate(EMBEDDED_MODEL, "bfloat16", 8192, quant, "{}", 1, "auto", 2)
+        assert "on 2 pipeline stages" in text and "stage 0 (layers 0-10, embedding + LM head)" in text, text
+        assert "stage 1 (layers 11-29)" in text, text
+    assert f"**{human_bytes(first['total_bytes'])}**" in on.update_estimate(EMBEDDED_MODEL, "bfloat16", 8192, "none",
+                                                                             "{}", 1, "auto", 2)
+
+
 def test_the_checkpoint_estimate_counts_the_kv_cache_type(service):
     """A quant plugin other than gguf loads the conversion: estimate_memory's KV at the type's bytes, 8-bit about half
     of bf16's, q4 about 0.31x (head_dim 64: 66 and 40 bytes a row against 128)."""

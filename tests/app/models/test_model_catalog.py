@@ -51,6 +51,16 @@ def test_the_list_describes_every_entry(tmp_path, gemma_gguf_path, embedded_path
     assert main(["models", "--models-dir", str(tmp_path), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [e["name"] for e in listed] == model_names(tmp_path)
+    assert all(e["stages"] is None for e in listed)
+    # --pp: each stage's layers and memory, for the GGUF files and the checkpoint alike (the same split)
+    assert main(["models", "--models-dir", str(tmp_path), "--pp", "2", "--json"]) == 0
+    staged = {e["name"]: e for e in json.loads(capsys.readouterr().out)}
+    for name in (EMBEDDED_MODEL, "smol-dense"):
+        first, last = staged[name]["stages"]
+        assert (first["layers"], last["layers"]) == ([0, 11], [11, 30])
+        assert abs(first["total_bytes"] + last["total_bytes"] - staged[name]["memory_bytes"]) <= 2
+    assert main(["models", "--models-dir", str(tmp_path), "--pp", "2"]) == 0
+    assert "  stage 1: layers 11-29" in capsys.readouterr().out
 
 
 def test_the_gguf_estimate_is_what_loading_measures():
