@@ -80,7 +80,7 @@ def read_into_huge_pages(path: str | os.PathLike, offset: int, nbytes: int) -> t
     transparent huge pages (madvise: 2 MiB pages where it has them, 4 KiB where it has none). Why: the GGUF kernels
     stream every weight of a decode step, and on a file's mapping each 4 KiB page costs a TLB miss and stops the
     hardware prefetcher; measured on OLMoE-1B-7B Q4_0 (AMD EPYC Zen 5, 2 cores) the routed experts' kernel ran at
-    ~28 GB/s from the mapping and ~31 GB/s from huge pages. Read with pread() (no mapping of the file: the process
+    ~28 GB/s from the mapping and ~31 GB/s from huge pages. Read with read() (no mapping of the file: the process
     holds only the copy, the page cache the file's pages, reclaimable), in chunks on torch's threads: each page's
     first write (the kernel zeroing it) is most of the cost, and it spreads over the cores (3.7 GiB from the page
     cache: 1.2-1.4 s on one thread, 0.5 s on two; a first huge-page allocation after the page cache filled the memory
@@ -89,21 +89,21 @@ def read_into_huge_pages(path: str | os.PathLike, offset: int, nbytes: int) -> t
     if hasattr(mmap, "MADV_HUGEPAGE"):
         pages.madvise(mmap.MADV_HUGEPAGE)
     view = memoryview(pages)
-    fd = os.open(path, os.O_RDONLY)
 
-    def read(first: int) -> None:
+    def read(first: int) -> None:  # one chunk, through its own file object (seek + readinto: any OS)
         done, end = first, min(first + READ_CHUNK, nbytes)
-        while done < end:
-            count = os.preadv(fd, [view[done: end]], offset + done)
-            if not count:
-                raise ValueError(f"{path}: the file ended {nbytes - done} bytes early")
-            done += count
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset + first)
+            while done < end:
+                count = f.readinto(view[done: end])
+                if not count:
+                    raise ValueError(f"{path}: {nbytes - done} bytes short of the {nbytes} asked for")
+                done += count
 
     try:
         with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), 8))) as pool:
             list(pool.map(read, range(0, nbytes, READ_CHUNK)))
     finally:
-        os.close(fd)
         view.release()
     return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
 

@@ -80,3 +80,25 @@ def test_the_kv_pool_holds_memory_where_it_is_written():
     assert size // 10 < result["written"] < size // 4
     assert result["total"] == 1.5 * 2 * size // 16 // 4
     assert result["freed"] < size // 16
+
+
+def test_a_file_range_is_read_whole_in_chunks_across_threads(tmp_path, monkeypatch):
+    """read_into_huge_pages (a GGUF's tensor data, --gguf-weights copied): the range's bytes exactly, read in chunks on
+    several threads (4 KiB chunks here, so a 50 KB range takes 13), and a range past the file's end refused."""
+    import torch
+
+    from kvforge.core import host_memory
+
+    data = os.urandom(50_000)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    monkeypatch.setattr(host_memory, "READ_CHUNK", 4096)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        copy = host_memory.read_into_huge_pages(path, 123, 49_000)
+        assert copy.dtype == torch.uint8 and bytes(copy.numpy()) == data[123: 123 + 49_000]
+        with pytest.raises(ValueError, match="1 bytes short of the 50000 asked for"):
+            host_memory.read_into_huge_pages(path, 1, 50_000)
+    finally:
+        torch.set_num_threads(torch_threads)
