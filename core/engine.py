@@ -428,7 +428,7 @@ class LLMEngine:
                            runner.weight_bytes(), runner.model.model.embed_tokens.table_bytes, runner.kv_cache_bytes,
                            runner.kv_bytes_per_block / runner.block_size,
                            {c.key: c.choice for c in runner.kernel_choices},
-                           self.placement)
+                           self.placement, runner.gguf_weights)
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from any thread) when the engine fails while idle (a tensor-parallel rank died)."""

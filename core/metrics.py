@@ -142,6 +142,7 @@ class RuntimeInfo:
     kernel_choices: dict[str, str]  # op class and shape (core/kernel_choice.py ShapeChoice.key) -> the kernel chosen
     # where each part of the model lives: one entry per pipeline stage (core/runner.py StagePlacement.as_dict)
     stages: list[dict] = field(default_factory=list)
+    gguf_weights: str | None = None  # a GGUF's blocks "copied" onto huge pages or "mapped" from the file; else None
 
     @property
     def cuda_graphs(self) -> bool:

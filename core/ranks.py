@@ -197,6 +197,7 @@ class LeadRunner:
     kv_cache_bytes = property(lambda self: self.local.kv_cache_bytes)
     model = property(lambda self: self.local.model)
     kernel_choices = property(lambda self: self.local.kernel_choices)
+    gguf_weights = property(lambda self: self.local.gguf_weights)
 
     @property
     def failure(self) -> str | None:

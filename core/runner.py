@@ -144,8 +144,12 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once enable_decode_graphs has captured them
         self.cuda_graph_safe = False  # whether the quant method lets CUDA graphs capture decode steps
         self.kernel_choices: list[ShapeChoice] = []  # the kernel chosen per op class and shape (kernel_choice.py)
+        self.gguf_weights: str | None = None  # a GGUF's blocks: "copied" onto huge pages or "mapped" (gguf_weights)
         if model is None:
-            model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress)
+            copied = self._copies_gguf(config, model_path)
+            if config.native_gguf and gguf_source.is_index(model_path):
+                self.gguf_weights = "copied" if copied else "mapped"
+            model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress, copied)
             self.kernel_choices = choose_kernels(model, config.torch_dtype, config.linear_kernels,
                                                  config.decode_attention, kv_format=self.kv_format)
             if self.device.type == "cpu":
@@ -186,7 +190,8 @@ class ModelRunner:
         self._plane_slots = planes * num_blocks * self.block_size
 
     @staticmethod
-    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool) -> tuple[torch.nn.Module, str, bool]:
+    def _load(config: EngineConfig, model_path: Path, hf_config, progress: bool,
+              gguf_copied: bool = False) -> tuple[torch.nn.Module, str, bool]:
         """The loaded model, the kernels its layers use, and whether its quant method is CUDA-graph safe."""
         quant_cls = discover(QUANT_GROUP).get(config.quant)
         if torch.device(config.device).type not in quant_cls.devices:  # refused before anything is loaded
@@ -200,7 +205,7 @@ class ModelRunner:
                 quant_cls, options, checkpoint_quantization(hf_config, model_path)), config.context_length(hf_config))
         load_weights(model, model_path, progress=progress,
                      transform=lambda tensors: quant_cls.checkpoint_tensors(tensors, options),
-                     gguf_copied=ModelRunner._copies_gguf(config, model_path))
+                     gguf_copied=gguf_copied)
         syncs = any(getattr(module, "syncs_with_host", False) for module in model.modules())  # (core/layers/moe.py)
         return model, kernels, quant_cls.cuda_graph_safe and not syncs
 

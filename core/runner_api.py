@@ -30,6 +30,7 @@ class Runner(Protocol):
     cuda_graph_safe: bool
     graphs: object | None  # the captured decode graphs, once enabled
     kernel_choices: list  # core/kernel_choice.py ShapeChoice per op class and shape: the kernel each runs
+    gguf_weights: str | None  # a GGUF's blocks "copied" onto huge pages or "mapped" from the file; None: not a GGUF
     max_in_flight: int  # steps launched before the oldest must be collected
     failure: str | None  # why the runner can no longer run (a tensor-parallel rank died), or None
     on_failure: Callable[[], None] | None  # called (from any thread) when it fails while idle

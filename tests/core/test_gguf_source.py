@@ -88,6 +88,7 @@ def test_auto_copies_the_blocks_onto_huge_pages_and_mapped_serves_the_file(files
         storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
                     for m in layers for _, b in m.segments.parts}
         assert list(storages.values()) == [gguf.stat().st_size - (data_offset if mode == "auto" else 0)]
+        assert llm.engine.runtime().gguf_weights == ("copied" if mode == "auto" else "mapped")  # the model card's
         engines[mode], before[mode] = llm, perplexity(llm.engine, ids)
     assert before["auto"] == before["mapped"]  # the same bytes either way
     with open(gguf, "r+b") as f:  # every tensor's bytes zeroed, in place

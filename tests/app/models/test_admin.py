@@ -123,6 +123,7 @@ def test_quant_swap_with_a_request_in_flight(server, models_dir):
     gpus = [] if not torch.cuda.is_available() else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     assert [g["device"] for g in loaded["memory"]["gpus"]] == gpus  # VRAM per device (none on a CPU machine)
     assert (loaded["device"], loaded["kernels"], loaded["cuda_graphs"]) == ("cpu", "torch", False)
+    assert loaded["gguf_weights"] is None  # a checkpoint directory: no GGUF blocks to copy or map
     for body, quant in (({"model": "tiny-llama", "quant": "bnb-nf4"}, "bnb-nf4"),
                         ({"model": "tiny-llama-gptq"}, "gptq")):  # a GPTQ checkpoint picks its plugin
         streamer, done = stream_in_background(url, host)

@@ -89,6 +89,7 @@ def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["quant"] == "none" and models[0].model_extra["memory"]["weights_bytes"] > 0
+    assert models[0].model_extra["gguf_weights"] is None  # the dense conversion (the GGUF default: test_gguf_source)
 
 
 @pytest.mark.parametrize("body, param", [
