@@ -118,17 +118,17 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
                 "total_bytes": int(weights) + int(kv)}
     if moe_layout(hf_config) is not None:  # the routed experts' share: what --cpu-experts keeps in host memory
         estimate["experts_bytes"] = int(projection_bytes(experts_only=True))
-    if tp_size > 1:  # rank 0 holds the largest share (heads split unevenly give it the extra)
-        heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size, 0)
+    # rank 0 holds the largest share under tensor parallelism (heads split unevenly give it the extra)
+    heads = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size, 0)
+    kv_share = heads.kv_count / hf_config.num_key_value_heads
+    if tp_size > 1:
         # the projections by this rank's share; embeddings and head split evenly (norms are noise)
         rank_weights = (weights - projections) / tp_size + projection_bytes(tp_size, 0)
-        rank_kv = kv * heads.kv_count / hf_config.num_key_value_heads
+        rank_kv = kv * kv_share
         estimate |= {"rank_weights_bytes": int(rank_weights), "rank_kv_bytes": int(rank_kv),
                      "rank_total_bytes": int(rank_weights) + int(rank_kv)}
     if pp_size > 1:
         layers, vocab = hf_config.num_hidden_layers, hf_config.vocab_size * hf_config.hidden_size
-        kv_share = heads_of_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size,
-                                 0).kv_count / hf_config.num_key_value_heads
         # norms, biases and routers: the weights that are neither projections, embedding, head nor final norm
         rest = (params - linear - vocab - (0 if tied else head) - hf_config.hidden_size) * element / tp_size
         ends = stage_bounds(layers, head_weight_in_layers(hf_config), pp_size)

@@ -146,10 +146,9 @@ class ModelRunner:
         self.kernel_choices: list[ShapeChoice] = []  # the kernel chosen per op class and shape (kernel_choice.py)
         self.gguf_weights: str | None = None  # a GGUF's blocks: "copied" onto huge pages or "mapped" (gguf_weights)
         if model is None:
-            copied = self._copies_gguf(config, model_path)
-            if config.native_gguf and gguf_source.is_index(model_path):
-                self.gguf_weights = "copied" if copied else "mapped"
-            model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress, copied)
+            self.gguf_weights = self._gguf_weights(config, model_path)
+            model, kernels, self.cuda_graph_safe = self._load(config, model_path, hf_config, progress,
+                                                              self.gguf_weights == "copied")
             self.kernel_choices = choose_kernels(model, config.torch_dtype, config.linear_kernels,
                                                  config.decode_attention, kv_format=self.kv_format)
             if self.device.type == "cpu":
@@ -210,17 +209,18 @@ class ModelRunner:
         return model, kernels, quant_cls.cuda_graph_safe and not syncs
 
     @staticmethod
-    def _copies_gguf(config: EngineConfig, model_path: Path) -> bool:
-        """Whether a GGUF model's blocks are read into huge-page memory (config.gguf_weights), logged when they are."""
+    def _gguf_weights(config: EngineConfig, model_path: Path) -> str | None:
+        """Where a GGUF model's blocks are read from (config.gguf_weights): "copied" onto huge pages (logged) or
+        "mapped"; None for a model not served from a GGUF's blocks."""
         if not (config.native_gguf and gguf_source.is_index(model_path)):
-            return False
+            return None
         gguf = gguf_source.source_of(model_path)
-        copied = gguf_source.copies_weights(config.gguf_weights, gguf, torch.device(config.device).type,
-                                            config.tp_size * config.pp_size)
-        if copied:
-            log.info("GGUF blocks of %s copied onto huge pages (%.2f GiB; --gguf-weights mapped serves them from "
-                     "the file)", gguf.name, gguf.stat().st_size / 2**30)
-        return copied
+        if not gguf_source.copies_weights(config.gguf_weights, gguf, torch.device(config.device).type,
+                                          config.tp_size * config.pp_size):
+            return "mapped"
+        log.info("GGUF blocks of %s copied onto huge pages (%.2f GiB; --gguf-weights mapped serves them from the "
+                 "file)", gguf.name, gguf.stat().st_size / 2**30)
+        return "copied"
 
     @property
     def kv_cache_bytes(self) -> int:
