@@ -22,6 +22,7 @@ from typing import Any
 
 from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine, RequestsFailed
+from kvforge.core.images import ImagePrompt
 from kvforge.core.metrics import EngineStats
 from kvforge.core.output import RequestOutput
 from kvforge.core.pooling import PoolingParams
@@ -113,7 +114,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
         self._thread.start()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
+    def add_request(self, prompt: str | list[int] | ImagePrompt, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, group: str | None = None) -> RequestStream:
         """Validate and queue a request (PoolingParams: an embedding request, core/pooling.py); returns its stream.
         `group`: the client request it is part of (LLMEngine.add_request). Must be called from a running event loop.
@@ -128,7 +129,8 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
         self._unfinished[request_id] = params.n
-        self._commands.put(("add", request_id, prompt_ids, params, group))
+        images = prompt.images if isinstance(prompt, ImagePrompt) else []
+        self._commands.put(("add", request_id, prompt_ids, params, group, images))
         self._wakeup.set()
         return stream
 
@@ -222,11 +224,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, params, group = command
+                _, request_id, prompt_ids, params, group, images = command
                 if request_id not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_validated(prompt_ids, params, request_id=request_id, group=group)
+                    self.engine.add_validated(prompt_ids, params, request_id=request_id, group=group, images=images)
                 except Exception as exc:
                     self._unfinished.pop(request_id, None)
                     self._send(self._streams.pop(request_id), exc)

@@ -20,6 +20,7 @@ from kvforge.core.config import EngineConfig
 from kvforge.core.constraint import Constraint, GrammarCompiler
 from kvforge.core.draft_target import EngineDraftTarget
 from kvforge.core.generation_defaults import GenerationDefaults, model_generation_defaults
+from kvforge.core.images import ImageInput, ImagePrompt, cache_keys, check_images
 from kvforge.core.kv.blocks import BlockPool
 from kvforge.core.kv.index import KVIndex
 from kvforge.core.kv.manager import KVCacheManager
@@ -61,6 +62,10 @@ class LLMEngine:
         self.config = config or EngineConfig(**overrides)
         self.model_path = resolve_model(self.config.model, native_gguf=self.config.native_gguf)
         self.hf_config = load_config(self.model_path)
+        if getattr(self.hf_config, "vision_config", None) is not None and \
+                self.config.tp_size * self.config.pp_size > 1:  # the ranks' step messages carry no pixels yet
+            raise ValueError("a vision-language model runs in one process: tensor and pipeline parallelism take "
+                             "text-only models")
         # a quantized checkpoint decides its method and layout options
         quant, quant_options = resolve_quant(self.config.quant, self.config.quant_options, self.hf_config,
                                              self.model_path)
@@ -147,23 +152,29 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
+    def add_request(self, prompt: str | list[int] | ImagePrompt, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, group: str | None = None) -> str:
         """Queue a generation request, or with PoolingParams an embedding request (its one final output holds
         the embedding). `group`: the client request it is part of (an embeddings request's inputs): the scheduler
-        shares the engine fairly between groups (core/scheduler.py); None: a group of its own."""
+        shares the engine fairly between groups (core/scheduler.py); None: a group of its own. An ImagePrompt
+        carries its images (core/images.py), for a model with a vision tower."""
         params = params or SamplingParams()
-        return self.add_validated(self.validate_prompt(prompt, params), params, request_id, group)
+        images = prompt.images if isinstance(prompt, ImagePrompt) else []
+        return self.add_validated(self.validate_prompt(prompt, params), params, request_id, group, images)
 
     def add_validated(self, prompt_ids: list[int], params: SamplingParams | PoolingParams,
-                      request_id: str | None = None, group: str | None = None) -> str:
+                      request_id: str | None = None, group: str | None = None,
+                      images: list[ImageInput] | None = None) -> str:
         """add_request for a prompt validate_prompt has checked (AsyncEngine checks before queueing it for the engine
         thread): the one admissibility check a request passes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        images = images or []
+        keys = cache_keys(prompt_ids, images) if images else None
         if isinstance(params, PoolingParams):
-            seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals), group=group)
+            seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals), group=group, images=images,
+                           prompt_keys=keys)
             self.scheduler.add(seq)
             self._requests[request_id] = [seq]
             self._totals["prompt_tokens_total"] += len(prompt_ids)
@@ -176,7 +187,8 @@ class LLMEngine:
             # Sample i of a seeded request draws from its own stream; sample 0 equals the n = 1 stream.
             generator = None if params.greedy else torch.Generator().manual_seed(
                 base_seed if index == 0 else hash((base_seed, index)) & (2**62 - 1))
-            seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival, group=group)
+            seq = Sequence(request_id, prompt_ids, params, generator, index=index, arrival=arrival, group=group,
+                           images=images, prompt_keys=keys)
             if params.constraint is not None:  # compiled by validate_prompt: a cache hit
                 seq.grammar = self.grammars.start(params.constraint)
             seq.output_state = OutputState(self.tokenizer, params)
@@ -191,12 +203,17 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         return all(isinstance(t, int) and 0 <= t < vocab for t in token_ids)
 
-    def validate_prompt(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> list[int]:
+    def validate_prompt(self, prompt: str | list[int] | ImagePrompt, params: SamplingParams | PoolingParams
+                        ) -> list[int]:
         """Token ids of the prompt, or ValueError (RequestRejected included) before anything is queued."""
+        images = prompt.images if isinstance(prompt, ImagePrompt) else []
+        if isinstance(prompt, ImagePrompt):
+            prompt = prompt.token_ids
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.hf_config.vocab_size
         if not self.in_vocabulary(prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        check_images(prompt_ids, images, getattr(self.hf_config, "image_token_id", None))
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_ids), params.max_tokens)

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvforge.core.config import EngineConfig
 from kvforge.core.engine import LLMEngine
+from kvforge.core.images import ImagePrompt
 from kvforge.core.output import RequestOutput, TokenLogprob
 from kvforge.core.pooling import PoolingParams
 from kvforge.core.sampling import SamplingParams
@@ -36,10 +37,11 @@ class LLM:
         """What generate / chat use without params: the model's sampling defaults (core/generation_defaults.py)."""
         return self.engine.generation_defaults.params()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[str] | list[list[int]] | ImagePrompt | list[ImagePrompt],
                  params: SamplingParams | list[SamplingParams] | None = None):
-        """One CompletionOutput per prompt; a list of n of them for requests with n > 1."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """One CompletionOutput per prompt; a list of n of them for requests with n > 1. An ImagePrompt carries its
+        images (a vision-language model: core/images.py)."""
+        if isinstance(prompts, (str, ImagePrompt)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):

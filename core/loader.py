@@ -187,9 +187,24 @@ def load_config(path: Path):
     from kvforge.core.models.registry import is_base_model
 
     config = AutoConfig.from_pretrained(path)
+    if getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None:
+        config = decoder_config(config)
     if is_base_model(config):  # no head in the checkpoint (an embedding model's): the embedding table serves as one
         config.tie_word_embeddings = True
     return config
+
+
+def decoder_config(config):
+    """A vision-language checkpoint's config as the engine reads every model's: its decoder's (layers, heads, vocab --
+    what the KV pool, the estimate and the scheduler size by), carrying the checkpoint's architectures, vision_config
+    and image fields for the model class (core/models/idefics3.py)."""
+    text = config.text_config
+    text.architectures = config.architectures
+    text.vision_config = config.vision_config
+    for name in ("image_token_id", "scale_factor"):
+        setattr(text, name, getattr(config, name))
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text
 
 
 def build_model(config, dtype: torch.dtype, quant: QuantConfig, context_len: int | None = None) -> nn.Module:
@@ -248,6 +263,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     renames = getattr(model, "checkpoint_renames", {})
+    unfused = getattr(model, "unfused_prefixes", ())  # parts whose projections stay unfused (a vision tower's)
     tied = {source: target for target, source in model.tied_weights().items()
             if target in params or _blocks_param(target) in params}
     loaded: set[str] = set()
@@ -265,7 +281,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             name = name.replace(theirs, ours)
         targets = [(name, None)]
         for checkpoint_part, (fused_part, shard_id) in packed.items():
-            if f".{checkpoint_part}." in name:
+            if f".{checkpoint_part}." in name and not name.startswith(unfused):
                 targets = [(name.replace(f".{checkpoint_part}.", f".{fused_part}."), shard_id)]
                 break
         if name in tied:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvforge.core.constraint import GrammarState
+from kvforge.core.images import ImageInput
 from kvforge.core.pooling import PooledHidden, PoolingParams
 from kvforge.core.repetition import RepetitionGuard
 from kvforge.core.sampling import SamplingParams
@@ -34,6 +35,8 @@ class Sequence:
     arrival: int = 0  # global arrival order: FCFS within a group, latest-first preemption
     group: str | None = None  # the client request it is part of, which shares the engine fairly (core/scheduler.py)
     output_token_ids: list[int] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images (core/images.py)
+    prompt_keys: list[int] | None = None  # the prompt as the prefix cache keys it, where it has images
     # its output's text, decoded as each token is appended (where stop strings are found); None: not decoded
     output_state: OutputState | None = None
     block_table: list[int] = field(default_factory=list)
@@ -67,6 +70,12 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_keys(self) -> list[int]:
+        """Its tokens as the prefix cache and the persisted tier key them: the token ids, with each image position's
+        key in place of its placeholder id (core/images.py)."""
+        return self.token_ids if self.prompt_keys is None else self.prompt_keys + self.output_token_ids
 
     @property
     def token_ids_with_drafts(self) -> list[int]:

@@ -7,6 +7,7 @@ stage's hidden states (core/pp.py)."""
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from kvforge.core.context import (
 )
 from kvforge.core.distributed import heads_of_rank, stage_layers, tp_rank, tp_size
 from kvforge.core.host_memory import keep_freed_memory, release_freed_memory, zeroed_on_demand
+from kvforge.core.images import ImageInput
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.kv.quant import kv_format
@@ -58,6 +60,8 @@ class StepInputs:
     pool_rows: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     # rows [first, last) whose next prompt tokens' logprobs are asked for, those tokens, and how many top ones
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
+    # the images whose rows this step's prefill chunks cover: (image, flat rows, the image's rows for them)
+    images: list[tuple[ImageInput, list[int], list[int]]] = field(default_factory=list)
 
 
     def decode_rows(self) -> tuple[list[list[int]], list[int]]:
@@ -279,6 +283,11 @@ class ModelRunner:
             inputs.slots.extend(table[p // size] * size + p % size for p in range(start, end))
             row = len(inputs.positions) - item.num_new_tokens
             inputs.prefills.append((row, row + item.num_new_tokens, end, table[: -(-end // size)]))
+            for image in seq.images:
+                first, last = bisect_left(image.positions, start), bisect_left(image.positions, end)
+                if first < last:  # the chunk covers some of this image's positions: their rows go in
+                    inputs.images.append((image, [row + p - start for p in image.positions[first:last]],
+                                          list(range(first, last))))
         if all_logits:
             inputs.logits_rows = list(range(len(inputs.positions)))
             return inputs
@@ -370,6 +379,8 @@ class ModelRunner:
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         set_context(context)
         try:
+            if inputs.images:  # the step's embeddings with image rows in place: the decoder starts from them
+                carried = StageCarry(self.model.embed_with_images(input_ids, inputs.images))
             # a stage after the first starts from the one before (a drafter's model takes no carried states)
             hidden = self.model(input_ids, context.positions, *(() if carried is None else (None, carried)))
         finally:

@@ -21,7 +21,7 @@ class KVCacheManager:
         """The hash chain of the sequence's first `num_blocks` full blocks (extended lazily)."""
         hashes, size = seq.block_hashes, self.block_size
         if len(hashes) < num_blocks:
-            tokens = seq.token_ids
+            tokens = seq.cache_keys
             for i in range(len(hashes), num_blocks):
                 hashes.append(block_hash(hashes[-1] if hashes else self.root_hash, tokens[i * size:(i + 1) * size]))
         return hashes[:num_blocks]
@@ -31,7 +31,7 @@ class KVCacheManager:
         left to compute, since its logits are needed."""
         if not self.pool.enable_caching:
             return []
-        size, tokens = self.block_size, seq.token_ids
+        size, tokens = self.block_size, seq.cache_keys
         hits = []
         for i, digest in enumerate(self._hashes(seq, (len(tokens) - 1) // size)):
             block = self.pool.lookup(digest, tokens[i * size:(i + 1) * size])
@@ -79,7 +79,7 @@ class KVCacheManager:
         seq.block_table = list(hits) + self.pool.allocate(needed)
         loaded = 0
         if self.persisted is not None:
-            tokens, hashes, now = seq.token_ids, self._hashes(seq, len(hits) + on_disk), time.time()
+            tokens, hashes, now = seq.cache_keys, self._hashes(seq, len(hits) + on_disk), time.time()
             for i in range(len(hits)):
                 self.persisted.touch(hashes[i], i, now)
             for i in range(len(hits), len(hits) + on_disk):
@@ -99,7 +99,7 @@ class KVCacheManager:
         if not self.pool.enable_caching or (seq.pools and seq.needs_every_position):
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        size, tokens = self.block_size, seq.token_ids
+        size, tokens = self.block_size, seq.cache_keys
         hashes, first_new = self._hashes(seq, full), None
         for i, digest in enumerate(hashes):
             block_tokens = tokens[i * size:(i + 1) * size]

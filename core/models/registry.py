@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvforge.core.models.gemma import GemmaForCausalLM
+from kvforge.core.models.idefics3 import Idefics3ForConditionalGeneration
 from kvforge.core.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -19,6 +20,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM (1), Idefics3
+    "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM2: the same model, its own name
 }
 # checkpoints of the bare model without its language-model head, as embedding models ship (Qwen3-Embedding,
 # gte-Qwen2, e5-mistral): served with the head tied to the embedding table (see core/loader.py build_model)

@@ -137,3 +137,32 @@ def save_tiny_embedding_model(path: Path, embedded_path: Path, seed: int, poolin
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": config.hidden_size, pooling: True, "include_prompt": True}))
     return model
+
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+
+
+def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int):
+    """A tiny random Idefics3 / SmolVLM (a 2-layer SigLIP tower on 32-pixel tiles of 8-pixel patches, pixel shuffle 2:
+    4 rows a tile; the tiny Llama decoder) saved with the embedded tokenizer plus Idefics3's image tokens and an HF
+    processor (PIL image processor: pictures up to 64 pixels split into 32-pixel tiles and a global view). Returns
+    the HF model (fp32, eval) and the processor."""
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    text = tiny_configs()["llama3"].to_dict() | {"vocab_size": len(tokenizer)}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8, initializer_range=0.3)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, tie_word_embeddings=False,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
+        tokenizer=tokenizer, image_seq_len=4)
+    processor.save_pretrained(path)
+    return model, processor

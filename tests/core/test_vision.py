@@ -1,0 +1,167 @@
+"""A vision-language model (Idefics3 / SmolVLM: core/models/idefics3.py) against HF transformers on a tiny random one:
+every prompt position's log-probability with one and with several images, greedy tokens batched with text-only
+prompts across chunked prefills and preemption, each image encoded once per request, and the prefix cache and the
+persisted KV keying an image's positions by its content (core/images.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from kvforge.core import LLM, SamplingParams
+from kvforge.core.images import ImageInput, ImagePrompt
+from kvforge.core.models.idefics3 import image_prompt
+from tests.helpers.tiny_models import save_tiny_idefics3
+
+NEW_TOKENS = 12
+TEXT_AFTER = " Describe what you see in the picture above, in detail, with colours and shapes and every small thing."
+
+
+def picture(seed: int, height: int, width: int) -> tuple[Image.Image, bytes]:
+    """A random RGB picture and its bytes (what a client would send)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels), pixels.tobytes()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, embedded_path):
+    path = tmp_path_factory.mktemp("idefics3")
+    model, processor = save_tiny_idefics3(path, embedded_path, seed=5)
+    return path, model, processor
+
+
+def prompt_of(processor, text: str, pictures: list[tuple[Image.Image, bytes]]) -> ImagePrompt:
+    return image_prompt(processor, text, [image for image, _ in pictures],
+                        [ImageInput.digest_of(data) for _, data in pictures])
+
+
+def hf_inputs(processor, text: str, pictures) -> dict:
+    return processor(text=[text], images=[[image for image, _ in pictures]] if pictures else None,
+                     return_tensors="pt", add_special_tokens=False)
+
+
+def hf_generate(model, inputs: dict) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_every_prompt_position_matches_hf_with_one_and_with_several_images(vlm):
+    """The log-probability of each prompt token after the ones before it (image positions included) within 1e-4 of
+    HF's, a picture split into tiles with a global view and one small enough for a single tile."""
+    path, model, processor = vlm
+    cases = [("User:<image>" + TEXT_AFTER, [picture(1, 50, 70)]),
+             ("User:<image> and <image> side by side." + TEXT_AFTER, [picture(2, 64, 40), picture(3, 20, 30)])]
+    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=64)
+    try:
+        for text, pictures in cases:
+            prompt = prompt_of(processor, text, pictures)
+            inputs = hf_inputs(processor, text, pictures)
+            assert prompt.token_ids == inputs["input_ids"][0].tolist()
+            [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+            ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
+            with torch.inference_mode():
+                logits = model(**inputs).logits[0, :-1].float()
+            theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
+            assert ours.shape == theirs.shape
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    finally:
+        llm.engine.close()
+
+
+def test_batched_with_text_prompts_chunked_and_preempted_it_gives_hfs_tokens_encoding_each_image_once(vlm):
+    path, model, processor = vlm
+    cases = [("User:<image>" + TEXT_AFTER, [picture(4, 60, 60)]),
+             ("A text-only question about the weather in spring.", []),
+             ("User:<image> then <image>." + TEXT_AFTER, [picture(5, 33, 64), picture(6, 64, 64)]),
+             ("Another plain prompt" + TEXT_AFTER, [])]
+    prompts = [prompt_of(processor, text, pictures) for text, pictures in cases]
+    reference = [hf_generate(model, hf_inputs(processor, text, pictures)) for text, pictures in cases]
+    # 16-token chunks end inside images; 12 blocks of 16 cannot hold the batch: sequences are preempted
+    llm = LLM(str(path), progress=False, dtype="float32", block_size=16, num_kv_blocks=12,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert llm.engine.stats().preemptions_total > 0
+        assert [o.token_ids for o in outs] == reference
+        assert llm.engine.runner.model.images_encoded == 3  # once per image, preempted or not
+    finally:
+        llm.engine.close()
+
+
+def test_the_next_turn_reuses_the_images_blocks_and_another_image_never_does(vlm):
+    """A follow-up turn repeating the picture hits the cache through the image and encodes nothing; the same
+    prompt with another picture (the same token ids) hits only the text before the image, and gets HF's tokens for
+    its own picture -- with the placeholder ids as keys it would read the first picture's KV."""
+    path, model, processor = vlm
+    first, other = picture(7, 64, 48), picture(8, 64, 48)
+    text = "User:<image>" + TEXT_AFTER
+    llm = LLM(str(path), progress=False, dtype="float32", block_size=16, num_kv_blocks=128)
+    try:
+        [turn] = llm.generate(prompt_of(processor, text, [first]), SamplingParams(temperature=0, max_tokens=8))
+        model_ours = llm.engine.runner.model
+        assert model_ours.images_encoded == 1
+        follow_text = text + processor.tokenizer.decode(turn.token_ids) + " And the corners?"
+        follow = prompt_of(processor, follow_text, [first])
+        last_image_position = follow.images[0].positions[-1]
+        [again] = llm.generate(follow, SamplingParams(temperature=0, max_tokens=4))
+        assert again.num_cached_tokens > last_image_position
+        assert model_ours.images_encoded == 1  # every image position came from the cache
+
+        swapped = prompt_of(processor, text, [other])
+        assert swapped.token_ids == prompt_of(processor, text, [first]).token_ids
+        [out] = llm.generate(swapped, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert out.num_cached_tokens <= swapped.images[0].positions[0]
+        assert model_ours.images_encoded == 2
+        assert out.token_ids == hf_generate(model, hf_inputs(processor, text, [other]))
+    finally:
+        llm.engine.close()
+
+
+def test_a_restarted_engine_reads_the_image_turn_from_the_persisted_kv(vlm, tmp_path):
+    path, model, processor = vlm
+    pictures = [picture(9, 40, 64)]
+    text = "User:<image>" + TEXT_AFTER
+    config = dict(progress=False, dtype="float32", block_size=16, num_kv_blocks=64, persist_kv=True,
+                  data_dir=str(tmp_path), db_url=f"sqlite:///{tmp_path / 'kv.db'}")
+    outputs = []
+    for _ in range(2):
+        llm = LLM(str(path), **config)
+        try:
+            prompt = prompt_of(processor, text, pictures)
+            outputs += llm.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+            encoded = llm.engine.runner.model.images_encoded
+        finally:
+            llm.engine.close()
+    first, restarted = outputs
+    assert first.num_cached_tokens == 0
+    assert restarted.num_cached_tokens > prompt.images[0].positions[-1]
+    assert encoded == 0  # the restarted engine never ran the tower: the image's blocks came from disk
+    assert restarted.token_ids == first.token_ids == hf_generate(model, hf_inputs(processor, text, pictures))
+
+
+def test_prompts_whose_images_do_not_fit_their_tokens_are_refused(vlm, embedded_path):
+    path, _, processor = vlm
+    prompt = prompt_of(processor, "User:<image> look.", [picture(10, 32, 32)])
+    image = prompt.images[0]
+    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=16)
+    try:
+        with pytest.raises(ValueError, match="image tokens but no images"):
+            llm.engine.add_request(prompt.token_ids, SamplingParams(max_tokens=1))
+        moved = ImageInput([p - 1 for p in image.positions], image.pixels, image.digest)
+        with pytest.raises(ValueError, match="is not an image token"):
+            llm.engine.add_request(ImagePrompt(prompt.token_ids, [moved]), SamplingParams(max_tokens=1))
+        half = ImageInput(image.positions[:4], image.pixels, image.digest)
+        with pytest.raises(ValueError, match="image tokens; its images fill 4"):
+            llm.engine.add_request(ImagePrompt(prompt.token_ids, [half]), SamplingParams(max_tokens=1))
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.engine.close()
+    text_only = LLM(str(embedded_path), progress=False, num_kv_blocks=16)
+    try:
+        with pytest.raises(ValueError, match="takes no images"):
+            text_only.engine.add_request(ImagePrompt([1, 2, 3], [image]), SamplingParams(max_tokens=1))
+    finally:
+        text_only.engine.close()
