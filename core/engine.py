@@ -464,7 +464,8 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generation_tokens_per_s=self._generation_rate.rate(), prompt_tokens_per_s=self._prompt_rate.rate(),
             preemptions_total=self.scheduler.num_preemptions, **self._totals, **self.disk_stats(),
-            **(self.speculator.totals if self.speculator else {}))
+            **(self.speculator.totals if self.speculator else {}),
+            images_encoded_total=getattr(self.runner.model, "images_encoded", 0))
 
     def disk_stats(self) -> dict[str, int]:
         """The persisted tier's EngineStats fields (none when it is off)."""

@@ -16,11 +16,13 @@ about it) has the same keys, so its blocks hit; two pictures never share a block
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 _KEY_SPAN = 1 << 63  # keys are -1 .. -2**63: below every token id
+ENCODED_IMAGES_BYTES = 256 << 20  # the tower's rows kept for pictures seen lately (a SmolVLM image's: 2.5 MiB)
 
 
 @dataclass(eq=False)
@@ -47,6 +49,32 @@ class ImagePrompt:
 
     token_ids: list[int]
     images: list[ImageInput]
+
+
+class EncodedImages:
+    """The vision tower's rows of recent pictures by digest, least recently used dropped past a byte budget. The
+    prefix cache keeps whole blocks, so the next turn of a chat about a picture recomputes the block where the first
+    turn's prompt ended, which may hold the image's last rows; those, and the same picture in another request, come
+    from here instead of the tower (a real image's tiles take seconds through it on a CPU)."""
+
+    def __init__(self, budget_bytes: int = ENCODED_IMAGES_BYTES) -> None:
+        self.budget_bytes, self.bytes = budget_bytes, 0
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        rows = self._rows.get(digest)
+        if rows is not None:
+            self._rows.move_to_end(digest)
+        return rows
+
+    def put(self, digest: bytes, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if digest in self._rows or size > self.budget_bytes:
+            return
+        self._rows[digest], self.bytes = rows, self.bytes + size
+        while self.bytes > self.budget_bytes:
+            _, dropped = self._rows.popitem(last=False)
+            self.bytes -= dropped.numel() * dropped.element_size()
 
 
 def cache_keys(token_ids: list[int], images: list[ImageInput]) -> list[int]:

@@ -94,6 +94,7 @@ class EngineStats:
     spec_drafted_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0  # steps of a sequence that verified drafts
+    images_encoded_total: int = 0  # pictures through a vision model's tower (each once per request)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
+from kvforge.core.images import ImagePrompt
 from kvforge.core.sandbox.pool import render_template
 
 
@@ -23,6 +24,10 @@ class Tokenizer:
 
         self.hf = AutoTokenizer.from_pretrained(path)
         self.eos_token_ids = self._eos_ids(path)
+        self.path = path
+        config = path / "config.json"
+        # a vision-language model's: its processor expands each picture's placeholder into the image's tokens
+        self.takes_images = config.exists() and "vision_config" in json.loads(config.read_text())
 
     def _eos_ids(self, path: Path) -> set[int]:
         ids: set[int] = set()
@@ -54,6 +59,27 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def processor(self):
+        """The model's HF processor (tokenizer and image processor; PIL's image processing: no torchvision needed)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.path, backend="pil")
+
+    def encode_with_images(self, text: str, pictures: list, digests: list[bytes]) -> ImagePrompt:
+        """A rendered prompt with one image placeholder per picture (PIL images, in order), tokenized by the model's
+        processor: each placeholder expanded into its image's tokens, each picture's ImageInput (core/images.py)."""
+        from kvforge.core.models.idefics3 import image_prompt
+
+        if not self.takes_images:
+            raise ValueError("this model takes no images (it has no vision tower)")
+        return image_prompt(self.processor, text, pictures, digests)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """What a chat template writes where a picture goes (None: the model takes no images)."""
+        return self.processor.image_token if self.takes_images else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -190,7 +190,7 @@ def submit(engine: AsyncEngine, request: GenerateRequest, rendered: Rendered,
         # no explicit limit: fit what is left of the context instead of rejecting the request
         params.max_tokens = max(1, min(params.max_tokens, context - len(prompt)))
     try:
-        stream = engine.add_request(prompt, params, group=group)
+        stream = engine.add_request(rendered.engine_prompt, params, group=group)
     except RequestRejected as exc:
         raise APIError(400, str(exc), prompt_field, code="context_length_exceeded") from None
     except ValueError as exc:  # the prompt's token ids, or logit_bias's, outside the vocabulary

@@ -29,10 +29,12 @@ from kvforge.app.dialects.openai.tools import ToolFields
 from kvforge.app.generate.parsers.declared_response import declared_template
 from kvforge.app.generate.parsers.reasoning import ReasoningSyntax, detect_reasoning, starts_in_reasoning
 from kvforge.app.generate.parsers.tool_calls import ToolSyntax, detect_tool_syntax, tool_names
+from kvforge.app.generate.pictures import read_pictures
 from kvforge.app.generate.tool_grammar import call_grammar
 from kvforge.app.generate.tool_prompts import messages_for_template, render_history_for_default, tools_system_prompt
 from kvforge.app.http.errors import APIError
 from kvforge.core.constraint import Constraint
+from kvforge.core.images import ImageInput
 from kvforge.core.tokenizer import Tokenizer
 
 
@@ -53,6 +55,7 @@ class ChatPlan:
     prompt_text: str = ""  # the rendered prompt: where a declared format's reader starts
     tools: list[dict] = field(default_factory=list)  # the tools described (their schemas type the arguments)
     forced_calls: bool = False  # the call grammar holds the output: it is tool calls only
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's pictures (a vision model's), in order
 
 
 def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
@@ -62,13 +65,19 @@ def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: l
     tool calls / results of the history in a form the template renders. The chat route and /v1/tokenize both
     render here. APIError 400 for a conversation the template rejects."""
     syntax = detect_tool_syntax(tokenizer.hf.chat_template)
-    dicts = [m.template_dict() for m in messages]
+    placeholder = tokenizer.image_placeholder
+    if placeholder is None and any(m.image_urls() for m in messages):
+        raise APIError(400, "messages: this model takes no images (it is a text-only model)", "messages")
+    dicts = [m.template_dict(placeholder or "") for m in messages]
     if syntax.template_supports_tools:
         dicts, template_tools = messages_for_template(dicts), tools or None
     else:
         dicts, template_tools = render_history_for_default(dicts), None
         if tools:
             dicts = _with_system_text(dicts, tools_system_prompt(tools))
+    if placeholder is not None:  # a vision model's template reads content parts: text and {"type": "image"}
+        dicts = [dict(d, content=content_parts(d["content"], placeholder)) if isinstance(d.get("content"), str)
+                 else d for d in dicts]
     try:
         return tokenizer.chat_text(dicts, add_generation_prompt, template_tools, template_kwargs)
     except Exception as exc:  # a template that rejects this conversation (e.g. role order)
@@ -85,7 +94,11 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
     tools, choice = tool_fields.tool_dicts(), tool_fields.tool_choice_value()
     use_tools = bool(tools) and choice != "none"
     text = chat_prompt_text(tokenizer, messages, tools if use_tools else None, template_kwargs)
-    prompt = tokenizer.encode(text, add_special_tokens=False)
+    images: list[ImageInput] = []
+    if tokenizer.takes_images:
+        prompt, images = prompt_with_pictures(tokenizer, text, [url for m in messages for url in m.image_urls()])
+    else:
+        prompt = tokenizer.encode(text, add_special_tokens=False)
 
     reasoning = reasoning_syntax(tokenizer)
     specials = special_token_ids(tokenizer)
@@ -107,7 +120,36 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
     skip_special = declared is None and may_skip_special_tokens(specials, markers)
     return ChatPlan(prompt, constraint, blamed, syntax, tool_names(tools) if use_tools else None, reasoning,
                     reasoning is not None and starts_in_reasoning(text, reasoning), skip_special,
-                    declared, text if declared is not None else "", tools if use_tools else [], forced)
+                    declared, text if declared is not None else "", tools if use_tools else [], forced, images)
+
+
+def content_parts(text: str, placeholder: str) -> list[dict]:
+    """A message's text as the content parts a vision model's template takes (HF's shape): its text between the
+    pictures' placeholders, {"type": "image"} for each."""
+    parts: list[dict] = []
+    for i, piece in enumerate(text.split(placeholder)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def prompt_with_pictures(tokenizer: Tokenizer, text: str, urls: list[str]) -> tuple[list[int], list[ImageInput]]:
+    """A vision model's rendered prompt tokenized by its processor, each picture's placeholder expanded into the
+    image's tokens (core/tokenizer.py encode_with_images); APIError 400 for a picture that cannot be read or a
+    rendering whose placeholders do not match the pictures (a template that drops them, or text that writes one)."""
+    pictures = read_pictures(urls, "messages")
+    found = text.count(tokenizer.image_placeholder)
+    if found != len(pictures):
+        raise APIError(400, f"messages: {len(pictures)} pictures, but the rendered prompt has {found} image "
+                       f"placeholders ({tokenizer.image_placeholder!r} written in text, or a template that drops "
+                       "pictures)", "messages")
+    try:
+        prompt = tokenizer.encode_with_images(text, [p.image for p in pictures], [p.digest for p in pictures])
+    except ValueError as exc:  # the processor's own refusal of these pictures
+        raise APIError(400, f"messages: {exc}", "messages") from None
+    return prompt.token_ids, prompt.images
 
 
 def format_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:

@@ -16,6 +16,7 @@ from kvforge.app.generate.context_fit import ContextBudget, Truncation, fit_conv
 from kvforge.app.http.errors import APIError
 from kvforge.core.async_engine import AsyncEngine
 from kvforge.core.constraint import Constraint, InvalidConstraint
+from kvforge.core.images import ImageInput, ImagePrompt
 from kvforge.core.tokenizer import Tokenizer
 
 
@@ -34,6 +35,11 @@ class Rendered:
     def skip_special_tokens(self) -> bool:
         """Whether decoding may drop special tokens (not where a chat's reader looks for one)."""
         return self.plan.skip_special_tokens if self.plan is not None else True
+
+    @property
+    def engine_prompt(self) -> list[int] | ImagePrompt:
+        """What the engine is given: the token ids, with a vision model's pictures (core/images.py) where it has any."""
+        return ImagePrompt(self.prompt, self.plan.images) if self.plan is not None and self.plan.images else self.prompt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +77,11 @@ class ChatPrompt:
             if exc.param != "messages" or self.field == "messages":
                 raise
             raise APIError(400, exc.message.replace("messages: ", f"{self.field}: ", 1), self.field) from None
-        return replace(plan, prompt=self.prefix + plan.prompt) if self.prefix else plan
+        if not self.prefix:
+            return plan
+        shift = len(self.prefix)  # the pictures' positions move with the prompt
+        images = [ImageInput([p + shift for p in image.positions], image.pixels, image.digest) for image in plan.images]
+        return replace(plan, prompt=self.prefix + plan.prompt, images=images)
 
     def render(self, engine: AsyncEngine, model: str, budget: ContextBudget | None = None) -> Rendered:
         """`budget`: the conversation's oldest turns are left out where it does not fit (app/generate/

@@ -43,6 +43,8 @@ class ServerMetrics:
             "spec_verify_steps": "Sequence steps that verified speculative drafts since the model was loaded",
             "spec_acceptance_rate": "Accepted / drafted speculative tokens (0 when speculation is off)",
             "spec_mean_accepted_length": "Tokens gained per verify step: accepted drafts + 1 (0 when off)",
+            "images_encoded": "Pictures through a vision model's tower since it was loaded (each once per request; "
+                              "none for a picture whose positions came from the prefix cache)",
             "models_loaded": "Models holding memory: resident, loading or closing (the server's own included)",
             "models_loaded_peak": "The most models that held memory at once since start (--max-loaded-models)",
             "models_memory_bytes": "Weights and KV pools of the models holding memory (estimates while loading)",
@@ -82,7 +84,8 @@ class ServerMetrics:
                   "spec_accepted_tokens": stats.spec_accepted_tokens_total,
                   "spec_verify_steps": stats.spec_verify_steps_total,
                   "spec_acceptance_rate": stats.spec_acceptance_rate,
-                  "spec_mean_accepted_length": stats.spec_mean_accepted_length}
+                  "spec_mean_accepted_length": stats.spec_mean_accepted_length,
+                  "images_encoded": stats.images_encoded_total}
         for name, value in values.items():
             self.gauges[name].set(value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

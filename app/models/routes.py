@@ -63,6 +63,8 @@ def models_router(context: ServerContext) -> APIRouter:
                 # the context served, under vLLM's name and the one LM Studio's and OpenRouter's clients read
                 "tp": core.config.tp_size, "pp": core.config.pp_size, "cpu_experts": core.config.cpu_experts,
                 "gguf_weights": runtime.gguf_weights,
+                # what a request may carry besides text (a vision model's pictures)
+                "input_modalities": ["text", "image"] if core.tokenizer.takes_images else ["text"],
                 "max_model_len": core.max_model_len, "context_length": core.max_model_len,
                 # what a request leaving these fields out gets (core/generation_defaults.py), and from where
                 "sampling_defaults": core.generation_defaults.values,

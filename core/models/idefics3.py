@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.core.images import ImageInput, ImagePrompt
+from kvforge.core.images import EncodedImages, ImageInput, ImagePrompt
 from kvforge.core.models.llama import LlamaForCausalLM
 from kvforge.core.quant_config import QuantConfig
 
@@ -145,7 +145,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         self.vision_model = VisionTransformer(config.vision_config, dtype)
         self.connector = Connector(config, dtype)
         self.image_token_id: int = config.image_token_id
-        self.images_encoded = 0  # images through the tower since loading (each once per request)
+        self.images_encoded = 0  # images through the tower since loading (a picture seen lately: none)
+        self.encoded = EncodedImages()
         # the checkpoint's names: the decoder under model.text_model, the tower and connector beside it
         self.checkpoint_renames = {"model.text_model.": "model.", "model.vision_model.": "vision_model.",
                                    "model.connector.": "connector."}
@@ -173,9 +174,15 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
                           ) -> torch.Tensor:
         """The step's input embeddings with image rows in place: `splices` (image, flat rows of the step, the image's
         rows for them); images not encoded yet are encoded here, together."""
-        pending = [image for image, _, _ in splices if image.embeddings is None]
+        pending = []
+        for image in {id(image): image for image, _, _ in splices if image.embeddings is None}.values():
+            image.embeddings = self.encoded.get(image.digest)
+            if image.embeddings is None:
+                pending.append(image)
         if pending:
-            self.encode_images(list({id(image): image for image in pending}.values()))
+            self.encode_images(pending)
+            for image in pending:
+                self.encoded.put(image.digest, image.embeddings)
         hidden = self.model.embed_tokens(input_ids)
         rows = torch.tensor([row for _, flat, _ in splices for row in flat], device=hidden.device)
         values = torch.cat([image.embeddings[taken] for image, _, taken in splices])

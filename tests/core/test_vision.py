@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from kvforge.core import LLM, SamplingParams
-from kvforge.core.images import ImageInput, ImagePrompt
+from kvforge.core.images import EncodedImages, ImageInput, ImagePrompt
 from kvforge.core.models.idefics3 import image_prompt
 from tests.helpers.tiny_models import save_tiny_idefics3
 
@@ -165,3 +165,16 @@ def test_prompts_whose_images_do_not_fit_their_tokens_are_refused(vlm, embedded_
             text_only.engine.add_request(ImagePrompt([1, 2, 3], [image]), SamplingParams(max_tokens=1))
     finally:
         text_only.engine.close()
+
+
+def test_encoded_images_keep_the_latest_pictures_within_their_budget():
+    rows = {name: torch.zeros(4, 8) for name in (b"a", b"b", b"c")}  # 128 bytes each
+    encoded = EncodedImages(budget_bytes=256)
+    encoded.put(b"a", rows[b"a"])
+    encoded.put(b"b", rows[b"b"])
+    assert encoded.get(b"a") is rows[b"a"]  # a is now the latest used: b goes first
+    encoded.put(b"c", rows[b"c"])
+    assert encoded.get(b"b") is None and encoded.get(b"a") is rows[b"a"] and encoded.get(b"c") is rows[b"c"]
+    assert encoded.bytes == 256
+    encoded.put(b"d", torch.zeros(100, 8))  # larger than the whole budget: not kept, nothing dropped
+    assert encoded.get(b"d") is None and encoded.bytes == 256

@@ -139,6 +139,13 @@ def save_tiny_embedding_model(path: Path, embedded_path: Path, seed: int, poolin
     return model
 
 
+# SmolVLM-256M-Instruct's chat template (content parts: its text, "<image>" for each picture)
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
                    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
 
@@ -147,12 +154,13 @@ def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int):
     """A tiny random Idefics3 / SmolVLM (a 2-layer SigLIP tower on 32-pixel tiles of 8-pixel patches, pixel shuffle 2:
     4 rows a tile; the tiny Llama decoder) saved with the embedded tokenizer plus Idefics3's image tokens and an HF
     processor (PIL image processor: pictures up to 64 pixels split into 32-pixel tiles and a global view). Returns
-    the HF model (fp32, eval) and the processor."""
+    the HF model (fp32, eval) and the processor. SmolVLM's chat template, and <end_of_utterance> ends a reply."""
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_path)
     tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    tokenizer.chat_template = SMOLVLM_TEMPLATE
     text = tiny_configs()["llama3"].to_dict() | {"vocab_size": len(tokenizer)}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                   patch_size=8, initializer_range=0.3)
@@ -160,9 +168,10 @@ def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int):
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     model.save_pretrained(path)
     processor = Idefics3Processor(
         image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
-        tokenizer=tokenizer, image_seq_len=4)
+        tokenizer=tokenizer, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE)
     processor.save_pretrained(path)
     return model, processor

@@ -18,8 +18,10 @@ No field is silently ignored:
     context_management (clear_thinking_20251015, clear_tool_uses_...)    honoured (app/dialects/anthropic/
                                                                            context_edits.py)
     content blocks: text, tool_use, tool_result (is_error), thinking     honoured
-    content blocks: image, document, search_result, redacted_thinking,   refused (a text-only model; nothing here
-      server tool blocks                                                   makes or reads them)
+    content blocks: image (base64) on user messages                      honoured, for a vision model (a url source is
+                                                                           refused: app/generate/pictures.py)
+    content blocks: document, search_result, redacted_thinking,          refused (nothing here makes or reads them)
+      server tool blocks
     a last assistant message (prefill)                                   refused, as for Anthropic's models without it
     output_config.effort                                                 accepted, no effect (no such control here;
                                                                            Claude Code sends it on every request)
@@ -42,7 +44,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvforge.app.dialects.anthropic.context_edits import ContextManagement
-from kvforge.app.dialects.openai.fields import FORBID, TEXT_ONLY, refuse_kinds
+from kvforge.app.dialects.openai.fields import FORBID, refuse_kinds
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.generate.request import UNBOUNDED
 from kvforge.app.http.errors import validated
@@ -84,6 +86,32 @@ class ToolResultBlock(BaseModel):
         return f"Error: {text}" if self.is_error else text
 
 
+class Base64ImageSource(BaseModel):
+    model_config = FORBID
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLImageSource(BaseModel):
+    model_config = FORBID
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(BaseModel):
+    model_config = FORBID
+    type: Literal["image"]
+    source: Base64ImageSource | URLImageSource = Field(discriminator="type")
+    cache_control: CacheControl | None = None
+
+    def openai_part(self) -> dict[str, Any]:
+        """The picture as OpenAI's image part (a data URL)."""
+        source = self.source
+        url = source.url if isinstance(source, URLImageSource) else f"data:{source.media_type};base64,{source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ThinkingBlock(BaseModel):
     model_config = FORBID
     type: Literal["thinking"]
@@ -91,8 +119,9 @@ class ThinkingBlock(BaseModel):
     signature: str = ""  # Anthropic's check that the thinking is its own: nothing to check here
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
-REFUSED_BLOCKS = {"image": TEXT_ONLY, "document": TEXT_ONLY,
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
+REFUSED_BLOCKS = {"document": "this server reads no documents",
                   "search_result": "no search results here", "redacted_thinking": "nothing here redacts thinking",
                   "server_tool_use": "no server tools here", "web_search_tool_result": "no server tools here"}
 
@@ -110,14 +139,14 @@ class AnthropicMessage(BaseModel):
     @model_validator(mode="after")
     def _blocks_of_its_role(self) -> AnthropicMessage:
         kinds = {b.type for b in self.content} if isinstance(self.content, list) else {"text"}
-        allowed = {"user": kinds - {"tool_use", "thinking"}, "assistant": kinds - {"tool_result"},
+        allowed = {"user": kinds - {"tool_use", "thinking"}, "assistant": kinds - {"tool_result", "image"},
                    "system": kinds & {"text"}}[self.role]
         wrong = kinds - allowed
         if wrong:
             raise ValueError(f"{', '.join(sorted(wrong))} blocks are not for a {self.role} message")
         return self
 
-    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]:
+    def blocks(self) -> list[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
@@ -280,7 +309,9 @@ def openai_messages(body: ConversationFields, messages: list[AnthropicMessage] |
             else:
                 pending.append(text)
             continue
+        lead = ""  # system text that waited for this user turn
         if message.role == "user" and pending:
+            lead = "\n\n".join(pending)
             text = "\n\n".join([*pending, text] if text else pending)
             pending = []
         if message.role == "assistant":
@@ -296,7 +327,12 @@ def openai_messages(body: ConversationFields, messages: list[AnthropicMessage] |
             continue
         out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                 for b in blocks if isinstance(b, ToolResultBlock)]
-        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+        images = [b for b in blocks if isinstance(b, ImageBlock)]
+        if images:  # text and pictures in their order, any pending system text first
+            parts = [b.openai_part() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                     for b in blocks if isinstance(b, (TextBlock, ImageBlock))]
+            out.append({"role": "user", "content": ([{"type": "text", "text": lead + "\n\n"}] if lead else []) + parts})
+        elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             out.append({"role": "user", "content": text})
     if pending:  # after the last assistant turn: a user turn of its own
         out.append({"role": "user", "content": "\n\n".join(pending)})

@@ -7,10 +7,12 @@ the Ollama field (`options.num_predict`, not `max_tokens`).
 No field is silently ignored:
 
     model, stream, format, tools, think, logprobs, top_logprobs       honoured (stream defaults to true, as Ollama)
-    messages[].role / content / thinking / tool_calls / tool_name      honoured; images refused (text-only model)
-    /api/generate: prompt, system, raw, context                        honoured
-    /api/generate: suffix, template, images                            refused (no fill-in-the-middle, the model's
-                                                                         template is the one used, text-only)
+    messages[].role / content / thinking / tool_calls / tool_name      honoured
+    messages[].images (base64)                                         honoured on user messages, for a vision model
+                                                                         (placed before the message's text)
+    /api/generate: prompt, system, raw, context, images                honoured (images: not with raw)
+    /api/generate: suffix, template                                    refused (no fill-in-the-middle, the model's
+                                                                         template is the one used)
     keep_alive                                                         honoured for models loaded on demand (the
                                                                          server's own model stays loaded)
     /api/embed: input, truncate, options.num_ctx, dimensions           honoured (dimensions: the model's own only)
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from kvforge.app.dialects.openai.fields import FORBID, MAX_EMBEDDING_INPUTS
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -86,15 +88,15 @@ class OllamaMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: str | None = None  # assistant: its reasoning
-    images: list[str] | None = None
+    images: list[str] | None = None  # base64 pictures (a vision model's; app/generate/pictures.py)
     tool_calls: list[OllamaToolCall] | None = None  # assistant
     tool_name: str | None = None  # tool: the function whose result this is
 
     @field_validator("images")
     @classmethod
-    def _text_only(cls, images: list[str] | None) -> list[str] | None:
-        if images:
-            raise ValueError("this server serves a text-only model")
+    def _on_user_messages(cls, images: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if images and info.data.get("role") != "user":
+            raise ValueError(f"pictures go on user messages, not on a {info.data.get('role')} message")
         return images
 
 
@@ -181,9 +183,9 @@ class OllamaGenerateRequest(OllamaRequest):
     context: list[int] | None = None  # an earlier reply's `context`: its prompt and output, continued from
     suffix: None = Field(default=None, description="Not supported: no fill-in-the-middle.")
     template: None = Field(default=None, description="Not supported: the model's own chat template is used.")
-    images: None = Field(default=None, description="Not supported: this server serves a text-only model.")
+    images: list[str] | None = None  # base64 pictures for the prompt (a vision model's), not with raw
 
-    @field_validator("suffix", "template", "images", mode="before")
+    @field_validator("suffix", "template", mode="before")
     @classmethod
     def _refused(cls, value: Any, info) -> Any:
         if value not in (None, "", []):
@@ -195,7 +197,7 @@ class OllamaGenerateRequest(OllamaRequest):
     def chat_request(self) -> ChatCompletionRequest:
         """A templated prompt: the system text and the prompt as a conversation."""
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": self.prompt}]
+            {"role": "user", "content": with_pictures(self.prompt, self.images)}]
         data = {"model": self.model, "messages": messages, "stream": self.stream,
                 "response_format": self.response_format(), "chat_template_kwargs": self.template_kwargs(),
                 **self.sampling(), **self.logprob_fields()}
@@ -205,6 +207,8 @@ class OllamaGenerateRequest(OllamaRequest):
         """A raw prompt: its text as it is (the sampling fields are all that is checked)."""
         if self.think is not None:
             raise APIError(400, "think: a raw prompt is not templated, so thinking cannot be switched", "think")
+        if self.images:
+            raise APIError(400, "images: a raw prompt is not templated, so it has no place for pictures", "images")
         data = {"model": self.model, "prompt": self.prompt or self.context, "stream": self.stream, **self.sampling()}
         if self.logprobs:
             data["logprobs"] = self.top_logprobs or 0
@@ -296,9 +300,18 @@ def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
                 open_calls.remove(match)
             entry = {"role": "tool", "content": message.content, "tool_call_id": match[0] if match else f"call_{i}"}
         else:
-            entry = {"role": message.role, "content": message.content}
+            entry = {"role": message.role, "content": with_pictures(message.content, message.images)}
         out.append(entry)
     return out
+
+
+def with_pictures(text: str, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A message's text with its base64 pictures before it, as OpenAI's content parts (data URLs)."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": f"data:;base64,{image}"}}
+                                   for image in images]
+    return parts + ([{"type": "text", "text": text}] if text else [])
 
 
 # OpenAI-shaped field -> the Ollama field an error about it names

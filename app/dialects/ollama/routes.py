@@ -296,6 +296,8 @@ def ollama_router(context: ServerContext) -> APIRouter:
             result["parameters"] = f"num_ctx {engine.engine.max_model_len}"
             if reasoning_syntax(engine.tokenizer) is not None:
                 capabilities.append("thinking")
+            if engine.tokenizer.takes_images:  # Ollama's name for a model that takes pictures
+                capabilities.append("vision")
         return result
 
     @router.post("/api/embed")

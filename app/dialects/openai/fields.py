@@ -17,8 +17,7 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs (its embed
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's, for function and response-format names
 FORBID = ConfigDict(extra="forbid")
 STRICT_NUMBERS = ConfigDict(extra="forbid", allow_inf_nan=False)
-TEXT_ONLY = "this server serves a text-only model"
-MEDIA_PARTS = {kind: TEXT_ONLY for kind in ("image_url", "input_audio", "file")}
+MEDIA_PARTS = {"input_audio": "this server takes no audio", "file": "this server takes no files"}
 
 
 def refuse_kinds(items: Any, refused_kinds: dict[str, str], what: str = "content part") -> Any:

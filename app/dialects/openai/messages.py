@@ -1,5 +1,7 @@
-"""A chat request's messages (OpenAI's shapes): roles, text content parts (an image or audio part refused by name: a
-text-only model), an assistant's earlier tool calls, refusal and reasoning, a tool's result."""
+"""A chat request's messages (OpenAI's shapes): roles, text and image content parts (an audio or file part refused by
+name), an assistant's earlier tool calls, refusal and reasoning, a tool's result. An image part is every dialect's
+picture (Ollama's images, Anthropic's image blocks and the Responses API's input_image map to it); whether the model
+takes images is decided where the conversation is rendered (app/generate/chat_request.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,22 @@ class ChatCompletionContentPartRefusal(BaseModel):
     refusal: str
 
 
-ContentPart = Annotated[ChatCompletionContentPartText | ChatCompletionContentPartRefusal, Field(discriminator="type")]
+class ImageURL(BaseModel):
+    model_config = FORBID
+    url: str  # a data: URL (base64); a remote address is refused (app/generate/pictures.py)
+    # the model's own resolution for every picture ("high" asks for that; "low", a reduced one, is refused by
+    # ChatMessage before the parts are read, with a message that says so)
+    detail: Literal["auto", "high"] | None = None
+
+
+class ChatCompletionContentPartImage(BaseModel):
+    model_config = FORBID
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[ChatCompletionContentPartText | ChatCompletionContentPartRefusal
+                        | ChatCompletionContentPartImage, Field(discriminator="type")]
 
 
 class ToolCallFunction(BaseModel):
@@ -90,7 +107,12 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, content: Any) -> Any:
+    def _no_audio_or_files(cls, content: Any) -> Any:
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            image = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+            if isinstance(image, dict) and image.get("detail") == "low":
+                raise ValueError(f"content part {i}: image_url.detail 'low' is not implemented (every picture is read "
+                                 "at the model's own resolution: 'auto' or 'high')")
         return refuse_kinds(content, MEDIA_PARTS)
 
     @model_validator(mode="after")
@@ -101,6 +123,8 @@ class ChatMessage(BaseModel):
             raise ValueError(f"{', '.join(assistant_only)}: only on assistant messages, not on a {self.role} message")
         if self.role != "assistant" and any(p.type == "refusal" for p in self.parts()):
             raise ValueError("refusal content parts are only for assistant messages")
+        if self.role != "user" and self.image_urls():
+            raise ValueError(f"image content parts: only on user messages, not on a {self.role} message")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.role != "tool" and self.tool_call_id is not None:
@@ -111,23 +135,30 @@ class ChatMessage(BaseModel):
             raise ValueError("an assistant message needs content, tool_calls or a refusal")
         return self
 
-    def parts(self) -> list[ChatCompletionContentPartText | ChatCompletionContentPartRefusal]:
+    def parts(self) -> list[ContentPart]:
         return self.content if isinstance(self.content, list) else []
 
-    def text(self) -> str:
-        """The message's text: its string, or its parts' text joined (an assistant's refusal parts too);
-        an assistant's `refusal` when it has no other content."""
+    def image_urls(self) -> list[str]:
+        """Its image parts' URLs, in order."""
+        return [p.image_url.url for p in self.parts() if p.type == "image_url"]
+
+    def text(self, image_placeholder: str = "") -> str:
+        """The message's text: its string, or its parts' text joined (an assistant's refusal parts too, each image
+        as `image_placeholder`); an assistant's `refusal` when it has no other content."""
         if isinstance(self.content, list):
-            text = "".join(p.text if p.type == "text" else p.refusal for p in self.content)
+            text = "".join(p.text if p.type == "text" else p.refusal if p.type == "refusal" else image_placeholder
+                           for p in self.content)
         else:
             text = self.content or ""
         return text or (self.refusal or "")
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates take it (OpenAI's shape): developer becomes system, content is text,
+    def template_dict(self, image_placeholder: str = "") -> dict[str, Any]:
+        """The message as chat templates take it (OpenAI's shape): developer becomes system, content is text (each
+        image as `image_placeholder`: app/generate/chat_request.py makes parts of it for a vision model's template),
         and name, tool_calls (plain dicts, arguments as the JSON text sent), tool_call_id and reasoning_content
         appear when set."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text(image_placeholder)}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

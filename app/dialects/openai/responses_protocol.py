@@ -24,7 +24,8 @@ No field is silently ignored:
     store true, previous_response_id, conversation                                refused: nothing is stored here
     background, prompt, reasoning (effort / summary),                             refused
       include (any), top_logprobs, max_tool_calls, text.verbosity, other tools,
-      image / file / audio parts, item_reference
+      file / audio parts, item_reference
+    input_image parts (a data URL image_url, on user messages)                    honoured, for a vision model
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvforge.app.dialects.openai.fields import FORBID, TEXT_ONLY, refuse_given, refuse_kinds, refused
+from kvforge.app.dialects.openai.fields import FORBID, refuse_given, refuse_kinds, refused
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest
 from kvforge.app.http.errors import validated
 
-MEDIA = {kind: TEXT_ONLY for kind in ("input_image", "input_file", "input_audio")}
+MEDIA = {"input_file": "this server takes no files", "input_audio": "this server takes no audio"}
 
 
 class TextPart(BaseModel):
@@ -52,11 +53,25 @@ class TextPart(BaseModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+class ImagePart(BaseModel):
+    model_config = FORBID
+    type: Literal["input_image"]
+    image_url: str  # a data URL (app/generate/pictures.py); file ids are refused (no Files API here)
+    detail: Literal["auto", "high"] | None = None  # the model's own resolution ("low" is not implemented)
+    file_id: None = refused("no Files API here: send the picture as a data URL in image_url")
+
+    @field_validator("file_id", mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info) -> Any:
+        refuse_given(value, info, cls)
+        return value
+
+
 class MessageItem(BaseModel):
     model_config = FORBID
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
@@ -66,7 +81,15 @@ class MessageItem(BaseModel):
         return refuse_kinds(content, MEDIA)
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.content() for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.content() for p in self.content if isinstance(p, TextPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """Its content as a chat message's: text, or text and image parts in order where it has pictures."""
+        if isinstance(self.content, str) or not any(isinstance(p, ImagePart) for p in self.content):
+            return self.text()
+        return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, ImagePart)
+                else {"type": "text", "text": p.content()} for p in self.content]
 
 
 class FunctionCallItem(BaseModel):
@@ -273,7 +296,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             else:
-                out.append({"role": item.role, "content": item.text()})
+                out.append({"role": item.role, "content": item.chat_content()})
     return out
 
 

@@ -114,8 +114,10 @@ def test_output_format_and_count_tokens(client, server):
     ({"model": "claude-no-such-model"}, 404, "claude-no-such-model"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"temperature": 1.5}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "aGk="}}]}]}, 400, "takes no images"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]},
-     400, "text-only"),
+     400, "media_type"),
     ({"messages": [*ASK, {"role": "assistant", "content": "Paris is"}]}, 400, "prefill"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "server tool"),
     ({"thinking": {"type": "enabled", "budget_tokens": 10}}, 400, "budget_tokens"),

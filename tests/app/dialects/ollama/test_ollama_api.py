@@ -180,7 +180,8 @@ def test_tags_show_ps_version(client, server):
     ({"keep_alive": "soon"}, 400, "keep_alive"),
     ({"think": True}, 400, "think"),
     ({"format": {"type": "no-such-type"}}, 400, "format"),
-    ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "messages.0.images"),
+    ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "takes no images"),
+    ({"messages": [{"role": "assistant", "content": "hi", "images": ["aGk="]}]}, 400, "messages.0.images"),
     ({"unknown_field": 1}, 400, "unknown_field"),
 ])
 def test_bad_requests_get_ollama_errors_naming_the_field(server, request_fields, status, field):

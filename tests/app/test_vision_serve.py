@@ -1,0 +1,173 @@
+"""A vision-language model through `kvforge serve` (a tiny random Idefics3 / SmolVLM with SmolVLM's chat template):
+a picture through the openai client's chat and Responses APIs, the ollama client's images and the anthropic client's
+image blocks, each reply equal to HF transformers' greedy one for the same conversation (its processor's own chat
+template and pixels); the next turn of a chat about a picture read from the prefix cache without encoding it again;
+pictures the server will not take refused with a 400 naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers.server_process import ServeProcess
+from tests.helpers.tiny_models import save_tiny_idefics3
+
+MODEL = "tiny-vlm"
+QUESTION = "What is in this picture?"
+MAX_TOKENS = 16
+
+
+def png(seed: int, height: int = 48, width: int = 64) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, embedded_path):
+    path = tmp_path_factory.mktemp("tiny-vlm")
+    model, processor = save_tiny_idefics3(path, embedded_path, seed=21)
+    server = ServeProcess("--model", str(path), "--served-model-name", MODEL, "--dtype", "float32")
+    yield server, model, processor
+    server.stop()
+
+
+def hf_reply(model, processor, conversation: list[dict], pictures: list[bytes]) -> tuple[str, int]:
+    """HF's greedy reply text to `conversation` (HF content parts) and its prompt's length."""
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in pictures]
+    inputs = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    prompt_len = inputs["input_ids"].shape[1]
+    return processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
+
+
+ASKED = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+
+
+def test_openai_chat_with_a_picture_answers_as_hf(vlm):
+    from openai import OpenAI
+
+    server, model, processor = vlm
+    picture = png(1)
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=MAX_TOKENS, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                                     {"type": "text", "text": QUESTION}]}])
+    text, prompt_len = hf_reply(model, processor, ASKED, [picture])
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == prompt_len
+
+
+def test_the_next_turn_reads_the_picture_from_the_cache_and_encodes_nothing(vlm):
+    from openai import OpenAI
+
+    server, model, processor = vlm
+    picture = png(2)
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                                          {"type": "text", "text": QUESTION}]}]
+    before = server.metric("images_encoded")
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=MAX_TOKENS, messages=first)
+    assert server.metric("images_encoded") == before + 1
+    answer = reply.choices[0].message.content
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And its colours?"}]
+    again = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=MAX_TOKENS, messages=second)
+    assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens - 16  # all but a block
+    assert server.metric("images_encoded") == before + 1  # the picture's positions came from the cache
+    conversation = [*ASKED, {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                    {"role": "user", "content": [{"type": "text", "text": "And its colours?"}]}]
+    assert again.choices[0].message.content == hf_reply(model, processor, conversation, [picture])[0]
+
+
+def test_responses_api_input_image_answers_as_hf(vlm):
+    from openai import OpenAI
+
+    server, model, processor = vlm
+    picture = png(3)
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    response = client.responses.create(model=MODEL, temperature=0, max_output_tokens=MAX_TOKENS, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(picture), "detail": "auto"},
+                                     {"type": "input_text", "text": QUESTION}]}])
+    assert response.output_text == hf_reply(model, processor, ASKED, [picture])[0]
+
+
+def test_ollama_client_images_answer_as_hf(vlm):
+    import ollama
+
+    server, model, processor = vlm
+    picture = png(4)
+    client = ollama.Client(host=server.url)
+    reply = client.chat(model=MODEL, messages=[{"role": "user", "content": QUESTION, "images": [picture]}],
+                        options={"temperature": 0, "num_predict": MAX_TOKENS})
+    assert reply.message.content == hf_reply(model, processor, ASKED, [picture])[0]
+    generated = client.generate(model=MODEL, prompt=QUESTION, images=[picture],
+                                options={"temperature": 0, "num_predict": MAX_TOKENS})
+    assert generated.response == reply.message.content
+    assert "vision" in client.show(MODEL).capabilities
+
+
+def test_anthropic_client_image_blocks_answer_as_hf(vlm):
+    import anthropic
+
+    server, model, processor = vlm
+    picture = png(5)
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused")
+    # (the anthropic client of 2026 has no sampling fields: temperature goes in extra_body)
+    message = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(picture).decode()}},
+            {"type": "text", "text": QUESTION}]}])
+    assert message.content[0].text == hf_reply(model, processor, ASKED, [picture])[0]
+
+
+def huge_png() -> bytes:
+    """A small file whose canvas is 7000 x 7000 pixels (49 million)."""
+    out = io.BytesIO()
+    Image.new("1", (7000, 7000)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("url, why", [
+    ("https://example.com/cat.png", "remote image URLs are not fetched"),
+    ("data:image/png,rawbytes", "must be base64"),
+    ("data:image/png;base64,@@@@", "does not decode"),
+    (data_url(b"not a picture at all"), "not a picture this server can read"),
+    (data_url(huge_png()), "7000 x 7000 pixels"),
+])
+def test_pictures_the_server_will_not_take_are_400_naming_messages(vlm, url, why):
+    server, _, _ = vlm
+    body = {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and why in error["message"], error
+
+
+def test_too_many_pictures_and_a_low_detail_are_refused(vlm):
+    server, _, _ = vlm
+    part = {"type": "image_url", "image_url": {"url": data_url(png(6, 8, 8))}}
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [part] * 17}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "may carry 16" in response.json()["error"]["message"], response.text
+    low = {"type": "image_url", "image_url": {"url": part["image_url"]["url"], "detail": "low"}}
+    body["messages"] = [{"role": "user", "content": [low]}]
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "detail" in response.json()["error"]["message"], response.text
+    card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+    assert card["id"] == MODEL and card["input_modalities"] == ["text", "image"]
+    assert server.metrics()["requests_running"] == 0
