@@ -9,6 +9,7 @@ import torch
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.distributed import head_weight_in_layers, heads_of_rank, stage_bounds
 from kvforge.core.layers.moe import is_sparse_layer, moe_layout
+from kvforge.core.models.idefics3 import vision_parameter_count
 from kvforge.core.models.llama import LlamaForCausalLM, head_dim_of
 from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.quant_config import QuantConfig
@@ -87,7 +88,8 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
     keeps them so, as the head too); embeddings and norms stay in `dtype` (a tied head is held twice: the embedding
     and the head's own copy), and so does the KV cache unless `kv_cache_dtype` stores it quantized (its format's
     bytes per row: core/kv/quant.py). A mixture-of-experts model's routed experts are also counted apart
-    (`experts_bytes`, part of the weights). Under pipeline parallelism (`pp_size` > 1) `stages` says what each
+    (`experts_bytes`, part of the weights), and a vision model's tower and connector (`vision_bytes`, part of them
+    too). Under pipeline parallelism (`pp_size` > 1) `stages` says what each
     stage's process holds (its rank 0's share under tensor parallelism): its layers [first, last), their weights and
     KV, the first stage's embedding and LM head besides (core/distributed.py's stage_layers split)."""
     torch_dtype = DTYPES[resolve_dtype(dtype)]
@@ -114,8 +116,13 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
     weights = (params - linear - (0 if tied else head)) * element + projections + head * linear_element
     kv = context_tokens * kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
                                              head_dim_of(hf_config), torch_dtype, kv_cache_dtype)
+    # a vision model's tower and connector, in `dtype` (never quantized)
+    vision = vision_parameter_count(hf_config) if getattr(hf_config, "vision_config", None) is not None else 0
+    params, weights = params + vision, weights + vision * element
     estimate = {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),
                 "total_bytes": int(weights) + int(kv)}
+    if vision:
+        estimate["vision_bytes"] = vision * element
     if moe_layout(hf_config) is not None:  # the routed experts' share: what --cpu-experts keeps in host memory
         estimate["experts_bytes"] = int(projection_bytes(experts_only=True))
     # rank 0 holds the largest share under tensor parallelism (heads split unevenly give it the extra)

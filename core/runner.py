@@ -105,12 +105,14 @@ class StagePlacement:
     kv_cache_bytes: int
     experts_device: str | None = None  # a mixture-of-experts model's experts (cpu under cpu_experts); None: dense
     experts_bytes: int = 0  # of weights_bytes, the experts'
+    vision_bytes: int = 0  # of weights_bytes, a vision model's tower and connector (on `device`)
 
     def as_dict(self) -> dict:
         return {"layers": [self.first_layer, self.last_layer], "embedding_and_lm_head": self.embedding,
                 "final_norm": self.final_norm, "processes": self.processes, "device": self.device,
                 "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
-                "experts_device": self.experts_device, "experts_bytes": self.experts_bytes}
+                "experts_device": self.experts_device, "experts_bytes": self.experts_bytes,
+                "vision_bytes": self.vision_bytes}
 
 
 PROMPT_LOGITS_ROWS = 64  # rows turned into logits at once: a 128k vocabulary's fp32 logits of 64 rows are 32 MiB
@@ -235,9 +237,11 @@ class ModelRunner:
         stage = self.stage
         blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
         experts_device = None if not blocks else "cpu" if blocks[0].on_host else str(self.device)
+        vision = [getattr(self.model, name, None) for name in ("vision_model", "connector")]
         return [StagePlacement(stage.first, stage.last, stage.is_first, stage.is_last, 1, str(self.device),
                                self.weight_bytes(), self.kv_cache_bytes, experts_device,
-                               sum(self.weight_bytes(block.experts) for block in blocks))]
+                               sum(self.weight_bytes(block.experts) for block in blocks),
+                               sum(self.weight_bytes(part) for part in vision if part is not None))]
 
     def weight_bytes(self, part: torch.nn.Module | None = None) -> int:
         """The weights' bytes (of `part` of the model: None, all of it)."""

@@ -115,10 +115,13 @@ def kv_cache_row(s: Sample) -> str:
 
 
 def stage_rows(s: Sample) -> list[str]:
-    """Where each part of the model lives: a mixture-of-experts model's experts (host memory under cpu_experts), and
-    one row per pipeline stage (none for a model in one stage)."""
+    """Where each part of the model lives: a mixture-of-experts model's experts (host memory under cpu_experts), a
+    vision model's tower, and one row per pipeline stage (none for a model in one stage)."""
     stages = s.config.get("stages") or []
     rows = []
+    vision = [stage for stage in stages if stage.get("vision_bytes")]
+    if vision:
+        rows.append(f"| Vision tower | {human_bytes(vision[0]['vision_bytes'])} on {vision[0]['device']} |")
     experts = [stage for stage in stages if stage.get("experts_device")]
     if experts:
         where = experts[0]["experts_device"]

@@ -190,6 +190,16 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         return hidden
 
 
+def vision_parameter_count(config) -> int:
+    """The tower's and connector's parameters from a decoder config carrying the checkpoint's vision_config and
+    scale_factor (core/loader.py decoder_config): what the memory estimate adds for them."""
+    v = config.vision_config
+    width, inner = v.hidden_size, v.intermediate_size
+    embeddings = v.num_channels * v.patch_size ** 2 * width + width + (v.image_size // v.patch_size) ** 2 * width
+    layer = 4 * (width * width + width) + 2 * width * inner + inner + width + 4 * width  # attention, MLP, 2 norms
+    return embeddings + v.num_hidden_layers * layer + 2 * width + width * config.scale_factor ** 2 * config.hidden_size
+
+
 def image_prompt(processor, text: str, pictures: list, digests: list[bytes]) -> ImagePrompt:
     """`text` (a rendered prompt with one `<image>` per picture) and its pictures (PIL images) through the model's HF
     processor: the token ids with every image expanded into its tiles' tokens, and each picture's ImageInput (its

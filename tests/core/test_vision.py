@@ -178,3 +178,27 @@ def test_encoded_images_keep_the_latest_pictures_within_their_budget():
     assert encoded.bytes == 256
     encoded.put(b"d", torch.zeros(100, 8))  # larger than the whole budget: not kept, nothing dropped
     assert encoded.get(b"d") is None and encoded.bytes == 256
+
+
+def test_the_memory_estimate_and_the_dashboard_count_the_vision_tower(vlm):
+    from types import SimpleNamespace
+
+    from kvforge.core.estimate import estimate_memory
+    from kvforge.core.loader import load_config
+    from kvforge.ui.dashboard import DashboardSampler, dashboard_markdown, human_bytes
+
+    path, _, _ = vlm
+    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=16)
+    try:
+        runner, model = llm.engine.runner, llm.engine.runner.model
+        estimate = estimate_memory(load_config(path), "float32", 1024)
+        tower = runner.weight_bytes(model.vision_model) + runner.weight_bytes(model.connector)
+        assert estimate["vision_bytes"] == tower
+        assert abs(estimate["weights_bytes"] - runner.weight_bytes()) <= 0.01 * runner.weight_bytes()
+        (stage,) = llm.engine.runtime().stages
+        assert stage["vision_bytes"] == estimate["vision_bytes"]
+        sampler = DashboardSampler(SimpleNamespace(engine=llm.engine, name="tiny-vlm"))
+        text = dashboard_markdown(SimpleNamespace(latest_sample=sampler.sample, recent_ttfts=list))
+        assert f"| Vision tower | {human_bytes(stage['vision_bytes'])} on cpu |" in text
+    finally:
+        llm.engine.close()
