@@ -67,10 +67,14 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
 def _from_gguf(gguf: Path, native: bool) -> Path:
     if not native:
         return convert_gguf(gguf)
+    from kvforge.core.gguf_mmproj import projector_for
     from kvforge.core.gguf_source import INDEX_FILE, INDEX_VERSION, write_index
 
-    return cached_checkpoint(gguf, "gguf-index", INDEX_VERSION, lambda out: write_index(gguf, out, model_class_for),
-                             INDEX_FILE)
+    mmproj = projector_for(gguf)  # a vision model's projector beside it: part of the index, and of its key
+    version = INDEX_VERSION if mmproj is None else \
+        f"{INDEX_VERSION}|{mmproj.resolve()}|{mmproj.stat().st_size}|{mmproj.stat().st_mtime_ns}"
+    return cached_checkpoint(gguf, "gguf-index", version,
+                             lambda out: write_index(gguf, out, model_class_for, mmproj), INDEX_FILE)
 
 
 def gguf_file_of(model: str | None) -> Path | None:
@@ -204,6 +208,8 @@ def decoder_config(config):
     for name in ("image_token_id", "scale_factor"):
         setattr(text, name, getattr(config, name))
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    if getattr(config, "quantization_config", None) is not None:  # a GGUF index's (core/gguf_source.py)
+        text.quantization_config = config.quantization_config
     return text
 
 

@@ -1,8 +1,9 @@
 """What the models directory holds: the list the UI's model picker and the admin API offer, and `kvforge models`
 prints with each entry's format, architecture, quantization, size on disk and the memory it would take.
 
-An entry is the embedded default, a `.gguf` file, or a checkpoint directory (config.json + safetensors) directly
-inside the models directory. Memory is an estimate before loading: for a checkpoint directory the engine's own
+An entry is the embedded default, a `.gguf` file (a vision model's projector, `mmproj-*.gguf`, is counted with the
+model it pairs with: core/gguf_mmproj.py), or a checkpoint directory (config.json + safetensors) directly inside the
+models directory. Memory is an estimate before loading: for a checkpoint directory the engine's own
 estimator (core/estimate.py); for a GGUF file, its tensors as the gguf plugin will hold them (block types at their
 size in the file, read in place, a tied LM head sharing the embedding's blocks; float tensors in the dtype) plus the KV
 cache of `context` tokens. An entry that cannot be read is listed with the reason.
@@ -31,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvforge.core.config import DTYPES, KV_CACHE_DTYPES, kv_bytes_per_token, resolve_dtype
+from kvforge.core.gguf_mmproj import projector_for
 from kvforge.core.gguf_moe import STACKED as STACKED_EXPERTS
 from kvforge.core.loader import EMBEDDED_MODEL, ModelNotFoundError, embedded_gguf_path
 from kvforge.core.model_files import GGUFHeader, check_checkpoint_dir, read_gguf_header
@@ -67,8 +69,8 @@ def listed(models_dir: Path, path: Path) -> bool:
         return False
     try:
         mode = os.stat(real).st_mode
-        if stat.S_ISREG(mode):
-            return path.suffix == ".gguf"
+        if stat.S_ISREG(mode):  # a model's vision projector (mmproj-*.gguf) is served with it, not listed
+            return path.suffix == ".gguf" and not path.name.startswith("mmproj")
         config = Path(os.path.realpath(real / "config.json"))
         return stat.S_ISDIR(mode) and config.is_relative_to(models_dir) and stat.S_ISREG(os.stat(config).st_mode)
     except OSError:  # gone meanwhile, a dangling link, no permission
@@ -239,6 +241,10 @@ def _describe_gguf(entry: ModelEntry, path: Path, context: int, dtype: str, kv_c
     head_dim = f.get("attention.key_length") or f["embedding_length"] // f["attention.head_count"]
     kv = context * kv_bytes_per_token(f["block_count"], f["attention.head_count_kv"], head_dim, DTYPES[dtype],
                                       kv_cache_dtype)
+    projector = projector_for(path)  # a vision model's tower and connector, served dense in the dtype
+    if projector is not None:
+        counts = [count for _, _, count, _ in gguf_facts(projector).tensors]
+        parameters, weights = parameters + sum(counts), weights + sum(counts) * element
     entry.parameters, entry.weights_bytes, entry.memory_bytes = parameters, int(weights), int(weights) + int(kv)
     entry.experts_bytes = int(experts) if experts else None
     if pp > 1:

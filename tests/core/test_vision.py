@@ -202,3 +202,61 @@ def test_the_memory_estimate_and_the_dashboard_count_the_vision_tower(vlm):
         assert f"| Vision tower | {human_bytes(stage['vision_bytes'])} on cpu |" in text
     finally:
         llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def vlm_gguf(tmp_path_factory, embedded_path):
+    """The tiny model (plain rope: transformers' GGUF reader ignores rope_freqs) as llama.cpp's file pair, beside a
+    text-only GGUF of the same width whose vocabulary has no image token."""
+    from tests.helpers.hostile_files import tiny_gguf
+    from tests.helpers.vlm_gguf import write_smolvlm_gguf_pair
+
+    model, processor = save_tiny_idefics3(tmp_path_factory.mktemp("idefics3-plain"), embedded_path, seed=6,
+                                          plain_rope=True)
+    directory = tmp_path_factory.mktemp("gguf-pair")
+    text, mmproj = write_smolvlm_gguf_pair(model, processor, directory, mmproj_f16=True)
+    tiny_gguf(directory / "plain.gguf")
+    for name, values in model.named_parameters():  # the reference holds what the F16 projector holds
+        if ("vision_model." in name or "connector." in name) and values.dim() == 2 and "embeddings" not in name:
+            values.data.copy_(values.data.half().float())
+    return directory, text, mmproj, model, processor
+
+
+def test_a_gguf_with_its_mmproj_beside_it_reads_pictures_as_hf(vlm_gguf):
+    """The projector found beside the model (llama.cpp's pair, its matrices F16), its tower and processor made from
+    its metadata: the same token ids and pixels as HF's processor, every prompt position's log-probability within
+    1e-4 of HF's; the models directory lists the model with the projector's bytes and not the projector itself; a
+    text-only file of the same width is not paired."""
+    from kvforge.app.models.catalog import describe, model_names
+    from kvforge.core.gguf_mmproj import projector_for
+
+    directory, text_file, mmproj, model, processor = vlm_gguf
+    assert projector_for(text_file) == mmproj and projector_for(directory / "plain.gguf") is None
+    llm = LLM(str(text_file), progress=False, dtype="float32", num_kv_blocks=64)
+    try:
+        assert llm.engine.config.quant == "gguf" and llm.tokenizer.takes_images
+        text = "User:<image> and <image> side by side." + TEXT_AFTER
+        pictures = [picture(11, 64, 40), picture(12, 20, 30)]
+        prompt = llm.tokenizer.encode_with_images(text, [image for image, _ in pictures],
+                                                  [ImageInput.digest_of(data) for _, data in pictures])
+        inputs = hf_inputs(processor, text, pictures)
+        assert prompt.token_ids == inputs["input_ids"][0].tolist()
+        ours_pixels = torch.cat([image.pixels["pixel_values"] for image in prompt.images])
+        torch.testing.assert_close(ours_pixels, inputs["pixel_values"][0], atol=0, rtol=0)
+        [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
+        with torch.inference_mode():
+            logits = model(**inputs).logits[0, :-1].float()
+        theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    finally:
+        llm.engine.close()
+    names = model_names(directory)
+    assert text_file.name in names and "plain.gguf" in names and mmproj.name not in names
+    tower = sum(p.numel() for n, p in model.named_parameters() if "vision_model." in n or "connector." in n)
+    alone = describe("x", directory / "plain.gguf", 256)
+    paired = describe("y", text_file, 256, dtype="float32")
+    assert alone.error is None and paired.error is None
+    assert paired.parameters == sum(p.numel() for p in model.parameters())
+    assert paired.parameters - tower == sum(p.numel() for n, p in model.named_parameters()
+                                            if not ("vision_model." in n or "connector." in n))

@@ -150,11 +150,12 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
                    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
 
 
-def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int):
+def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int, plain_rope: bool = False):
     """A tiny random Idefics3 / SmolVLM (a 2-layer SigLIP tower on 32-pixel tiles of 8-pixel patches, pixel shuffle 2:
     4 rows a tile; the tiny Llama decoder) saved with the embedded tokenizer plus Idefics3's image tokens and an HF
     processor (PIL image processor: pictures up to 64 pixels split into 32-pixel tiles and a global view). Returns
-    the HF model (fp32, eval) and the processor. SmolVLM's chat template, and <end_of_utterance> ends a reply."""
+    the HF model (fp32, eval) and the processor. SmolVLM's chat template, and <end_of_utterance> ends a reply.
+    `plain_rope`: the decoder's rope without Llama 3's scaling (a GGUF read back by transformers ignores rope_freqs)."""
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
@@ -162,6 +163,8 @@ def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int):
     tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
     tokenizer.chat_template = SMOLVLM_TEMPLATE
     text = tiny_configs()["llama3"].to_dict() | {"vocab_size": len(tokenizer)}
+    if plain_rope:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                   patch_size=8, initializer_range=0.3)
     config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, tie_word_embeddings=False,
