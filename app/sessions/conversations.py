@@ -13,12 +13,13 @@ branch (root first), the history a turn renders. A message's `position` is its d
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 import uuid
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, delete, select, update
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, delete, select, update
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from kvforge.core.store import Base, Store
@@ -118,6 +119,8 @@ class Message(Base):
     # a reply to a conversation longer than the context: what its prompt left out, {"dropped_messages",
     # "dropped_turns"}; named as the API's field (app/generate/context_fit.py FIELD), which stores it; None: nothing
     context_truncated: Mapped[dict | None] = mapped_column(JSON)
+    # a user message's pictures, in order: each one's SHA-256 (hex), its bytes in `pictures`; None: none
+    images: Mapped[list | None] = mapped_column(JSON(none_as_null=True))
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
     conversation: Mapped[Conversation] = relationship(back_populates="nodes")
     # not a column: the ids of the messages sharing this one's parent (itself included, in creation order), set
@@ -139,8 +142,19 @@ class Message(Base):
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.images:
+            out["images"] = list(self.images)
         out.update({k: getattr(self, k) for k in self.STATS if getattr(self, k) is not None})
         return out
+
+
+class Picture(Base):
+    """A picture's bytes, once, whichever messages show it (Message.images name it by its SHA-256)."""
+
+    __tablename__ = "pictures"
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
 
 
 class Conversations:
@@ -186,12 +200,24 @@ class Conversations:
         with self.store.session() as s, s.begin():
             if s.execute(delete(Conversation).where(Conversation.id == conversation_id)).rowcount == 0:
                 raise NotFound(f"session {conversation_id!r} not found")
+            drop_unshown_pictures(s)
+
+    def add_pictures(self, pictures: list[bytes]) -> list[str]:
+        """Keep each picture's bytes (once per content); their SHA-256s, in order, for add_message's `images`."""
+        with self.store.session() as s, s.begin():
+            return keep_pictures(s, pictures)
+
+    def pictures(self, digests: list[str]) -> dict[str, bytes]:
+        """The bytes of the pictures kept under these SHA-256s (those kept)."""
+        with self.store.session() as s:
+            return {p.sha256: p.data for p in s.scalars(select(Picture).where(Picture.sha256.in_(set(digests))))}
 
     def add_message(self, conversation_id: str, role: str, content: str, reasoning: str | None = None,
                     tool_calls: list[dict] | None = None, tool_call_id: str | None = None,
-                    parent_id: int | None | Leaf = CURRENT, **stats: Any) -> Message:
+                    parent_id: int | None | Leaf = CURRENT, images: list[str] | None = None, **stats: Any) -> Message:
         """Add a message under `parent_id` (None: a new root; by default the last message of the branch shown)
-        and show its branch (it becomes current_message_id), in one transaction; NotFound, MessageNotFound."""
+        and show its branch (it becomes current_message_id), in one transaction; NotFound, MessageNotFound.
+        `images`: the SHA-256s of its pictures (add_pictures kept them)."""
         with self.store.session() as s, s.begin():
             now = time.time()
             # The write lock first (PostgreSQL: the conversation's row; SQLite runs reads before a transaction's
@@ -211,7 +237,7 @@ class Conversations:
                 position = depth + 1
             message = Message(conversation_id=conversation_id, parent_id=parent_id, position=position, role=role,
                               content=content, reasoning=reasoning, tool_calls=tool_calls or None,
-                              tool_call_id=tool_call_id, created_at=now, **stats)
+                              tool_call_id=tool_call_id, images=images or None, created_at=now, **stats)
             s.add(message)
             s.flush()
             s.execute(update(Conversation).where(Conversation.id == conversation_id)
@@ -250,6 +276,25 @@ class Conversations:
             raise NotFound(f"session {conversation_id!r} not found")
         conv.nodes  # noqa: B018 - load them before the session closes
         return conv
+
+
+def keep_pictures(s, pictures: list[bytes]) -> list[str]:
+    """Keep each picture once (in session `s`'s transaction); their SHA-256s in order."""
+    digests = [hashlib.sha256(data).hexdigest() for data in pictures]
+    for digest, data in zip(digests, pictures):
+        if s.get(Picture, digest) is None:
+            s.add(Picture(sha256=digest, data=data))
+            s.flush()
+    return digests
+
+
+def drop_unshown_pictures(s) -> None:
+    """Delete the pictures no message shows any more (after a conversation's deletion, in its transaction)."""
+    shown = {digest for images in s.scalars(select(Message.images).where(Message.images.is_not(None)))
+             for digest in images or ()}
+    kept = set(s.scalars(select(Picture.sha256)))
+    if kept - shown:
+        s.execute(delete(Picture).where(Picture.sha256.in_(kept - shown)))
 
 
 def with_siblings(conv: Conversation) -> Conversation:

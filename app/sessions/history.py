@@ -3,13 +3,14 @@
     {"format": "kvforge.conversation", "version": 1, "title", "model", "settings", "created_at", "updated_at",
      "current_message_id", "messages": [{"id", "parent_id", "role", "content", "reasoning_content", "tool_calls",
      "tool_call_id", "created_at", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
-     "ttft_s", "tokens_per_s", "context_truncated"}, ...]}
+     "ttft_s", "tokens_per_s", "context_truncated", "images"}, ...]}
 
 `messages` holds every message of every branch in creation order, so a message's parent comes before it;
 `current_message_id` is the last message of the branch shown. An export always writes every key (null where a
 message has none); an import needs only format, version, title and each message's id, role and content.
 `context_truncated` ({"dropped_messages", "dropped_turns"}: what a reply's prompt left out of a conversation longer
-than the context) came after version 1's first files; it is optional, so they still import.
+than the context) and `images` (a user message's pictures as data URLs, so that the file holds them) came after
+version 1's first files; they are optional, so those still import.
 
 Import makes a NEW conversation (new ids, created and updated now, so it tops the list) with the same tree,
 branch shown, settings (checked as a session's: SessionSettings), model and per-message metadata (times, token
@@ -20,6 +21,7 @@ or tool, a parent that is not an earlier message, a size over the limits below.
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -28,7 +30,8 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvforge.app.dialects.openai.messages import ChatCompletionMessageToolCall
-from kvforge.app.sessions.conversations import Conversation, Message
+from kvforge.app.generate.pictures import MAX_IMAGES, picture_bytes
+from kvforge.app.sessions.conversations import Conversation, Message, keep_pictures
 from kvforge.app.sessions.protocol import SessionSettings
 from kvforge.app.sessions.stored_text import Storable
 from kvforge.core.store import Store
@@ -81,14 +84,17 @@ class ExportedMessage(BaseModel):
     ttft_s: Seconds | None = None
     tokens_per_s: Seconds | None = None
     context_truncated: LeftOut | None = None
+    images: list[str] | None = Field(default=None, max_length=MAX_IMAGES)  # data URLs
 
     @model_validator(mode="after")
     def _role_fields(self) -> ExportedMessage:
         # as the sessions API stores them: only a reply calls tools or has a prompt that left messages out, only a
-        # tool message answers a call
+        # tool message answers a call, only a user message has pictures
         for name in ("tool_calls", "context_truncated"):
             if getattr(self, name) and self.role != "assistant":
                 raise ValueError(f"{name}: only on an assistant message, not on a {self.role} message")
+        if self.images and self.role != "user":
+            raise ValueError(f"images: only on a user message, not on a {self.role} message")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("tool_call_id: a tool message needs one (the call it answers), other messages have none")
         return self
@@ -130,17 +136,20 @@ class ConversationExport(BaseModel):
         return current
 
 
-def export_conversation(conv: Conversation) -> dict[str, Any]:
-    """The conversation (loaded with its messages, as Conversations.get returns it) in the export format."""
+def export_conversation(conv: Conversation, pictures: dict[str, bytes] | None = None) -> dict[str, Any]:
+    """The conversation (loaded with its messages, as Conversations.get returns it) in the export format; `pictures`:
+    the bytes of its messages' pictures by SHA-256 (Conversations.pictures)."""
     return {"format": FORMAT, "version": VERSION, "title": conv.title, "model": conv.model,
             "settings": conv.settings or {}, "created_at": conv.created_at, "updated_at": conv.updated_at,
-            "current_message_id": conv.current_message_id, "messages": [exported_message(m) for m in conv.nodes]}
+            "current_message_id": conv.current_message_id,
+            "messages": [exported_message(m, pictures or {}) for m in conv.nodes]}
 
 
-def exported_message(m: Message) -> dict[str, Any]:
+def exported_message(m: Message, pictures: dict[str, bytes]) -> dict[str, Any]:
+    images = ["data:;base64," + base64.b64encode(pictures[digest]).decode() for digest in m.images or ()]
     return {"id": m.id, "parent_id": m.parent_id, "role": m.role, "content": m.content,
             "reasoning_content": m.reasoning, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
-            "created_at": m.created_at, **{k: getattr(m, k) for k in Message.STATS}}
+            "created_at": m.created_at, **{k: getattr(m, k) for k in Message.STATS}, "images": images or None}
 
 
 def import_conversation(store: Store, export: ConversationExport) -> str:
@@ -154,7 +163,9 @@ def import_conversation(store: Store, export: ConversationExport) -> str:
         new_ids: dict[int, int] = {}
         depths: dict[int | None, int] = {None: 0}
         for m in export.messages:  # parents first (validated): each row's parent already has its new id
+            images = keep_pictures(s, [picture_bytes(url, "messages.images") for url in m.images or ()])
             row = Message(conversation_id=conv.id, parent_id=new_ids.get(m.parent_id), position=depths[m.parent_id] + 1,
+                          images=images or None,
                           role=m.role, content=m.content, reasoning=m.reasoning_content,
                           tool_calls=[c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
                           tool_call_id=m.tool_call_id, created_at=now if m.created_at is None else m.created_at,

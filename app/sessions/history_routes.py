@@ -46,7 +46,8 @@ def history_router(chat: ChatService) -> APIRouter:
             disposition = content_disposition(export_filename(conv.title, "md"))
             return Response(conversation_markdown(conv), media_type="text/markdown; charset=utf-8",
                             headers={"Content-Disposition": disposition})
-        return JSONResponse(export_conversation(conv),
+        pictures = chat.conversations.pictures([d for m in conv.nodes for d in m.images or ()])
+        return JSONResponse(export_conversation(conv, pictures),
                             headers={"Content-Disposition": content_disposition(export_filename(conv.title, "json"))})
 
     @router.post("/v1/sessions/import")

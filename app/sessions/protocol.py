@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvforge.app.dialects.openai.fields import MAX_SYSTEM_PROMPT_CHARS
 from kvforge.app.dialects.openai.protocol import SamplingFields
 from kvforge.app.dialects.openai.tools import ToolFields
+from kvforge.app.generate.pictures import MAX_IMAGES
 
 # Ollama's num_ctx, as the chat routes take it: the context window a reply's prompt and the reply share (a conversation
 # longer loses its oldest whole turns: app/generate/context_fit.py); above the model's context, the model's
@@ -94,7 +95,7 @@ class SessionUpdateRequest(BaseModel):
 
 
 # a session reply's fields that are not sampling overrides
-NOT_SAMPLING = frozenset({"role", "content", "tool_call_id", "tool_choice", "stream", "model", "parent_id",
+NOT_SAMPLING = frozenset({"role", "content", "tool_call_id", "tool_choice", "stream", "model", "parent_id", "images",
                           "num_ctx"})
 
 
@@ -125,6 +126,15 @@ class SessionMessageRequest(SessionReplyFields):
     content: str = Field(min_length=1)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=200, validate_default=True)
     parent_id: int | None = None  # edit a message: post the new text after the message the old one followed
+    # a user message's pictures for a vision model: data URLs (app/generate/pictures.py), kept with the message
+    images: list[str] | None = Field(default=None, max_length=MAX_IMAGES)
+
+    @field_validator("images")
+    @classmethod
+    def _on_user_messages_only(cls, images: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if images and info.data.get("role") != "user":
+            raise ValueError("pictures go on user messages")
+        return images
 
     @field_validator("tool_call_id")
     @classmethod

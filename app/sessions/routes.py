@@ -4,6 +4,8 @@
     GET/PATCH/DELETE /v1/sessions/{id}    get (with messages), rename / change settings / show a branch, delete
     GET/POST /v1/sessions/{id}/messages   history; post a user message (or a tool's result) and get the reply
     POST /v1/sessions/{id}/messages/{message_id}/regenerate   another reply to a stored message
+    GET  /v1/sessions/{id}/pictures/{sha256}                  a picture a message shows (a user message's `images`:
+                                                              posted as data URLs, kept once in the data file)
 
 A turn (app/sessions/service.py) renders the whole history with the chat template. Earlier turns render
 byte-identically from turn to turn (the reply is stored exactly as generated), so the prompt's prefix
@@ -55,10 +57,11 @@ from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvforge.app.generate.context_fit import truncation_headers
+from kvforge.app.generate.pictures import picture_media_type
 from kvforge.app.generate.stream import RequestTimedOut, StreamResponse
 from kvforge.app.http.errors import APIError
 from kvforge.app.sessions.conversations import CURRENT, MessageNotFound, NotFound
@@ -96,6 +99,16 @@ def sessions_router(chat: ChatService) -> APIRouter:
     @router.get("/v1/sessions/{session_id}")
     def get_session(session_id: str):
         return get(session_id).to_dict(messages=True)
+
+    @router.get("/v1/sessions/{session_id}/pictures/{sha256}")
+    def get_picture(session_id: str, sha256: str):
+        """A picture one of the conversation's messages shows (its `images` name them), as its own file type."""
+        conv = get(session_id)
+        if not any(sha256 in (m.images or ()) for m in conv.nodes):
+            raise APIError(404, f"sha256: no message of session {session_id!r} shows picture {sha256!r}", "sha256",
+                           "not_found_error", "picture_not_found")
+        data = chat.conversations.pictures([sha256])[sha256]
+        return Response(data, media_type=picture_media_type(data))
 
     @router.patch("/v1/sessions/{session_id}")
     def update_session(session_id: str, body: SessionUpdateRequest):
@@ -142,7 +155,7 @@ def sessions_router(chat: ChatService) -> APIRouter:
         parent_id = body.parent_id if "parent_id" in body.model_fields_set else CURRENT  # null: a new first message
         # the fields this request sets override the conversation's sampling settings
         turn = await chat.start_turn(session_id, body.content, body.overrides(), body.tool_call_id, body.tool_choice,
-                                     parent_id, body.num_ctx)
+                                     parent_id, body.num_ctx, body.images)
         posted = {"type": body.role, "message": turn.posted.to_dict()}
         if isinstance(turn, AwaitingResults):  # other calls of the reply still wait for their results
             waiting = {"type": "awaiting_tool_results", "tool_call_ids": turn.open_calls}

@@ -37,6 +37,7 @@ back to an earlier branch: its prompt is the one it had, still in the prefix cac
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import ChatPlan
 from kvforge.app.generate.context_fit import Truncation, truncation_field
+from kvforge.app.generate.pictures import picture_bytes
 from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest
 from kvforge.app.generate.stream import Failed, RequestTimedOut
 from kvforge.app.http.errors import APIError
@@ -71,28 +73,51 @@ from kvforge.core.store import Store
 DEFAULT_TITLE = "New chat"
 
 
-def chat_messages(conv: Conversation, history: list[Message], posted: dict[str, Any] | None = None
-                  ) -> list[ChatMessage]:
+def chat_messages(conv: Conversation, history: list[Message], posted: dict[str, Any] | None = None,
+                  pictures: dict[str, bytes] | None = None) -> list[ChatMessage]:
     """What the chat template renders: the system prompt, the history (a branch of the conversation, root first),
     the posted message (OpenAI's message shape: a reply's reasoning as `reasoning_content`, the name templates that
-    render past thinking read, its calls as `tool_calls`; a tool result with its `tool_call_id`)."""
+    render past thinking read, its calls as `tool_calls`; a tool result with its `tool_call_id`; a user message's
+    pictures, from `pictures` by SHA-256, as image parts before its text)."""
     system = (conv.settings or {}).get("system_prompt")
     messages = [{"role": "system", "content": system}] if system else []
-    messages += [{k: v for k, v in m.to_dict().items() if k in TEMPLATE_FIELDS} for m in history]
+    for m in history:
+        message = {k: v for k, v in m.to_dict().items() if k in TEMPLATE_FIELDS}
+        if m.images:
+            message["content"] = with_pictures(m.content, [(pictures or {})[digest] for digest in m.images])
+        messages.append(message)
     if posted is not None:
         messages.append(posted)
     return [ChatMessage.model_validate(m) for m in merge_unanswered(messages)]
 
 
+def with_pictures(text: str, pictures: list[bytes]) -> list[dict[str, Any]]:
+    """A user message's content parts: its pictures (data URLs), then its text."""
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": "data:;base64," +
+                                                                      base64.b64encode(data).decode()}}
+                                   for data in pictures]
+    return parts + ([{"type": "text", "text": text}] if text else [])
+
+
 def merge_unanswered(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive user messages (the earlier ones unanswered) as one, their texts joined by a blank line."""
+    """Consecutive user messages (the earlier ones unanswered) as one, their texts joined by a blank line (their
+    parts in order, where one has pictures)."""
     merged: list[dict[str, Any]] = []
     for message in messages:
         if merged and message["role"] == "user" and merged[-1]["role"] == "user":
-            merged[-1] = {**merged[-1], "content": f"{merged[-1]['content']}\n\n{message['content']}"}
+            before, after = merged[-1]["content"], message["content"]
+            if isinstance(before, str) and isinstance(after, str):
+                content: Any = f"{before}\n\n{after}"
+            else:
+                content = as_parts(before) + [{"type": "text", "text": "\n\n"}] + as_parts(after)
+            merged[-1] = {**merged[-1], "content": content}
         else:
             merged.append(message)
     return merged
+
+
+def as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 TEMPLATE_FIELDS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id")
@@ -243,8 +268,8 @@ class ChatService:
 
     async def start_turn(self, session_id: str, content: str, overrides: dict[str, Any] | None = None,
                          tool_call_id: str | None = None, tool_choice: str | dict | None = None,
-                         parent_id: int | None | Leaf = CURRENT, num_ctx: int | None = None
-                         ) -> Turn | AwaitingResults:
+                         parent_id: int | None | Leaf = CURRENT, num_ctx: int | None = None,
+                         images: list[str] | None = None) -> Turn | AwaitingResults:
         """Validate and queue the reply to `content` (a user message; with `tool_call_id`, a tool's result),
         then store `content`; APIError (nothing stored) for an unknown session, bad sampling fields, a tool
         result for no open call, or a conversation too long for the model. A tool result while other calls of
@@ -257,7 +282,10 @@ class ChatService:
         conversation, or a user message under a user message.
 
         `num_ctx`: this reply's context window, instead of the conversation's (its settings' num_ctx; neither: the
-        model's); a history longer than it loses its oldest whole turns from the prompt."""
+        model's); a history longer than it loses its oldest whole turns from the prompt.
+
+        `images`: the user message's pictures (data URLs; a vision model's), kept with it once the reply is queued
+        and rendered before its text in this and every later turn."""
         self.admission.check_open()  # a full server refuses before reading the conversation
         conv = await run_in_threadpool(self.get, session_id)
         tools = tool_settings(conv, tool_choice)
@@ -269,7 +297,8 @@ class ChatService:
                 raise APIError(400, f"parent_id: message {parent_id} is a user message; a user message follows a "
                                "reply (an assistant or tool message), or is a first message (null)", "parent_id")
         parent = history[-1].id if history else None
-        posted = {"role": "user", "content": content}
+        pictures = [picture_bytes(url, "images") for url in images or ()]
+        posted = {"role": "user", "content": with_pictures(content, pictures) if pictures else content}
         if tool_call_id is not None:
             open_calls = open_tool_calls(history)
             if tool_call_id not in open_calls:
@@ -279,9 +308,13 @@ class ChatService:
             if len(open_calls) > 1:
                 message = await self._store(session_id, conv, posted, parent)
                 return AwaitingResults(message, [c for c in open_calls if c != tool_call_id])
-        admitted = await self._admit(conv, chat_messages(conv, history, posted), overrides, tools, "content", num_ctx)
+        shown = await run_in_threadpool(self.conversations.pictures, pictures_of(history))
+        admitted = await self._admit(conv, chat_messages(conv, history, posted, shown), overrides, tools, "content",
+                                     num_ctx)
         try:
-            message = await self._store(session_id, conv, posted, parent, prompt_tokens=len(admitted.prompt))
+            digests = await run_in_threadpool(self.conversations.add_pictures, pictures) if pictures else None
+            message = await self._store(session_id, conv, {**posted, "content": content}, parent,
+                                        prompt_tokens=len(admitted.prompt), images=digests)
         except BaseException:
             admitted.close()
             raise
@@ -309,7 +342,9 @@ class ChatService:
         if answered.role == "tool" and open_tool_calls(history):
             raise APIError(400, f"message_id: tool result {answered.id} leaves calls of its reply open "
                            f"({', '.join(open_tool_calls(history))}): it was not answered", "message_id")
-        admitted = await self._admit(conv, chat_messages(conv, history), overrides, tools, "message_id", num_ctx)
+        shown = await run_in_threadpool(self.conversations.pictures, pictures_of(history))
+        admitted = await self._admit(conv, chat_messages(conv, history, pictures=shown), overrides, tools,
+                                     "message_id", num_ctx)
         return Turn(self, session_id, answered, admitted)
 
     async def _admit(self, conv: Conversation, messages: list[ChatMessage], overrides: dict[str, Any] | None,
@@ -336,6 +371,11 @@ class ChatService:
         except NotFound as exc:  # deleted meanwhile
             raise not_found(exc) from None
         return message
+
+
+def pictures_of(history: list[Message]) -> list[str]:
+    """The SHA-256s of the pictures a branch shows."""
+    return [digest for m in history for digest in m.images or ()]
 
 
 def branch_to(conv: Conversation, message_id: int | None, field: str) -> list[Message]:

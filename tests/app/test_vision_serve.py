@@ -171,3 +171,39 @@ def test_too_many_pictures_and_a_low_detail_are_refused(vlm):
     card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     assert card["id"] == MODEL and card["input_modalities"] == ["text", "image"]
     assert server.metrics()["requests_running"] == 0
+
+
+def test_a_session_keeps_its_pictures_across_turns_export_and_import(vlm):
+    """The sessions API: a user message's picture is stored with it, rendered again in the next turn (read from the
+    prefix cache: nothing encoded), served back, exported inside the file and imported into a new session; deleting
+    the sessions deletes the picture."""
+    server, model, processor = vlm
+    picture = png(7)
+    http = httpx.Client(base_url=server.url, timeout=120)
+    session = http.post("/v1/sessions", json={"title": "picture"}).json()["id"]
+    greedy = {"temperature": 0, "max_tokens": MAX_TOKENS, "stream": False}
+    first = http.post(f"/v1/sessions/{session}/messages",
+                      json={"content": QUESTION, "images": [data_url(picture)], **greedy}).json()
+    answer = first["message"]["content"]
+    assert answer == hf_reply(model, processor, ASKED, [picture])[0]
+    digest = first["user"]["images"][0]
+    assert http.get(f"/v1/sessions/{session}/pictures/{digest}").content == picture
+    encoded = server.metric("images_encoded")
+    second = http.post(f"/v1/sessions/{session}/messages", json={"content": "And its colours?", **greedy}).json()
+    conversation = [*ASKED, {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                    {"role": "user", "content": [{"type": "text", "text": "And its colours?"}]}]
+    assert second["message"]["content"] == hf_reply(model, processor, conversation, [picture])[0]
+    assert server.metric("images_encoded") == encoded  # the picture's positions came from the prefix cache
+    exported = http.get(f"/v1/sessions/{session}/export").json()
+    assert exported["messages"][0]["images"] == ["data:;base64," + base64.b64encode(picture).decode()]
+    imported = http.post("/v1/sessions/import", json=exported).json()
+    assert imported["messages"][0]["images"] == [digest]
+    assert http.delete(f"/v1/sessions/{session}").status_code in (200, 204)
+    assert http.get(f"/v1/sessions/{imported['id']}/pictures/{digest}").content == picture  # still shown there
+    assert http.delete(f"/v1/sessions/{imported['id']}").status_code in (200, 204)
+    again = http.post("/v1/sessions", json={"title": "other"}).json()["id"]
+    missing = http.get(f"/v1/sessions/{again}/pictures/{digest}")
+    assert missing.status_code == 404, missing.text
+    refused = http.post(f"/v1/sessions/{again}/messages",
+                        json={"content": "x", "images": ["https://example.com/a.png"], **greedy})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "images", refused.text

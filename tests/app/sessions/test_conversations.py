@@ -279,3 +279,25 @@ def test_killed_writer_leaves_a_consistent_database(db_url):
         assert stored.get(log_id).messages[-1].position == len(log) + 1
     finally:
         store.engine.dispose()
+
+
+def test_pictures_are_kept_once_and_deleted_with_the_last_conversation_that_shows_them(conversations):
+    """A picture's bytes are stored once whichever messages show it (SQLite and PostgreSQL: a LargeBinary column),
+    listed by the messages in order, and deleted when no remaining message shows it."""
+    first, second = conversations.create("one"), conversations.create("two")
+    shared, own = b"\x89PNG shared bytes", b"GIF89a own bytes"
+    digests = conversations.add_pictures([shared, own])
+    conversations.add_message(first.id, "user", "look", images=digests)
+    conversations.add_message(second.id, "user", "again", images=conversations.add_pictures([shared]))
+    assert conversations.get(first.id).messages[0].images == digests
+    assert conversations.get(second.id).messages[0].to_dict()["images"] == digests[:1]
+    assert conversations.pictures(digests) == dict(zip(digests, [shared, own]))
+    with conversations.store.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM pictures")).scalar() == 2
+    conversations.delete(first.id)
+    assert conversations.pictures(digests) == {digests[0]: shared}  # the other conversation still shows it
+    conversations.delete(second.id)
+    assert conversations.pictures(digests) == {}
+    untouched = conversations.create("text")
+    conversations.add_message(untouched.id, "user", "no pictures")
+    assert "images" not in conversations.get(untouched.id).messages[0].to_dict()

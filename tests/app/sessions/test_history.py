@@ -54,7 +54,8 @@ def test_an_imported_export_is_the_same_tree_in_a_new_conversation(conversations
         "id": original.nodes[1].id, "parent_id": original.nodes[0].id, "role": "assistant", "content": "Paris.",
         "reasoning_content": "The user asks for France's capital.", "tool_calls": None, "tool_call_id": None,
         "created_at": original.nodes[1].created_at, "prompt_tokens": 40, "completion_tokens": 24,
-        "cached_tokens": 12, "finish_reason": "stop", "ttft_s": 0.085, "tokens_per_s": 31.2, "context_truncated": None}
+        "cached_tokens": 12, "finish_reason": "stop", "ttft_s": 0.085, "tokens_per_s": 31.2, "context_truncated": None,
+        "images": None}
     assert exported["messages"][-1]["context_truncated"] == LEFT_OUT  # what the last reply's prompt left out
 
     before = time.time()
