@@ -168,6 +168,9 @@ def test_too_many_pictures_and_a_low_detail_are_refused(vlm):
     body["messages"] = [{"role": "user", "content": [low]}]
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400 and "detail" in response.json()["error"]["message"], response.text
+    counted = httpx.post(f"{server.url}/v1/tokenize", timeout=30, json={"model": MODEL, "messages": [
+        {"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]}).json()
+    assert counted["count"] > 16  # the picture's tiles' tokens, not one placeholder
     card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     assert card["id"] == MODEL and card["input_modalities"] == ["text", "image"]
     assert server.metrics()["requests_running"] == 0

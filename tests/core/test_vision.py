@@ -159,6 +159,8 @@ def test_prompts_whose_images_do_not_fit_their_tokens_are_refused(vlm, embedded_
         assert not llm.engine.has_unfinished()
     finally:
         llm.engine.close()
+    with pytest.raises(ValueError, match="runs in one process"):
+        LLM(str(path), progress=False, dtype="float32", pp_size=2)
     text_only = LLM(str(embedded_path), progress=False, num_kv_blocks=16)
     try:
         with pytest.raises(ValueError, match="takes no images"):

@@ -25,7 +25,7 @@ from kvforge.app.dialects.openai.fields import FORBID, MAX_MESSAGES, MAX_TOOLS
 from kvforge.app.dialects.openai.messages import ChatMessage
 from kvforge.app.dialects.openai.protocol import TokenId
 from kvforge.app.dialects.openai.tools import ChatCompletionFunctionTool, function_tools_only, template_variables
-from kvforge.app.generate.chat_request import chat_prompt_text
+from kvforge.app.generate.chat_request import chat_prompt_text, prompt_with_pictures
 from kvforge.app.generate.off_loop import off_loop
 from kvforge.app.generate.request import check_prompt_chars
 from kvforge.app.http.errors import APIError
@@ -150,7 +150,11 @@ def tokenize_body(tokenizer: Tokenizer, body: TokenizeRequest) -> tuple[list[int
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         text = chat_prompt_text(tokenizer, body.messages, tools, body.chat_template_kwargs,
                                 add_generation_prompt=body.add_generation_prompt is not False)
-        tokens = tokenizer.encode(text, add_special_tokens=body.with_special_tokens())
+        urls = [url for m in body.messages for url in m.image_urls()]
+        if urls:  # a vision model's: each picture's placeholder expanded into its image's tokens, as a chat's
+            tokens = prompt_with_pictures(tokenizer, text, urls)[0]
+        else:
+            tokens = tokenizer.encode(text, add_special_tokens=body.with_special_tokens())
     return tokens, tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
 
 
