@@ -10,9 +10,11 @@ sits inside a function that runs after it; importing this module changes nothing
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import TYPE_CHECKING
 
 from kvforge.app.sessions.service import ChatService
+from kvforge.core.private_files import private_dir
 from kvforge.ui.dashboard import DashboardSampler
 
 if TYPE_CHECKING:
@@ -36,9 +38,12 @@ QUEUE_POLL_S, PROGRESS_POLL_S = 0.02, 0.1
 
 
 def apply_gradio_environment() -> None:
-    """The offline switches, for the whole process (a variable already set is kept)."""
+    """The offline switches, for the whole process (a variable already set is kept); gradio's files (uploads, the
+    chat's pictures) in a directory only this user can read, not in the shared /tmp/gradio."""
     for name, value in GRADIO_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    if "GRADIO_TEMP_DIR" not in os.environ:
+        os.environ["GRADIO_TEMP_DIR"] = str(private_dir(tempfile.mkdtemp(prefix="kvforge-gradio-")))
 
 
 def build_ui(chat: ChatService, sampler: DashboardSampler) -> gr.Blocks:

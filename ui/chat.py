@@ -1,6 +1,7 @@
 """The chat: the conversations list (new, switch, rename, delete), the messages with their per-reply stats (shown as
 ui/chat_view.py renders them), a streamed reply with Stop (the partial reply is kept), Regenerate and Edit last message,
-and the generation settings (system prompt, temperature, top-p, max tokens, the repetition guard): each conversation
+pictures attached in the chat box for a vision model (thumbnails in the history, kept with the conversation), and the
+generation settings (system prompt, temperature, top-p, max tokens, the repetition guard): each conversation
 shows its own, which start at the served model's defaults (core/generation_defaults.py; "Model defaults" goes back to
 them) and are kept with it when a message is sent. A conversation's tools are set, and their results posted, through the
 sessions API (app/sessions/routes.py).
@@ -38,7 +39,7 @@ class ChatHandlers:
         conv = self.service.conversation(session_id)
         session_id = conv.id if conv is not None else None
         system = ((conv.settings or {}).get("system_prompt") or "") if conv is not None else ""
-        view = chat_view(conv)
+        view = chat_view(conv, self.service.picture_path)
         return (self.listing(session_id, search), session_id, view.bubbles, last_stats(conv), system,
                 *self.sampling_shown(conv), view.branches, view.message_ids, titles_html(view.titles))
 
@@ -143,18 +144,22 @@ class ChatHandlers:
             self.service.delete_system_prompt(name)
         return gr.update(choices=self.service.system_prompt_names(), value=None)
 
-    async def send(self, message: str, session_id: str | None, system: str, temperature: float, top_p: float,
-                   max_tokens: int, repetition_guard: bool = True, search: str = ""):
-        """Post a message and stream its reply (see _stream)."""
+    async def send(self, message: dict | str | None, session_id: str | None, system: str, temperature: float,
+                   top_p: float, max_tokens: int, repetition_guard: bool = True, search: str = ""):
+        """Post a message (the chat box's text and its attached or pasted pictures: a vision model's) and stream its
+        reply (see _stream)."""
         import gradio as gr
 
-        message = (message or "").strip()
-        if not message:
+        text = ((message.get("text") if isinstance(message, dict) else message) or "").strip()
+        files = (message.get("files") if isinstance(message, dict) else None) or []
+        if not text and not files:
             yield (gr.update(),) * 4 + (session_id,) + (gr.update(),) * 3
             return
+        pictures = [Path(getattr(f, "path", None) or (f.get("path") if isinstance(f, dict) else f)).read_bytes()
+                    for f in files]
         session_id = self._prepare(session_id, system, temperature, top_p, max_tokens, repetition_guard)
-        async for shown in self._stream(session_id, lambda: self.service.start_turn(session_id, message, {}),
-                                        search):
+        async for shown in self._stream(
+                session_id, lambda: self.service.start_turn(session_id, text, {}, pictures=pictures), search):
             yield shown
 
     async def regenerate(self, session_id: str | None, system: str, temperature: float, top_p: float,
@@ -186,9 +191,10 @@ class ChatHandlers:
         if original is None or original.role != "user" or not text:
             raise gr.Error("Only a user message can be edited, to some text")
         session_id = self._prepare(session_id, system, temperature, top_p, max_tokens, repetition_guard)
+        pictures = self.service.message_pictures(original)  # the edited text keeps the message's pictures
         async for shown in self._stream(
-                session_id, lambda: self.service.start_turn(session_id, text, {}, parent_id=original.parent_id),
-                search):
+                session_id, lambda: self.service.start_turn(session_id, text, {}, parent_id=original.parent_id,
+                                                            pictures=pictures), search):
             yield shown
 
     def _prepare(self, session_id: str | None, system: str, temperature: float, top_p: float, max_tokens: int,
@@ -222,7 +228,7 @@ class ChatHandlers:
             turn = await start()
         except APIError as exc:
             raise gr.Error(exc.message) from None
-        before = chat_view(self.service.conversation(session_id))
+        before = chat_view(self.service.conversation(session_id), self.service.picture_path)
         reasoning, content, calls = "", "", []
         same = (gr.update(),) * 3
         # a conversation longer than the context: said from the start of the reply, and with its stats
@@ -237,7 +243,7 @@ class ChatHandlers:
                                         tool_calls=calls)
                 yield (before.bubbles + shown, gr.update(), gr.update(), gr.update(), session_id, *same)
             elif event["type"] == "done":
-                after = chat_view(self.service.conversation(session_id))
+                after = chat_view(self.service.conversation(session_id), self.service.picture_path)
                 yield (after.bubbles, gr.update(), reply_stats_markdown(event["message"], turn.truncation),
                        gr.update(), session_id, after.branches, after.message_ids, titles_html(after.titles))
 
@@ -253,7 +259,7 @@ class ChatHandlers:
                 break
             await asyncio.sleep(0.05)
             conv = self.service.conversation(session_id)
-        view = chat_view(conv)
+        view = chat_view(conv, self.service.picture_path)
         return last_stats(conv), view.branches, view.message_ids, titles_html(view.titles)
 
     def edit_last(self, session_id: str | None):
@@ -261,7 +267,7 @@ class ChatHandlers:
         # a sibling of what is sent next): (chat, textbox, stats, branches, bubble message ids, tooltips)
         text = self.service.drop_last_turn(session_id)
         conv = self.service.conversation(session_id)
-        view = chat_view(conv)
+        view = chat_view(conv, self.service.picture_path)
         return view.bubbles, text, last_stats(conv), view.branches, view.message_ids, titles_html(view.titles)
 
 
@@ -323,8 +329,11 @@ def add_chat(blocks: gr.Blocks, service: UIService) -> None:
                                      outputs=shown_outputs)
 
         with gr.Row():
-            textbox = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=5,
-                                 elem_id="message", max_lines=8)
+            # a picture is attached (or pasted) here for a vision model; a text-only one refuses it with a message
+            textbox = gr.MultimodalTextbox(placeholder="Message (Enter to send; attach or paste pictures for a "
+                                           "vision model)", show_label=False, scale=5, elem_id="message",
+                                           max_lines=8, file_types=["image"], file_count="multiple",
+                                           sources=["upload"], submit_btn=False)
             send_button = gr.Button("Send", variant="primary", scale=1, elem_id="send")
             stop_button = gr.Button("Stop", scale=1, elem_id="stop")
         with gr.Row():

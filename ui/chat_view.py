@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,10 +50,14 @@ def truncation_notice(count: int) -> str:
 
 def message_bubbles(role: str, content: str, reasoning: str | None = None, thinking: bool = False,
                     tool_calls: list[dict] | None = None, tool_name: str | None = None,
-                    tool_call_id: str | None = None) -> list[dict]:
+                    tool_call_id: str | None = None, pictures: list[str] | None = None) -> list[dict]:
     """A message as the chat shows it: a reasoning model's thinking in a collapsible bubble ("Reasoning", Gradio's
     metadata title) before its answer; `thinking` while the reply still streams it; each tool call after it (its
-    arguments); a tool result (role "tool", Gradio has no such role) as a collapsible bubble named after its call."""
+    arguments); a tool result (role "tool", Gradio has no such role) as a collapsible bubble named after its call;
+    a user message's pictures (their files) as a bubble each before its text."""
+    if pictures:
+        shown = [{"role": "user", "content": {"path": path}} for path in pictures]
+        return shown + (message_bubbles(role, content) if content else [])
     if role == "tool":
         return [{"role": "assistant", "content": content,
                  "metadata": {"title": tool_result_title(tool_name, tool_call_id), "status": "done"}}]
@@ -79,15 +84,17 @@ class ChatView:
     branches: list[dict] = field(default_factory=list)
 
 
-def chat_view(conv: Conversation | None) -> ChatView:
+def chat_view(conv: Conversation | None, picture_path: Callable[[str], str] | None = None) -> ChatView:
+    """`picture_path`: a file of a kept picture, by its SHA-256 (UIService.picture_path); None: pictures not shown."""
     view = ChatView()
     if conv is None:
         return view
     names = {}  # each call's function, for the results that answer it
     for number, m in enumerate(conv.messages, 1):
         names.update({call["id"]: call["function"]["name"] for call in m.tool_calls or ()})
+        pictures = [picture_path(digest) for digest in m.images or ()] if picture_path is not None else None
         shown = message_bubbles(m.role, m.content, m.reasoning, tool_calls=m.tool_calls,
-                                tool_name=names.get(m.tool_call_id), tool_call_id=m.tool_call_id)
+                                tool_name=names.get(m.tool_call_id), tool_call_id=m.tool_call_id, pictures=pictures)
         stats = reply_stats_line(m.to_dict())
         view.bubbles += shown
         view.message_ids += [m.id] * len(shown)

@@ -10,7 +10,10 @@ figures come from the one server-side DashboardSampler.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import tempfile
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from kvforge.app.generate.pictures import picture_media_type
 from kvforge.app.http.errors import validation_message
 from kvforge.app.models.spec import ModelSpec
 from kvforge.app.sessions.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
@@ -31,6 +35,7 @@ from kvforge.app.sessions.service import DEFAULT_TITLE, ChatService, Turn
 from kvforge.app.sessions.system_prompts import SystemPrompts
 from kvforge.core.config import EngineConfig
 from kvforge.core.loader import EMBEDDED_ALIASES, embedded_gguf_path, resolve_model
+from kvforge.core.private_files import open_private, private_dir
 from kvforge.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,6 +44,8 @@ if TYPE_CHECKING:
 # the browser's replies end a loop (core/repetition.py) unless the conversation turns it off; the API's do not
 UI_REPETITION_GUARD = True
 UI_MAX_TOKENS = 1024  # a reply's length when neither the server (--default-max-tokens) nor the model sets one
+PICTURE_SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg", "image/gif": ".gif", "image/webp": ".webp",
+                    "image/bmp": ".bmp"}  # a picture file's name as the browser's type sniffing expects it
 
 
 class UIService:
@@ -113,10 +120,28 @@ class UIService:
         self._chat.admission.check_open()
 
     async def start_turn(self, session_id: str, message: str, overrides: dict[str, Any],
-                         parent_id: int | None | Leaf = CURRENT) -> Turn:
+                         parent_id: int | None | Leaf = CURRENT, pictures: list[bytes] | None = None) -> Turn:
         """Post a user message after `parent_id` (None: a new first message; by default the last one shown: an
-        edit of a message passes the id of the message the old text followed) and queue its reply."""
-        return await self._chat.start_turn(session_id, message, overrides, parent_id=parent_id)
+        edit of a message passes the id of the message the old text followed), with its `pictures` (a vision
+        model's; their files' bytes), and queue its reply."""
+        images = ["data:;base64," + base64.b64encode(data).decode() for data in pictures or ()]
+        return await self._chat.start_turn(session_id, message, overrides, parent_id=parent_id, images=images)
+
+    def message_pictures(self, message) -> list[bytes]:
+        """A stored message's pictures' bytes, in order."""
+        kept = self._conversations.pictures(list(message.images or ()))
+        return [kept[digest] for digest in message.images or () if digest in kept]
+
+    def picture_path(self, digest: str) -> str:
+        """A file of the picture kept under `digest`, for the chat to show: written once into gradio's (private)
+        directory, which gradio serves from."""
+        folder = private_dir(Path(os.environ.get("GRADIO_TEMP_DIR", tempfile.gettempdir())) / "kvforge-pictures")
+        data = self._conversations.pictures([digest]).get(digest, b"")
+        path = folder / f"{digest}{PICTURE_SUFFIXES.get(picture_media_type(data), '')}"
+        if not path.exists():
+            with open_private(path) as file:
+                file.write(data)
+        return str(path)
 
     async def regenerate(self, session_id: str, message_id: int, overrides: dict[str, Any]) -> Turn:
         """Another reply to a user message (or to the message an assistant reply answers), beside the earlier
@@ -253,7 +278,8 @@ class UIService:
         "markdown" (the branch shown); NotFound for an unknown conversation, ValueError for another format."""
         conv = self._conversations.get(session_id)
         if fmt == "json":
-            return export_filename(conv.title, "json"), json.dumps(export_conversation(conv), indent=2,
+            pictures = self._conversations.pictures([d for m in conv.nodes for d in m.images or ()])
+            return export_filename(conv.title, "json"), json.dumps(export_conversation(conv, pictures), indent=2,
                                                                   ensure_ascii=False)
         if fmt == "markdown":
             return export_filename(conv.title, "md"), conversation_markdown(conv)
