@@ -20,11 +20,12 @@ class ServerContext:
     request_timeout_s: float | None  # a request still generating after this is aborted (None: never)
     # a chat longer than its context: "truncate" (its oldest turns left out: app/generate/context_fit.py) or "error"
     context_overflow: str = serve_default("context_overflow")
+    picture_hosts: frozenset[str] = frozenset()  # hosts whose image URLs are fetched (--image-url-hosts)
 
     @classmethod
     def build(cls, host: ModelHost, max_pending: int, default_max_tokens: int,
-              request_timeout_s: float | None, context_overflow: str = serve_default("context_overflow")
-              ) -> ServerContext:
+              request_timeout_s: float | None, context_overflow: str = serve_default("context_overflow"),
+              picture_hosts: frozenset[str] = frozenset()) -> ServerContext:
         admission = Admission(host, max_pending)
         return cls(host, admission, ServerMetrics(host, admission), default_max_tokens, request_timeout_s,
-                   context_overflow)
+                   context_overflow, picture_hosts)

@@ -55,18 +55,21 @@ def create_app(host: ModelHost | AsyncEngine, model_name: str | None = None, api
                default_max_tokens: int = serve_default("default_max_tokens"), models_dir=None,
                store: Store | None = None, ui: UIMount | None = None, access: AccessPolicy | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout_s: float | None = None,
-               context_overflow: str = serve_default("context_overflow")) -> FastAPI:
+               context_overflow: str = serve_default("context_overflow"),
+               image_url_hosts: list[str] | None = None) -> FastAPI:
     """`host` is a ModelHost, or an already running AsyncEngine served as `model_name`. With a
     `store`, the sessions API (/v1/sessions) keeps conversations in it, and `ui` (kvforge.ui.app.mount_ui)
     mounts the browser UI at / (it needs the store). `access` says who may call (default: loopback names, no CORS, and
     `api_key` when given); bodies over `max_request_bytes` get 413; a request still generating after
     `request_timeout_s` is aborted; a chat longer than its context is cut (`context_overflow` "truncate":
-    app/generate/context_fit.py) or refused ("error")."""
+    app/generate/context_fit.py) or refused ("error"); a picture's http(s) URL is fetched only from
+    `image_url_hosts` (app/generate/pictures.py)."""
     if isinstance(host, AsyncEngine):
         host = ModelHost(default_engine_factory, ModelSpec(served_name=model_name, tp=host.engine.config.tp_size),
                          host, models_dir)
     access = access or AccessPolicy(api_key=api_key)
-    context = ServerContext.build(host, max_pending, default_max_tokens, request_timeout_s, context_overflow)
+    context = ServerContext.build(host, max_pending, default_max_tokens, request_timeout_s, context_overflow,
+                                  frozenset(h.strip().lower() for h in image_url_hosts or () if h.strip()))
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
     app.state.host, app.state.metrics, app.state.admission = host, context.metrics, context.admission
     add_error_handlers(app)

@@ -154,6 +154,9 @@ class ServeSettings:
     allowed_origins: str | None = setting(
         None, "comma-separated browser origins allowed to call the API from their pages, e.g. "
         "http://localhost:3000 (patterns like http://localhost:*; '*': any); default: none (no CORS)")
+    image_url_hosts: str | None = setting(
+        None, "comma-separated host names whose http(s) image URLs the server fetches for a vision model's requests "
+        "(exact names; redirects are not followed); default: none, a remote image URL is refused")
     max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get 413 before they are read "
                                      "(default: {default})", int, check=at_least(1))
     request_timeout: float | None = setting(None, "seconds a request may generate before it is aborted and its KV "

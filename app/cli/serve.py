@@ -116,7 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(host, max_pending=settings.max_pending, default_max_tokens=settings.default_max_tokens,
                      store=store, ui=None if settings.no_ui else browser_ui(), access=access,
                      max_request_bytes=settings.max_request_bytes, request_timeout_s=settings.request_timeout,
-                     context_overflow=settings.context_overflow)
+                     context_overflow=settings.context_overflow,
+                     image_url_hosts=split_list(settings.image_url_hosts))
 
     watchdog = ExitWatchdog(SHUTDOWN_DEADLINE_S)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvforge.app.context import ServerContext
 from kvforge.app.generate.admission import Ticket
@@ -115,6 +115,7 @@ async def admit_all(context: ServerContext, requests: list[GenerateRequest]) -> 
 
 
 async def _queue(context: ServerContext, request: GenerateRequest, ticket: Ticket, group: str | None) -> Admitted:
+    request = with_picture_hosts(context, request)
     prompt_field = request.prompt.field
     engine = ticket.engine
     budget = fit_budget(context, engine, request)
@@ -136,6 +137,7 @@ def sent_prompt(context: ServerContext, engine: AsyncEngine, request: GenerateRe
     """The token ids a chat request would be queued with, and what they leave out of a conversation longer than its
     context: its prompt rendered and fitted as _queue does, nothing compiled or queued (what a token count counts).
     Blocking work (render, tokenize): run it off the event loop, under an admission ticket for `engine`."""
+    request = with_picture_hosts(context, request)
     prompt = request.prompt
     if not isinstance(prompt, ChatPrompt):
         raise TypeError("sent_prompt: a chat request's prompt only")
@@ -144,6 +146,13 @@ def sent_prompt(context: ServerContext, engine: AsyncEngine, request: GenerateRe
         check_prompt_chars(engine, prompt.chars(), prompt.field)
     plan, truncation = prompt.sent_plan(engine, budget)
     return plan.prompt, truncation
+
+
+def with_picture_hosts(context: ServerContext, request: GenerateRequest) -> GenerateRequest:
+    """The request with the server's image URL hosts on its chat prompt (the only place a prompt learns them)."""
+    if not isinstance(request.prompt, ChatPrompt) or not context.picture_hosts:
+        return request
+    return replace(request, prompt=replace(request.prompt, picture_hosts=context.picture_hosts))
 
 
 def fit_budget(context: ServerContext, engine: AsyncEngine, request: GenerateRequest) -> ContextBudget | None:

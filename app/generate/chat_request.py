@@ -86,7 +86,7 @@ def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], tools: l
 
 def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fields: ToolFields,
                       template_kwargs: dict | None = None, output_constraint: Constraint | None = None,
-                      output_field: str | None = None) -> ChatPlan:
+                      output_field: str | None = None, picture_hosts: frozenset[str] = frozenset()) -> ChatPlan:
     """A chat request's plan (see the module's docstring) from its parts (app/generate/request.py's ChatPrompt).
     `output_constraint`: the response format's, which a forced tool call overrides. APIError 400 for a conversation
     the template rejects. Runs off the event loop (template rendering is Python work)."""
@@ -96,7 +96,8 @@ def plan_conversation(tokenizer: Tokenizer, messages: list[ChatMessage], tool_fi
     text = chat_prompt_text(tokenizer, messages, tools if use_tools else None, template_kwargs)
     images: list[ImageInput] = []
     if tokenizer.takes_images:
-        prompt, images = prompt_with_pictures(tokenizer, text, [url for m in messages for url in m.image_urls()])
+        prompt, images = prompt_with_pictures(tokenizer, text, [url for m in messages for url in m.image_urls()],
+                                              picture_hosts)
     else:
         prompt = tokenizer.encode(text, add_special_tokens=False)
 
@@ -135,11 +136,12 @@ def content_parts(text: str, placeholder: str) -> list[dict]:
     return parts
 
 
-def prompt_with_pictures(tokenizer: Tokenizer, text: str, urls: list[str]) -> tuple[list[int], list[ImageInput]]:
+def prompt_with_pictures(tokenizer: Tokenizer, text: str, urls: list[str], picture_hosts: frozenset[str] = frozenset()
+                         ) -> tuple[list[int], list[ImageInput]]:
     """A vision model's rendered prompt tokenized by its processor, each picture's placeholder expanded into the
     image's tokens (core/tokenizer.py encode_with_images); APIError 400 for a picture that cannot be read or a
     rendering whose placeholders do not match the pictures (a template that drops them, or text that writes one)."""
-    pictures = read_pictures(urls, "messages")
+    pictures = read_pictures(urls, "messages", picture_hosts)
     found = text.count(tokenizer.image_placeholder)
     if found != len(pictures):
         raise APIError(400, f"messages: {len(pictures)} pictures, but the rendered prompt has {found} image "

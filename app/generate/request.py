@@ -55,6 +55,7 @@ class ChatPrompt:
     prefix: list[int] = field(default_factory=list)  # ids before the conversation (Ollama's `context`)
     reasoning_field: str | None = None  # a field that asks the model to think (Ollama's think): refused if it cannot
     field: str = "messages"  # the request field the prompt came from (too long, empty, rejected by the template)
+    picture_hosts: frozenset[str] = frozenset()  # hosts its pictures' http(s) URLs may be fetched from (admit sets it)
 
     @classmethod
     def of(cls, request: ChatCompletionRequest, **fields) -> ChatPrompt:
@@ -72,7 +73,7 @@ class ChatPrompt:
         template rejects."""
         try:
             plan = plan_conversation(tokenizer, self.messages, self.tools, self.template_kwargs, self.output,
-                                     self.output_field)
+                                     self.output_field, self.picture_hosts)
         except APIError as exc:
             if exc.param != "messages" or self.field == "messages":
                 raise

@@ -297,7 +297,7 @@ class ChatService:
                 raise APIError(400, f"parent_id: message {parent_id} is a user message; a user message follows a "
                                "reply (an assistant or tool message), or is a first message (null)", "parent_id")
         parent = history[-1].id if history else None
-        pictures = [picture_bytes(url, "images") for url in images or ()]
+        pictures = [picture_bytes(url, "images", self.context.picture_hosts) for url in images or ()]
         posted = {"role": "user", "content": with_pictures(content, pictures) if pictures else content}
         if tool_call_id is not None:
             open_calls = open_tool_calls(history)

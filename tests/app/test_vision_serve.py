@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -38,7 +40,8 @@ def data_url(data: bytes) -> str:
 def vlm(tmp_path_factory, embedded_path):
     path = tmp_path_factory.mktemp("tiny-vlm")
     model, processor = save_tiny_idefics3(path, embedded_path, seed=21)
-    server = ServeProcess("--model", str(path), "--served-model-name", MODEL, "--dtype", "float32")
+    server = ServeProcess("--model", str(path), "--served-model-name", MODEL, "--dtype", "float32",
+                          "--image-url-hosts", "localhost")
     yield server, model, processor
     server.stop()
 
@@ -210,3 +213,55 @@ def test_a_session_keeps_its_pictures_across_turns_export_and_import(vlm):
     refused = http.post(f"/v1/sessions/{again}/messages",
                         json={"content": "x", "images": ["https://example.com/a.png"], **greedy})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "images", refused.text
+
+
+@pytest.fixture(scope="module")
+def picture_site():
+    """A local web server: /photo.png a picture, /moved a redirect to it, /big more bytes than a picture may take."""
+    from kvforge.app.generate.pictures import MAX_IMAGE_BYTES
+
+    pages = {"/photo.png": png(8), "/big": b"\0" * (MAX_IMAGE_BYTES + 1)}
+
+    class Pages(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/photo.png")
+                self.end_headers()
+                return
+            body = pages.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    site = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield site.server_address[1], pages["/photo.png"]
+    site.shutdown()
+
+
+def test_an_image_url_on_an_allowed_host_is_fetched_and_others_are_not(vlm, picture_site):
+    """--image-url-hosts localhost: a picture at http://localhost:... is fetched (the reply HF's for it); the same
+    address by IP, a redirect and a body over the size limit are refused with a 400 naming messages."""
+    from openai import OpenAI
+
+    server, model, processor = vlm
+    port, picture = picture_site
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=MAX_TOKENS, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"http://localhost:{port}/photo.png"}},
+                                     {"type": "text", "text": QUESTION}]}])
+    assert reply.choices[0].message.content == hf_reply(model, processor, ASKED, [picture])[0]
+    for url, why in ((f"http://127.0.0.1:{port}/photo.png", "'127.0.0.1' is not one it allows"),
+                     (f"http://localhost:{port}/moved", "302"),
+                     (f"http://localhost:{port}/big", "20 MiB at most")):
+        body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages" and why in error["message"], error

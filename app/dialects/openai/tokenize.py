@@ -99,7 +99,7 @@ def tokenize_router(context: ServerContext) -> APIRouter:
             engine = ticket.engine
             chars = len(body.prompt) if body.messages is None else sum(len(m.text()) for m in body.messages)
             check_prompt_chars(engine, chars, "prompt" if body.messages is None else "messages")
-            tokens, token_strs = await off_loop(tokenize_body, engine.tokenizer, body)
+            tokens, token_strs = await off_loop(tokenize_body, engine.tokenizer, body, context.picture_hosts)
             max_model_len = engine.engine.max_model_len
         finally:
             ticket.release()
@@ -138,7 +138,8 @@ def tokenizer_description(tokenizer: Tokenizer, max_model_len: int) -> dict[str,
             "add_bos_token": getattr(hf, "add_bos_token", None)}
 
 
-def tokenize_body(tokenizer: Tokenizer, body: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+def tokenize_body(tokenizer: Tokenizer, body: TokenizeRequest, picture_hosts: frozenset[str] = frozenset()
+                  ) -> tuple[list[int], list[str] | None]:
     """The request's token ids (its prompt's, or its messages' as the chat template renders them), and each
     token's vocabulary entry when asked for (return_token_strs). APIError 400 for what cannot be tokenized."""
     if body.messages is None:
@@ -152,7 +153,7 @@ def tokenize_body(tokenizer: Tokenizer, body: TokenizeRequest) -> tuple[list[int
                                 add_generation_prompt=body.add_generation_prompt is not False)
         urls = [url for m in body.messages for url in m.image_urls()]
         if urls:  # a vision model's: each picture's placeholder expanded into its image's tokens, as a chat's
-            tokens = prompt_with_pictures(tokenizer, text, urls)[0]
+            tokens = prompt_with_pictures(tokenizer, text, urls, picture_hosts)[0]
         else:
             tokens = tokenizer.encode(text, add_special_tokens=body.with_special_tokens())
     return tokens, tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
