@@ -85,7 +85,9 @@ def test_greedy_outputs_identical_in_one_batch(name, embedded_path, prompts, ref
     if config["decoding_options"].get("model") == "EMBEDDED":
         config = config | {"decoding_options": config["decoding_options"] | {"model": str(embedded_path)}}
     llm = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20, **config)
-    for round_ in range(2):  # the second round's prompts hit the prefix cache
+    # a second round's prompts hit the prefix cache: run for the n-gram and the draft-model proposer; the tiny pool,
+    # the tiny budget and the layers drafter make their points in the first round
+    for round_ in range(2 if name in ("ngram", "draft-model") else 1):
         outs = llm.generate(prompts, greedy_params())
         assert_same_outputs(outs, reference)
         assert_no_blocks_in_use(llm)

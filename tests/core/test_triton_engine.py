@@ -26,8 +26,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton engines: c
 pytestmark = pytest.mark.usefixtures("triton_kernels")  # compiled on a GPU, else interpreted
 
 
-@pytest.fixture(scope="module", params=["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "qwen2_moe",
-                                        "mixtral"])
+MODELS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "qwen2_moe", "mixtral"]
+# prompts in one chunk on 16-token blocks: the same kernels as chunks on 5-token blocks (each model's own parts, its
+# window, biases, norms, caps, rotary and experts, are run by the chunked case): a dense and a MoE model suffice
+WHOLE_PROMPTS = ["llama3", "mixtral"]
+# decode steps through the graphs' padded buckets: a plain model, one with a window and capped scores, a MoE one
+GRAPH_MODELS = ["llama3", "gemma2", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def tiny(request, tmp_path_factory, embedded_path):
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_model(request.param, path, embedded_path, seed=4321)
@@ -45,7 +52,9 @@ def _generate(path, prompts, rounds: int = 2, new_tokens: int = NEW_TOKENS,
     return llm, results
 
 
-@pytest.mark.parametrize("block_size, chunk", [(16, 2048), (5, 7)], ids=["whole", "chunked-bs5"])
+@pytest.mark.parametrize("tiny, block_size, chunk",
+                         [pytest.param(m, 5, 7, id=f"{m}-chunked-bs5") for m in MODELS]
+                         + [pytest.param(m, 16, 2048, id=f"{m}-whole") for m in WHOLE_PROMPTS], indirect=["tiny"])
 def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
     path, model, prompts = tiny
     common = dict(block_size=block_size, num_kv_blocks=400 // block_size, max_num_batched_tokens=chunk)
@@ -61,6 +70,7 @@ def test_triton_kernels_give_the_torch_tokens(tiny, block_size, chunk):
     assert report.exact >= len(prompts) - 1, report
 
 
+@pytest.mark.parametrize("tiny", GRAPH_MODELS, indirect=True)
 def test_decode_graph_buffers_give_the_eager_tokens(tiny):
     """Decode-only steps through DecodeGraphs' padded buckets (3 sequences run in the 4-bucket: one padded
     row with slot -1 and context length 0) equal the unpadded eager steps. One engine: eager first, then with the
