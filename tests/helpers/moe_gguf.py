@@ -35,14 +35,7 @@ def write_moe_gguf(model, path: Path, experts: GGMLQuantizationType = GGMLQuanti
 
     config = model.config
     writer = GGUFWriter(str(path), ARCHS[config.model_type])
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_decoder_fields(writer, config)
     writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if getattr(config, "moe_intermediate_size", None):  # Qwen's; Mixtral's and OLMoE's experts are feed_forward_length
@@ -68,6 +61,18 @@ def write_moe_gguf(model, path: Path, experts: GGMLQuantizationType = GGMLQuanti
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_decoder_fields(writer: GGUFWriter, config) -> None:
+    """The shape fields convert_hf_to_gguf.py writes for any decoder, from an HF config."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
 
 
 def _gguf_tensors(name: str, tensor: torch.Tensor, experts: GGMLQuantizationType, config):

@@ -26,7 +26,7 @@ from gguf import (
     get_tensor_name_map,
 )
 
-from tests.helpers.moe_gguf import _permute
+from tests.helpers.moe_gguf import _permute, add_decoder_fields
 
 SUFFIXES = (".weight", ".bias")
 
@@ -44,14 +44,7 @@ def _write_text(model, processor, path: Path) -> Path:
     config = model.config.text_config
     writer = GGUFWriter(str(path), MODEL_ARCH_NAMES[MODEL_ARCH.LLAMA])
     writer.add_type(GGUFType.MODEL)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_decoder_fields(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_file_type(LlamaFileType.ALL_F32)
