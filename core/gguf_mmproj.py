@@ -17,6 +17,7 @@ is a small part of the weights and runs once per picture.
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from collections.abc import Iterator
@@ -158,11 +159,36 @@ def tensors(mmproj: Path, names: dict[str, str]) -> Iterator[tuple[str, torch.Te
         yield name, values
 
 
-def index_entry(mmproj: Path, config) -> dict:
-    """What the index keeps of the projector: its path and tensor names."""
-    return {"source": str(mmproj.resolve()), "tensors": checkpoint_names(config)}
+def add_projector(index: Path, mmproj: Path) -> None:
+    """Make the model's index directory (core/gguf_source.py write_index's) a vision model's: the checkpoint config
+    and the processor's, and the projector's path and tensor names in the index file."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvforge.core.gguf_source import INDEX_FILE
+
+    config, processor = vision_checkpoint_config(AutoConfig.from_pretrained(index), mmproj,
+                                                 AutoTokenizer.from_pretrained(index))
+    save_processor_config(processor, index)
+    config.save_pretrained(index)
+    entries = json.loads((index / INDEX_FILE).read_text())
+    entries["mmproj"] = {"source": str(mmproj.resolve()), "tensors": checkpoint_names(config)}
+    (index / INDEX_FILE).write_text(json.dumps(entries))
 
 
-def indexed_tensors(entry: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    return tensors(Path(entry["source"]), entry["tensors"])
+def projector_entry(index: Path) -> dict | None:
+    from kvforge.core.gguf_source import INDEX_FILE
+
+    return json.loads((index / INDEX_FILE).read_text()).get("mmproj")
+
+
+def projector_tensors(index: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tower's and connector's tensors of an index directory with a projector (none without one)."""
+    entry = projector_entry(index)
+    if entry is not None:
+        yield from tensors(Path(entry["source"]), entry["tensors"])
+
+
+def projector_tensor_names(index: Path) -> list[str]:
+    entry = projector_entry(index)
+    return list(entry["tensors"].values()) if entry is not None else []
 

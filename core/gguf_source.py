@@ -35,8 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvforge.core import gguf_mmproj
-
 log = logging.getLogger(__name__)
 
 INDEX_VERSION = "2"  # bump when the index written here changes
@@ -118,10 +116,9 @@ def tensor_map(gguf: Path, config, reference) -> tuple[dict[str, str], Any, dict
     return get_gguf_hf_weights_map(reference, processor, model_type=model_type), processor, processor_config
 
 
-def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type], mmproj: Path | None = None) -> None:
+def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type]) -> None:
     """The index directory of `gguf` (loader.cached_checkpoint calls it once per file version); `model_class_for`:
-    kvforge's model class for a config (core/models/registry.py; handed in: the models import this module);
-    `mmproj`: the vision projector file paired with it (core/gguf_mmproj.py)."""
+    kvforge's model class for a config (core/models/registry.py; handed in: the models import this module)."""
     from transformers import AutoModelForCausalLM
 
     from kvforge.core.chat_templates import save_tokenizer
@@ -171,15 +168,10 @@ def write_index(gguf: Path, out: Path, model_class_for: Callable[[Any], type], m
                                   "lm_head": head is not None and (hf_types[head] in blocks
                                                                    or hf_types[head] in FLOAT_DTYPES),
                                   "modules_to_not_convert": sorted(dense), "source": gguf.name}
-    tokenizer = read_tokenizer(gguf)
-    save_tokenizer(tokenizer, config.model_type, out)
+    config.save_pretrained(out)
+    save_tokenizer(read_tokenizer(gguf), config.model_type, out)
     index = {"version": INDEX_VERSION, "source": str(gguf.resolve()), "arch": arch,
              "processor_config": processor_config, "tensors": entries}
-    if mmproj is not None:  # the checkpoint config of a vision model, and its processor's
-        config, processor = gguf_mmproj.vision_checkpoint_config(config, mmproj, tokenizer)
-        gguf_mmproj.save_processor_config(processor, out)
-        index["mmproj"] = gguf_mmproj.index_entry(mmproj, config)
-    config.save_pretrained(out)
     (out / INDEX_FILE).write_text(json.dumps(index, default=_jsonable))
 
 
@@ -239,8 +231,7 @@ def _mapped(gguf: Path) -> torch.Tensor:
 
 def tensor_names(path: Path) -> list[str]:
     index = json.loads((path / INDEX_FILE).read_text())
-    return [name for entry in index["tensors"].values() for name in _names(entry)] + \
-        list(index.get("mmproj", {}).get("tensors", {}).values())
+    return [name for entry in index["tensors"].values() for name in _names(entry)]
 
 
 def copies_weights(setting: str, gguf: Path, device: str, processes: int) -> bool:
@@ -305,8 +296,6 @@ def tensors(path: Path, copied: bool = False) -> Iterator[tuple[str, torch.Tenso
             yield entry["hf"], values if fixed is array else torch.from_numpy(np.ascontiguousarray(fixed))
         else:
             _unsupported(tensor)
-    if "mmproj" in index:  # a vision model's tower and connector, from its projector file
-        yield from gguf_mmproj.indexed_tensors(index["mmproj"])
 
 
 def is_blocks(tensor: torch.Tensor) -> bool:

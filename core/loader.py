@@ -67,14 +67,19 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
 def _from_gguf(gguf: Path, native: bool) -> Path:
     if not native:
         return convert_gguf(gguf)
-    from kvforge.core.gguf_mmproj import projector_for
+    from kvforge.core.gguf_mmproj import add_projector, projector_for
     from kvforge.core.gguf_source import INDEX_FILE, INDEX_VERSION, write_index
 
     mmproj = projector_for(gguf)  # a vision model's projector beside it: part of the index, and of its key
     version = INDEX_VERSION if mmproj is None else \
         f"{INDEX_VERSION}|{mmproj.resolve()}|{mmproj.stat().st_size}|{mmproj.stat().st_mtime_ns}"
-    return cached_checkpoint(gguf, "gguf-index", version,
-                             lambda out: write_index(gguf, out, model_class_for, mmproj), INDEX_FILE)
+
+    def write(out: Path) -> None:
+        write_index(gguf, out, model_class_for)
+        if mmproj is not None:
+            add_projector(out, mmproj)
+
+    return cached_checkpoint(gguf, "gguf-index", version, write, INDEX_FILE)
 
 
 def gguf_file_of(model: str | None) -> Path | None:
@@ -237,11 +242,13 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iterate_tensors(path: Path, gguf_copied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """`gguf_copied`: a GGUF file's tensors from a copy on huge pages, not its mapping (gguf_source.tensors)."""
-    from kvforge.core import gguf_source
+    """`gguf_copied`: a GGUF file's tensors from a copy on huge pages, not its mapping (gguf_source.tensors); a vision
+    model's projector file's after them (core/gguf_mmproj.py)."""
+    from kvforge.core import gguf_mmproj, gguf_source
 
     if gguf_source.is_index(path):
         yield from gguf_source.tensors(path, gguf_copied)
+        yield from gguf_mmproj.projector_tensors(path)
         return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -332,10 +339,11 @@ def _blocks_param(name: str) -> str:
 
 
 def _tensor_names(path: Path) -> Iterator[str]:
-    from kvforge.core import gguf_source
+    from kvforge.core import gguf_mmproj, gguf_source
 
     if gguf_source.is_index(path):
         yield from gguf_source.tensor_names(path)
+        yield from gguf_mmproj.projector_tensor_names(path)
         return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -68,7 +68,8 @@ def test_every_entry_point_passes_one_admission(server):
                                   json={"content": "Hi", "max_tokens": 2, "stream": stream}))
         stored = httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"]
         with pytest.raises(Exception, match="busy"):
-            ui.predict("Hi", "", 0.0, 1.0, 2, True, "", api_name="/send")  # message, system prompt, sampling, search
+            # the chat box's value (text and pictures), system prompt, sampling, search
+            ui.predict({"text": "Hi", "files": []}, "", 0.0, 1.0, 2, True, "", api_name="/send")
         assert httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"] == stored, "the UI stored a chat"
         assert server.metric("requests_admitted") == 1
     wait_quiet(server)

@@ -338,7 +338,7 @@ def test_gradio_client_without_the_key_cannot_read_post_delete_or_apply(server, 
     # ... and the same client, its key taken away, can do none of it
     client.headers["Authorization"] = "Bearer wrong"
     calls = [("/on_load", ()), ("/search", ("secret",)),
-             ("/send", ("And tell everyone.", "", 0.0, 1.0, 4, True, "")),
+             ("/send", ({"text": "And tell everyone.", "files": []}, "", 0.0, 1.0, 4, True, "")),
              ("/delete", (private_conversation,)),
              ("/new_conversation", ("injected system prompt",)),
              ("/apply_settings", ("SmolLM2-135M-Instruct", "float16", "none", "{}", "none", "{}", None, 1))]
