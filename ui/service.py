@@ -10,7 +10,6 @@ figures come from the one server-side DashboardSampler.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import tempfile
@@ -22,10 +21,18 @@ from typing import TYPE_CHECKING, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvforge.app.generate.pictures import picture_media_type
+from kvforge.app.generate.pictures import data_url, picture_media_type
 from kvforge.app.http.errors import validation_message
 from kvforge.app.models.spec import ModelSpec
-from kvforge.app.sessions.conversations import CURRENT, Conversation, Leaf, Message, MessageNotFound, NotFound
+from kvforge.app.sessions.conversations import (
+    CURRENT,
+    Conversation,
+    Leaf,
+    Message,
+    MessageNotFound,
+    NotFound,
+    shown_pictures,
+)
 from kvforge.app.sessions.date_groups import group_by_date
 from kvforge.app.sessions.history import ConversationExport, export_conversation, export_filename, import_conversation
 from kvforge.app.sessions.markdown import conversation_markdown
@@ -124,23 +131,25 @@ class UIService:
         """Post a user message after `parent_id` (None: a new first message; by default the last one shown: an
         edit of a message passes the id of the message the old text followed), with its `pictures` (a vision
         model's; their files' bytes), and queue its reply."""
-        images = ["data:;base64," + base64.b64encode(data).decode() for data in pictures or ()]
+        images = [data_url(data) for data in pictures or ()]
         return await self._chat.start_turn(session_id, message, overrides, parent_id=parent_id, images=images)
 
     def message_pictures(self, message) -> list[bytes]:
         """A stored message's pictures' bytes, in order."""
-        kept = self._conversations.pictures(list(message.images or ()))
+        kept = self._conversations.pictures(shown_pictures([message]))
         return [kept[digest] for digest in message.images or () if digest in kept]
 
     def picture_path(self, digest: str) -> str:
         """A file of the picture kept under `digest`, for the chat to show: written once into gradio's (private)
         directory, which gradio serves from."""
         folder = private_dir(Path(os.environ.get("GRADIO_TEMP_DIR", tempfile.gettempdir())) / "kvforge-pictures")
+        written = next(folder.glob(f"{digest}*"), None)  # each render of the chat shows it: read from the store once
+        if written is not None:
+            return str(written)
         data = self._conversations.pictures([digest]).get(digest, b"")
         path = folder / f"{digest}{PICTURE_SUFFIXES.get(picture_media_type(data), '')}"
-        if not path.exists():
-            with open_private(path) as file:
-                file.write(data)
+        with open_private(path) as file:
+            file.write(data)
         return str(path)
 
     async def regenerate(self, session_id: str, message_id: int, overrides: dict[str, Any]) -> Turn:
@@ -278,7 +287,7 @@ class UIService:
         "markdown" (the branch shown); NotFound for an unknown conversation, ValueError for another format."""
         conv = self._conversations.get(session_id)
         if fmt == "json":
-            pictures = self._conversations.pictures([d for m in conv.nodes for d in m.images or ()])
+            pictures = self._conversations.pictures(shown_pictures(conv.nodes))
             return export_filename(conv.title, "json"), json.dumps(export_conversation(conv, pictures), indent=2,
                                                                   ensure_ascii=False)
         if fmt == "markdown":

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from kvforge.app.http.errors import APIError
 from kvforge.core.images import ImageInput
@@ -34,6 +35,20 @@ class Picture:
 
     image: object  # PIL.Image.Image, RGB
     digest: bytes
+
+
+def data_url(data: bytes) -> str:
+    """A picture's bytes as the data URL the chat messages carry (its type left out: Pillow reads it)."""
+    return "data:;base64," + base64.b64encode(data).decode()
+
+
+def with_pictures(text: str, urls: list[str]) -> str | list[dict[str, Any]]:
+    """A user message's content: its text, or, where it has pictures (their URLs), OpenAI's content parts: the
+    pictures first, then the text (Ollama's place for a message's images; the sessions API keeps them so)."""
+    if not urls:
+        return text
+    return [{"type": "image_url", "image_url": {"url": url}} for url in urls] + \
+        ([{"type": "text", "text": text}] if text else [])
 
 
 def picture_bytes(url: str, field: str, hosts: frozenset[str] = frozenset()) -> bytes:

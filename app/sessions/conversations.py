@@ -278,6 +278,11 @@ class Conversations:
         return conv
 
 
+def shown_pictures(messages: list[Message]) -> list[str]:
+    """The SHA-256s of the pictures these messages show, in order."""
+    return [digest for m in messages for digest in m.images or ()]
+
+
 def keep_pictures(s, pictures: list[bytes]) -> list[str]:
     """Keep each picture once (in session `s`'s transaction); their SHA-256s in order."""
     digests = [hashlib.sha256(data).hexdigest() for data in pictures]

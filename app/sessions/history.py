@@ -21,7 +21,6 @@ or tool, a parent that is not an earlier message, a size over the limits below.
 
 from __future__ import annotations
 
-import base64
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -30,7 +29,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvforge.app.dialects.openai.messages import ChatCompletionMessageToolCall
-from kvforge.app.generate.pictures import MAX_IMAGES, picture_bytes
+from kvforge.app.generate.pictures import MAX_IMAGES, data_url, picture_bytes
 from kvforge.app.sessions.conversations import Conversation, Message, keep_pictures
 from kvforge.app.sessions.protocol import SessionSettings
 from kvforge.app.sessions.stored_text import Storable
@@ -146,7 +145,7 @@ def export_conversation(conv: Conversation, pictures: dict[str, bytes] | None = 
 
 
 def exported_message(m: Message, pictures: dict[str, bytes]) -> dict[str, Any]:
-    images = ["data:;base64," + base64.b64encode(pictures[digest]).decode() for digest in m.images or ()]
+    images = [data_url(pictures[digest]) for digest in m.images or ()]
     return {"id": m.id, "parent_id": m.parent_id, "role": m.role, "content": m.content,
             "reasoning_content": m.reasoning, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
             "created_at": m.created_at, **{k: getattr(m, k) for k in Message.STATS}, "images": images or None}

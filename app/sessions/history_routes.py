@@ -19,7 +19,7 @@ from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse, Response
 
 from kvforge.app.http.errors import APIError
-from kvforge.app.sessions.conversations import NotFound
+from kvforge.app.sessions.conversations import NotFound, shown_pictures
 from kvforge.app.sessions.history import (
     ConversationExport,
     content_disposition,
@@ -46,7 +46,7 @@ def history_router(chat: ChatService) -> APIRouter:
             disposition = content_disposition(export_filename(conv.title, "md"))
             return Response(conversation_markdown(conv), media_type="text/markdown; charset=utf-8",
                             headers={"Content-Disposition": disposition})
-        pictures = chat.conversations.pictures([d for m in conv.nodes for d in m.images or ()])
+        pictures = chat.conversations.pictures(shown_pictures(conv.nodes))
         return JSONResponse(export_conversation(conv, pictures),
                             headers={"Content-Disposition": content_disposition(export_filename(conv.title, "json"))})
 

@@ -37,7 +37,6 @@ back to an earlier branch: its prompt is the one it had, still in the prefix cac
 
 from __future__ import annotations
 
-import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +53,7 @@ from kvforge.app.generate.admit import Admitted, admit
 from kvforge.app.generate.chat_output import read_whole
 from kvforge.app.generate.chat_request import ChatPlan
 from kvforge.app.generate.context_fit import Truncation, truncation_field
-from kvforge.app.generate.pictures import picture_bytes
+from kvforge.app.generate.pictures import data_url, picture_bytes, with_pictures
 from kvforge.app.generate.request import ChatPrompt, ContextWindow, GenerateRequest
 from kvforge.app.generate.stream import Failed, RequestTimedOut
 from kvforge.app.http.errors import APIError
@@ -66,6 +65,7 @@ from kvforge.app.sessions.conversations import (
     Message,
     MessageNotFound,
     NotFound,
+    shown_pictures,
 )
 from kvforge.core.output import RequestOutput
 from kvforge.core.store import Store
@@ -84,19 +84,11 @@ def chat_messages(conv: Conversation, history: list[Message], posted: dict[str, 
     for m in history:
         message = {k: v for k, v in m.to_dict().items() if k in TEMPLATE_FIELDS}
         if m.images:
-            message["content"] = with_pictures(m.content, [(pictures or {})[digest] for digest in m.images])
+            message["content"] = with_pictures(m.content, [data_url((pictures or {})[digest]) for digest in m.images])
         messages.append(message)
     if posted is not None:
         messages.append(posted)
     return [ChatMessage.model_validate(m) for m in merge_unanswered(messages)]
-
-
-def with_pictures(text: str, pictures: list[bytes]) -> list[dict[str, Any]]:
-    """A user message's content parts: its pictures (data URLs), then its text."""
-    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": "data:;base64," +
-                                                                      base64.b64encode(data).decode()}}
-                                   for data in pictures]
-    return parts + ([{"type": "text", "text": text}] if text else [])
 
 
 def merge_unanswered(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -298,7 +290,7 @@ class ChatService:
                                "reply (an assistant or tool message), or is a first message (null)", "parent_id")
         parent = history[-1].id if history else None
         pictures = [picture_bytes(url, "images", self.context.picture_hosts) for url in images or ()]
-        posted = {"role": "user", "content": with_pictures(content, pictures) if pictures else content}
+        posted = {"role": "user", "content": with_pictures(content, [data_url(data) for data in pictures])}
         if tool_call_id is not None:
             open_calls = open_tool_calls(history)
             if tool_call_id not in open_calls:
@@ -308,7 +300,7 @@ class ChatService:
             if len(open_calls) > 1:
                 message = await self._store(session_id, conv, posted, parent)
                 return AwaitingResults(message, [c for c in open_calls if c != tool_call_id])
-        shown = await run_in_threadpool(self.conversations.pictures, pictures_of(history))
+        shown = await run_in_threadpool(self.conversations.pictures, shown_pictures(history))
         admitted = await self._admit(conv, chat_messages(conv, history, posted, shown), overrides, tools, "content",
                                      num_ctx)
         try:
@@ -342,7 +334,7 @@ class ChatService:
         if answered.role == "tool" and open_tool_calls(history):
             raise APIError(400, f"message_id: tool result {answered.id} leaves calls of its reply open "
                            f"({', '.join(open_tool_calls(history))}): it was not answered", "message_id")
-        shown = await run_in_threadpool(self.conversations.pictures, pictures_of(history))
+        shown = await run_in_threadpool(self.conversations.pictures, shown_pictures(history))
         admitted = await self._admit(conv, chat_messages(conv, history, pictures=shown), overrides, tools,
                                      "message_id", num_ctx)
         return Turn(self, session_id, answered, admitted)
@@ -371,11 +363,6 @@ class ChatService:
         except NotFound as exc:  # deleted meanwhile
             raise not_found(exc) from None
         return message
-
-
-def pictures_of(history: list[Message]) -> list[str]:
-    """The SHA-256s of the pictures a branch shows."""
-    return [digest for m in history for digest in m.images or ()]
 
 
 def branch_to(conv: Conversation, message_id: int | None, field: str) -> list[Message]:

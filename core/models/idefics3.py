@@ -144,7 +144,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         super().__init__(config, quant, dtype, context_len)
         self.vision_model = VisionTransformer(config.vision_config, dtype)
         self.connector = Connector(config, dtype)
-        self.image_token_id: int = config.image_token_id
         self.images_encoded = 0  # images through the tower since loading (a picture seen lately: none)
         self.encoded = EncodedImages()
         # the checkpoint's names: the decoder under model.text_model, the tower and connector beside it

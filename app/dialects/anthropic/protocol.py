@@ -18,8 +18,9 @@ No field is silently ignored:
     context_management (clear_thinking_20251015, clear_tool_uses_...)    honoured (app/dialects/anthropic/
                                                                            context_edits.py)
     content blocks: text, tool_use, tool_result (is_error), thinking     honoured
-    content blocks: image (base64) on user messages                      honoured, for a vision model (a url source is
-                                                                           refused: app/generate/pictures.py)
+    content blocks: image on user messages                               honoured, for a vision model (a url source is
+                                                                           fetched only from --image-url-hosts:
+                                                                           app/generate/pictures.py)
     content blocks: document, search_result, redacted_thinking,          refused (nothing here makes or reads them)
       server tool blocks
     a last assistant message (prefill)                                   refused, as for Anthropic's models without it

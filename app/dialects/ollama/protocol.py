@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from kvforge.app.dialects.openai.fields import FORBID, MAX_EMBEDDING_INPUTS
 from kvforge.app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvforge.app.generate.pictures import with_pictures
 from kvforge.app.http.errors import APIError, validated
 from kvforge.app.models.keep_alive import parse_keep_alive
 
@@ -197,7 +198,7 @@ class OllamaGenerateRequest(OllamaRequest):
     def chat_request(self) -> ChatCompletionRequest:
         """A templated prompt: the system text and the prompt as a conversation."""
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": with_pictures(self.prompt, self.images)}]
+            {"role": "user", "content": with_pictures(self.prompt, base64_urls(self.images))}]
         data = {"model": self.model, "messages": messages, "stream": self.stream,
                 "response_format": self.response_format(), "chat_template_kwargs": self.template_kwargs(),
                 **self.sampling(), **self.logprob_fields()}
@@ -300,18 +301,14 @@ def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
                 open_calls.remove(match)
             entry = {"role": "tool", "content": message.content, "tool_call_id": match[0] if match else f"call_{i}"}
         else:
-            entry = {"role": message.role, "content": with_pictures(message.content, message.images)}
+            entry = {"role": message.role, "content": with_pictures(message.content, base64_urls(message.images))}
         out.append(entry)
     return out
 
 
-def with_pictures(text: str, images: list[str] | None) -> str | list[dict[str, Any]]:
-    """A message's text with its base64 pictures before it, as OpenAI's content parts (data URLs)."""
-    if not images:
-        return text
-    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": f"data:;base64,{image}"}}
-                                   for image in images]
-    return parts + ([{"type": "text", "text": text}] if text else [])
+def base64_urls(images: list[str] | None) -> list[str]:
+    """Ollama's base64 pictures as data URLs (app/generate/pictures.py reads them)."""
+    return [f"data:;base64,{image}" for image in images or ()]
 
 
 # OpenAI-shaped field -> the Ollama field an error about it names
