@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.helpers.server_process import readme_serve
-from tests.ui.ui_helpers import chat_messages, choose, send, set_slider, wait_reply
+from tests.ui.ui_helpers import chat_messages, choose, fill_box, send, set_slider, wait_reply
 
 TIMEOUT_MS = 120_000
 FIRST_QUESTION = "What is the capital of France?"
@@ -168,14 +168,14 @@ def test_search_finds_a_conversation_by_a_word_of_its_third_message(page, server
 
 def test_system_prompt_presets(page, server):
     page.get_by_text("Generation settings", exact=True).click()
-    page.fill("#system-prompt textarea", "You answer like a pirate.")
-    page.fill("#preset-name input", "Pirate")
+    fill_box(page, "#system-prompt textarea", "You answer like a pirate.")
+    fill_box(page, "#preset-name input", "Pirate")
     page.click("#save-preset")
     page.wait_for_function("document.querySelector('#preset-name input').value === ''")
     assert {"name": "Pirate", "content": "You answer like a pirate."}.items() <= \
         api(server, "GET", "/v1/system_prompts").json()["data"][0].items()
     new_chat(page)
-    page.fill("#system-prompt textarea", "")
+    fill_box(page, "#system-prompt textarea", "")
     choose(page, "presets", "Pirate")
     page.wait_for_function("document.querySelector('#system-prompt textarea').value === 'You answer like a pirate.'")
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from tests.helpers.server_process import readme_serve
 from tests.helpers.tiny_models import save_tiny_idefics3
-from tests.ui.ui_helpers import chat_messages, wait_reply
+from tests.ui.ui_helpers import chat_messages, set_slider, wait_reply
 
 TIMEOUT_MS = 120_000
 QUESTION = "What is in this picture?"
@@ -51,11 +51,8 @@ def test_a_picture_attached_in_the_chat_box_is_answered_shown_and_kept(browser, 
     try:
         page.goto(server.url)
         page.wait_for_selector("#message textarea")
-        page.get_by_text("Generation settings", exact=True).click()
-        for elem_id, value in (("temperature", 0), ("max-tokens", 16)):
-            box = page.locator(f"#{elem_id} input[type=number]")
-            box.fill(str(value))
-            box.press("Enter")
+        set_slider(page, "temperature", 0)
+        set_slider(page, "max-tokens", 16)
         page.locator("#message input[type=file]").set_input_files(str(picture))
         page.wait_for_selector("#message img")  # the attachment's preview in the chat box
         page.fill("#message textarea", QUESTION)

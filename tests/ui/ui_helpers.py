@@ -49,6 +49,18 @@ def wait_reply(page, server) -> str:
     return last_reply_text(page)
 
 
+def fill_box(page, selector: str, text: str, timeout_s: float = WAIT_S) -> None:
+    """Type into a text box until it holds the text (typed while an accordion still renders, it may not take)."""
+    box = page.locator(selector)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        box.fill(text)
+        page.wait_for_timeout(300)
+        if box.input_value() == text:
+            return
+        assert time.monotonic() < deadline, f"{selector} did not take {text!r}"
+
+
 def set_slider(page, elem_id: str, value: int | float, timeout_s: float = WAIT_S) -> None:
     """Type into a slider's number box (opening the Generation settings accordion if it is closed)."""
     slider = page.locator(f"#{elem_id}")
