@@ -29,6 +29,9 @@ class PrefillSeq:
     end: int
     context_len: int  # cached + new tokens
     gather_rows: torch.Tensor | None  # the blocks of its whole context; None when nothing was cached
+    # the last key position each of its rows sees, where some see past their own (an image attended both ways,
+    # core/images.py); None: causal
+    key_limits: torch.Tensor | None = None
 
 
 DECODE_GROUP_SIZE = 8  # decode tokens attended together (a DecodeGroup); similar lengths keep the padding small
@@ -71,6 +74,8 @@ class KernelBatch:
     query_start_loc: torch.Tensor  # int32 [prefills + 1] rows of each chunk, counted from the first prefill row
     prefill_context_lens: torch.Tensor  # int32 [prefills] cached + new tokens
     max_query_len: int  # the longest chunk
+    # int32 [prefill rows] the last key position each prefill row sees, where some see past their own; None: causal
+    prefill_key_limits: torch.Tensor | None = None
 
 
 @dataclass

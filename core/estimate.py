@@ -9,8 +9,8 @@ import torch
 from kvforge.core.config import DTYPES, kv_bytes_per_token, resolve_dtype
 from kvforge.core.distributed import head_weight_in_layers, heads_of_rank, stage_bounds
 from kvforge.core.layers.moe import is_sparse_layer, moe_layout
-from kvforge.core.models.idefics3 import vision_parameter_count
 from kvforge.core.models.llama import LlamaForCausalLM, head_dim_of
+from kvforge.core.models.registry import vision_family
 from kvforge.core.plugins import QUANT_GROUP, discover
 from kvforge.core.quant_config import QuantConfig
 
@@ -117,7 +117,8 @@ def estimate_memory(hf_config, dtype: str, context_tokens: int, quant: QuantConf
     kv = context_tokens * kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
                                              head_dim_of(hf_config), torch_dtype, kv_cache_dtype)
     # a vision model's tower and connector, in `dtype` (never quantized)
-    vision = vision_parameter_count(hf_config) if getattr(hf_config, "vision_config", None) is not None else 0
+    vision = vision_family(hf_config.architectures).vision_parameter_count(hf_config) \
+        if getattr(hf_config, "vision_config", None) is not None else 0
     params, weights = params + vision, weights + vision * element
     estimate = {"parameters": params, "weights_bytes": int(weights), "kv_bytes": int(kv),
                 "total_bytes": int(weights) + int(kv)}

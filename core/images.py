@@ -15,6 +15,7 @@ about it) has the same keys, so its blocks hit; two pictures never share a block
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,12 +31,26 @@ class ImageInput:
     """One image of a prompt. `positions`: the prompt positions its embedding rows replace, in row order; `pixels`:
     what the model's vision tower reads (its processor's tensors for this image, e.g. pixel_values [tiles, 3, H, W]);
     `digest`: the image's content hash. `embeddings` holds the tower's rows once encoded (kept for the request's
-    life: a preempted sequence recomputes its KV from them, not from the pixels)."""
+    life: a preempted sequence recomputes its KV from them, not from the pixels). `bidirectional`: each run of its
+    consecutive positions attends to the whole run, later positions too (Gemma 3), so a prefill chunk never ends
+    inside a run (`chunk_end`) and the runner widens those rows' causal limit (`key_limits`)."""
 
     positions: list[int]
     pixels: dict[str, torch.Tensor]
     digest: bytes
     embeddings: torch.Tensor | None = field(default=None, repr=False)
+    bidirectional: bool = False
+
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, int]]:
+        """Its runs of consecutive positions, [first, last] each (one per tile or crop, or one for the image)."""
+        runs: list[tuple[int, int]] = []
+        for position in self.positions:
+            if runs and runs[-1][1] == position - 1:
+                runs[-1] = (runs[-1][0], position)
+            else:
+                runs.append((position, position))
+        return runs
 
     @staticmethod
     def digest_of(data: bytes) -> bytes:
@@ -75,6 +90,26 @@ class EncodedImages:
         while self.bytes > self.budget_bytes:
             _, dropped = self._rows.popitem(last=False)
             self.bytes -= dropped.numel() * dropped.element_size()
+
+
+def chunk_end(images: list[ImageInput], start: int, end: int) -> int:
+    """Where a prefill chunk [start, end) may end: `end`, unless it falls inside a bidirectional run (whose tokens
+    need the whole run's keys, later ones too); then the run's first position, or past its last where the chunk starts
+    inside the run (a chunk longer than the budget: the run must go in one piece)."""
+    for image in images:
+        if not image.bidirectional:
+            continue
+        for first, last in image.runs:
+            if first < end <= last:
+                return first if first > start else last + 1
+    return end
+
+
+def key_limits(images: list[ImageInput], start: int, end: int) -> list[tuple[int, int, int]]:
+    """The positions in [start, end) that see keys past their own: (first, last + 1, the last key position they
+    see) for each bidirectional run the chunk covers."""
+    return [(max(first, start), min(last + 1, end), last) for image in images if image.bidirectional
+            for first, last in image.runs if first < end and last >= start]
 
 
 def cache_keys(token_ids: list[int], images: list[ImageInput]) -> list[int]:

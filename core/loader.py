@@ -206,12 +206,13 @@ def load_config(path: Path):
 def decoder_config(config):
     """A vision-language checkpoint's config as the engine reads every model's: its decoder's (layers, heads, vocab --
     what the KV pool, the estimate and the scheduler size by), carrying the checkpoint's architectures, vision_config
-    and image fields for the model class (core/models/idefics3.py)."""
+    and image fields for the model class (core/models/idefics3.py, gemma3_vision.py)."""
     text = config.text_config
     text.architectures = config.architectures
     text.vision_config = config.vision_config
-    for name in ("image_token_id", "scale_factor"):
-        setattr(text, name, getattr(config, name))
+    for name in ("image_token_id", "scale_factor", "mm_tokens_per_image"):  # each family's own (Idefics3, Gemma 3)
+        if hasattr(config, name):
+            setattr(text, name, getattr(config, name))
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
     if getattr(config, "quantization_config", None) is not None:  # a GGUF index's (core/gguf_source.py)
         text.quantization_config = config.quantization_config

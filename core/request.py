@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvforge.core.constraint import GrammarState
-from kvforge.core.images import ImageInput
+from kvforge.core.images import ImageInput, chunk_end
 from kvforge.core.pooling import PooledHidden, PoolingParams
 from kvforge.core.repetition import RepetitionGuard
 from kvforge.core.sampling import SamplingParams
@@ -76,6 +76,11 @@ class Sequence:
         """Its tokens as the prefix cache and the persisted tier key them: the token ids, with each image position's
         key in place of its placeholder id (core/images.py)."""
         return self.token_ids if self.prompt_keys is None else self.prompt_keys + self.output_token_ids
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` planned to end at `end` ends: never inside an image run that attends
+        both ways (core/images.py chunk_end)."""
+        return chunk_end(self.images, start, end) if self.images else end
 
     @property
     def token_ids_with_drafts(self) -> list[int]:

@@ -27,7 +27,7 @@ from kvforge.core.context import (
 )
 from kvforge.core.distributed import heads_of_rank, stage_layers, tp_rank, tp_size
 from kvforge.core.host_memory import keep_freed_memory, release_freed_memory, zeroed_on_demand
-from kvforge.core.images import ImageInput
+from kvforge.core.images import ImageInput, key_limits
 from kvforge.core.kernel_choice import ShapeChoice, choose_kernels
 from kvforge.core.kernels.runtime import resolve_kernels
 from kvforge.core.kv.quant import kv_format
@@ -62,7 +62,9 @@ class StepInputs:
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
     # the images whose rows this step's prefill chunks cover: (image, flat rows, the image's rows for them)
     images: list[tuple[ImageInput, list[int], list[int]]] = field(default_factory=list)
-
+    # rows [first, last) of prefill chunks that see keys past their own position, and the last key position they see
+    # (an image's tokens that attend to the whole image: core/images.py key_limits)
+    key_limits: list[tuple[int, int, int]] = field(default_factory=list)
 
     def decode_rows(self) -> tuple[list[list[int]], list[int]]:
         """Each decode row's block table and context length, in row order (the groups laid end to end)."""
@@ -237,11 +239,11 @@ class ModelRunner:
         stage = self.stage
         blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
         experts_device = None if not blocks else "cpu" if blocks[0].on_host else str(self.device)
-        vision = [getattr(self.model, name, None) for name in ("vision_model", "connector")]
+        vision = [getattr(self.model, name) for name in getattr(self.model, "vision_modules", ())]
         return [StagePlacement(stage.first, stage.last, stage.is_first, stage.is_last, 1, str(self.device),
                                self.weight_bytes(), self.kv_cache_bytes, experts_device,
                                sum(self.weight_bytes(block.experts) for block in blocks),
-                               sum(self.weight_bytes(part) for part in vision if part is not None))]
+                               sum(self.weight_bytes(part) for part in vision))]
 
     def weight_bytes(self, part: torch.nn.Module | None = None) -> int:
         """The weights' bytes (of `part` of the model: None, all of it)."""
@@ -292,6 +294,8 @@ class ModelRunner:
                 if first < last:  # the chunk covers some of this image's positions: their rows go in
                     inputs.images.append((image, [row + p - start for p in image.positions[first:last]],
                                           list(range(first, last))))
+            inputs.key_limits.extend((row + first - start, row + last - start, limit)
+                                     for first, last, limit in key_limits(seq.images, start, end))
         if all_logits:
             inputs.logits_rows = list(range(len(inputs.positions)))
             return inputs
@@ -323,7 +327,8 @@ class ModelRunner:
                               torch.tensor(lengths, dtype=torch.long))
                   for first, last, tables, lengths in inputs.decode_groups]
         # a chunk with nothing cached before it attends to its own fresh K/V: no gather
-        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]))
+        prefills = [PrefillSeq(first, last, end, None if end == last - first else self._gather_rows([table]),
+                               self._chunk_key_limits(inputs, first, last, end))
                     for first, last, end, table in inputs.prefills]
         # rows ordered (K/V, token, head), matching torch.stack((k, v)) of [tokens, kv_heads, head_dim]
         write_rows = (self._plane_slots + torch.tensor(inputs.slots, dtype=torch.long).view(1, -1, 1, 1)).view(-1)
@@ -335,6 +340,16 @@ class ModelRunner:
                            tables.to(self.device), row_seqs.to(self.device), (positions + 1).int(),
                            kv_format=self.kv_format)
 
+    def _chunk_key_limits(self, inputs: StepInputs, first: int, last: int, end: int) -> torch.Tensor | None:
+        """The last key position each row of the chunk in rows [first, last) sees (None: its own, causal)."""
+        spans = [(a, b, limit) for a, b, limit in inputs.key_limits if first <= a < last]
+        if not spans:
+            return None
+        limits = torch.arange(end - (last - first), end)
+        for a, b, limit in spans:
+            limits[a - first:b - first] = limit
+        return limits  # on the host: the masks are built there
+
     def _kernel_batch(self, inputs: StepInputs) -> KernelBatch:
         """The Triton kernels' tensors: one int32 buffer built on the host, moved in one copy, then sliced."""
         decode_tables, decode_lens = inputs.decode_rows()
@@ -344,18 +359,24 @@ class ModelRunner:
             starts.append(starts[-1] + last - first)
         decode_width = max(map(len, decode_tables), default=0)
         prefill_width = max(map(len, prefill_tables), default=0)
-        flat = list(inputs.slots) + decode_lens + [n for _, _, n, _ in inputs.prefills] + starts
+        limits = []  # each prefill row's last key position, where a chunk has rows that see past their own
+        if inputs.key_limits:
+            limits = inputs.positions[len(decode_lens):]
+            for a, b, limit in inputs.key_limits:
+                limits[a - len(decode_lens):b - len(decode_lens)] = [limit] * (b - a)
+        flat = list(inputs.slots) + decode_lens + [n for _, _, n, _ in inputs.prefills] + starts + limits
         for tables, width in ((decode_tables, decode_width), (prefill_tables, prefill_width)):
             for table in tables:
                 flat.extend(table)
                 flat.extend([0] * (width - len(table)))
         buffer = torch.tensor(flat, dtype=torch.int32).to(self.device)
-        sizes = [len(inputs.slots), len(decode_lens), len(prefill_tables), len(starts),
+        sizes = [len(inputs.slots), len(decode_lens), len(prefill_tables), len(starts), len(limits),
                  len(decode_tables) * decode_width, len(prefill_tables) * prefill_width]
-        slots, d_lens, p_lens, starts_t, d_tables, p_tables = buffer.split(sizes)
+        slots, d_lens, p_lens, starts_t, limits_t, d_tables, p_tables = buffer.split(sizes)
         return KernelBatch(slots, len(decode_lens), d_tables.view(len(decode_tables), decode_width), d_lens,
                            p_tables.view(len(prefill_tables), prefill_width), starts_t, p_lens,
-                           max((last - first for first, last, _, _ in inputs.prefills), default=0))
+                           max((last - first for first, last, _, _ in inputs.prefills), default=0),
+                           limits_t if limits else None)
 
     def enable_decode_graphs(self, max_model_len: int, max_batch: int, capture: bool = True) -> None:
         """Run decode-only steps of up to `max_batch` sequences through CUDA graphs (core/cuda_graphs.py),

@@ -130,6 +130,8 @@ class Scheduler:
                 del seq.spec_token_ids[max(0, limit - pending):]
             while True:
                 n = min(pending + len(seq.spec_token_ids), limit)
+                if pending > 1 and not seq.spec_token_ids:  # a prefill chunk: an image attended both ways goes whole
+                    n = seq.chunk_end(seq.num_computed_tokens, seq.num_computed_tokens + n) - seq.num_computed_tokens
                 if self.kv.allocate(seq, n):
                     break
                 if seq.spec_token_ids:  # drop the drafts before taking anyone's blocks

@@ -70,11 +70,12 @@ class Tokenizer:
     def encode_with_images(self, text: str, pictures: list, digests: list[bytes]) -> ImagePrompt:
         """A rendered prompt with one image placeholder per picture (PIL images, in order), tokenized by the model's
         processor: each placeholder expanded into its image's tokens, each picture's ImageInput (core/images.py)."""
-        from kvforge.core.models.idefics3 import image_prompt
+        from kvforge.core.models.registry import vision_family
 
         if not self.takes_images:
             raise ValueError("this model takes no images (it has no vision tower)")
-        return image_prompt(self.processor, text, pictures, digests)
+        architectures = json.loads((self.path / "config.json").read_text()).get("architectures")
+        return vision_family(architectures).image_prompt(self.processor, text, pictures, digests)
 
     @property
     def image_placeholder(self) -> str | None:

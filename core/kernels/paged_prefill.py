@@ -12,6 +12,8 @@ Inputs (T = the step's prefill tokens, P = sequences, KVH = KV heads, G = query 
 - `block_tables` int32 [P, W]: token t of sequence p lives in slot t % BS of block block_tables[p, t // BS].
 - `context_lens` int32 [P]: cached + new tokens. With n = the chunk's length, query row j sits at position
   context_len - n + j and sees keys at positions k <= its own (causal) and, with a sliding window w, k > pos - w.
+- `key_limits` int32 [T] (optional): row t sees keys up to key_limits[t] instead of its own position (an image's
+  tokens that attend to the whole image, Gemma 3); the window still counts back from its own position.
 
 Tiling: the G query heads of a KV head are folded into the M dimension, so one program loads each K/V tile
 once for all heads that share it. Row r of a sequence's folded [n * G, D] query matrix is token r // G,
@@ -46,7 +48,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _paged_prefill_fn(
-    q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr, key_limits_ptr,
     qk_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kv, stride_kh, stride_kb, stride_ks, stride_kd,
@@ -54,7 +56,7 @@ def _paged_prefill_fn(
     stride_ot, stride_oh, stride_od,
     D, GROUP: tl.constexpr, BS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_FORMAT: tl.constexpr, KV_GROUP: tl.constexpr,
+    KV_FORMAT: tl.constexpr, KV_GROUP: tl.constexpr, KEY_LIMITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -87,6 +89,10 @@ def _paged_prefill_fn(
     # key range of this tile: the first query's window start to the last query's causal limit (exclusive)
     last_tok = (tl.minimum(row0 + BLOCK_M, rows) - 1) // GROUP
     hi = first_pos + last_tok + 1
+    q_limit = q_pos
+    if KEY_LIMITS:  # rows that see keys past their own position (an image's tokens attending to the whole image)
+        q_limit = tl.load(key_limits_ptr + q_start + tok, mask=mask_m, other=0)
+        hi = tl.maximum(hi, tl.reduce(q_limit, 0, tl.standard._elementwise_max) + 1)
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(first_pos + row0 // GROUP - window + 1, 0)
@@ -121,7 +127,7 @@ def _paged_prefill_fn(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        visible = (offs_n[None, :] <= q_limit[:, None]) & mask_n[None, :]
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = s * qk_scale
@@ -176,7 +182,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             scale: float, sliding_window: int | None = None,
                             out: torch.Tensor | None = None, *, block_m: int | None = None,
                             block_n: int | None = None, softcap: float | None = None,
-                            kv_format: KVFormat | None = None) -> torch.Tensor:
+                            kv_format: KVFormat | None = None, key_limits: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of prefill chunks over the paged KV cache.
 
     q [T, H, D]; kv_cache [2, KVH, NB, BS, D] (same dtype as q, the chunks' K/V already stored);
@@ -185,7 +192,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     (allocated in q.dtype when None). Any strides are accepted. block_m / block_n override the tile sizes
     (powers of two >= 16). `softcap`: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2).
     `kv_format`: the cache is stored in it, uint8 [2, KVH, NB, BS, kv_format.row_bytes(D)], and dequantized as it
-    is read. Index values are not checked (that would sync with the device).
+    is read. `key_limits`: int32 [T], the last key position each query row sees where some see past their own
+    (>= its position; every key up to it must be stored); None: causal. Index values are not checked (that would
+    sync with the device).
     """
     name = "paged_prefill_attention"
     heads, kv_heads, head_dim, block_size, code = check_paged_attention(name, q, kv_cache, sliding_window, kv_format)
@@ -198,6 +207,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if query_start_loc.shape[0] != seqs + 1:
         raise ValueError(f"{name}: query_start_loc needs P + 1 = {seqs + 1} entries (P = block_tables rows), "
                          f"got {query_start_loc.shape[0]}")
+    if key_limits is not None and (key_limits.dtype != torch.int32 or key_limits.shape != (tokens,)):
+        raise ValueError(f"{name}: key_limits must be int32 [{tokens}], got {key_limits.dtype} "
+                         f"{tuple(key_limits.shape)}")
     if context_lens.shape[0] != seqs:
         raise ValueError(f"{name}: context_lens needs P = {seqs} entries, got {context_lens.shape[0]}")
     if max_query_len < 0:
@@ -206,7 +218,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"{name}: out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
-    check_runnable(q, kv_cache, block_tables, query_start_loc, context_lens, out, name=name)
+    check_runnable(q, kv_cache, block_tables, query_start_loc, context_lens, out,
+                   *(() if key_limits is None else (key_limits,)), name=name)
     if tokens == 0 or seqs == 0 or max_query_len == 0:
         return out
 
@@ -223,12 +236,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     grid = (triton.cdiv(rows, block_m), seqs, kv_heads)
     _kernel[grid](
         q, kv_cache, block_tables, query_start_loc, context_lens, out,
+        context_lens if key_limits is None else key_limits,
         scale * _LOG2E, sliding_window or 0, (softcap or 0.0) * _LOG2E,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, GROUP=group, BS=block_size, USE_WINDOW=sliding_window is not None,
         DOT_FP32=fp32_dots(q.dtype), SOFTCAP=softcap is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        KV_FORMAT=code, KV_GROUP=0 if kv_format is None else kv_format.group,
+        KV_FORMAT=code, KV_GROUP=0 if kv_format is None else kv_format.group, KEY_LIMITS=key_limits is not None,
         num_warps=num_warps, num_stages=2,
     )
     return out

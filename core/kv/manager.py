@@ -71,7 +71,8 @@ class KVCacheManager:
         computed instead, with every block after it (the room for that was reserved)."""
         size = self.block_size
         self.pool.share(hits)
-        end = min(seq.num_tokens, (len(hits) + on_disk) * size + budget)
+        cached = (len(hits) + on_disk) * size
+        end = seq.chunk_end(cached, min(seq.num_tokens, cached + budget))
         needed = -(-end // size) - len(hits)
         if needed > self.pool.num_free:
             self.pool.free(hits)
@@ -88,8 +89,8 @@ class KVCacheManager:
                     break
                 self.pool.register(seq.block_table[i], hashes[i], block_tokens)
                 loaded += 1
-        seq.num_computed_tokens = (len(hits) + loaded) * size
-        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+        seq.num_computed_tokens = computed = (len(hits) + loaded) * size
+        return seq.chunk_end(computed, min(seq.num_tokens, computed + budget)) - computed
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register every full block whose K/V is now computed, so later requests can reuse it. An embedding

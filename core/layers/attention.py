@@ -80,8 +80,8 @@ class Attention(nn.Module):
     def _paged_rows_only(self, ctx: StepContext) -> bool:
         """Whether every row of the step goes through decode_rows: a decode step, or the paged kernel with only
         short prefill chunks."""
-        return not ctx.prefills or (self.decode.mask is None and
-                                    all(seq.end - seq.start <= SHORT_CHUNK for seq in ctx.prefills))
+        return not ctx.prefills or (self.decode.mask is None and all(
+            seq.end - seq.start <= SHORT_CHUNK and seq.key_limits is None for seq in ctx.prefills))
 
     def _attend(self, ctx: StepContext, cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, rotate: bool = False) -> torch.Tensor:
@@ -140,7 +140,8 @@ class Attention(nn.Module):
         if d < q.shape[0]:
             self.prefill_kernel(q[d:], cache, batch.prefill_block_tables, batch.query_start_loc,
                                 batch.prefill_context_lens, batch.max_query_len, self.scale,
-                                self.sliding_window, out=out[d:], softcap=self.softcap, kv_format=kv_format)
+                                self.sliding_window, out=out[d:], softcap=self.softcap, kv_format=kv_format,
+                                key_limits=batch.prefill_key_limits)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, ctx: StepContext, cache: torch.Tensor, i: int, seq: PrefillSeq, q, k, v) -> torch.Tensor:
@@ -250,19 +251,22 @@ def prefill_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | None):
     key = ("prefill", i, window)
     if key not in ctx.masks:
         new, length = seq.end - seq.start, seq.context_len
-        if new == length and (window is None or length <= window):
+        if new == length and (window is None or length <= window) and seq.key_limits is None:
             ctx.masks[key] = CAUSAL
         else:
-            ctx.masks[key] = visible_keys(new, length, window).to(ctx.kv_cache.device)
+            ctx.masks[key] = visible_keys(new, length, window, limits=seq.key_limits).to(ctx.kv_cache.device)
     return ctx.masks[key]
 
 
-def visible_keys(new: int, length: int, window: int | None, repeat: int = 1) -> torch.Tensor:
+def visible_keys(new: int, length: int, window: int | None, repeat: int = 1,
+                 limits: torch.Tensor | None = None) -> torch.Tensor:
     """[new * repeat, length] bool: the keys each of the last `new` tokens of a `length`-token context sees
-    (causal, within the sliding window), each token's row repeated `repeat` times."""
+    (causal -- or up to its `limits` entry, the last key position it sees -- and within the sliding window, which
+    counts back from the token's own position), each token's row repeated `repeat` times."""
     query_pos = torch.arange(length - new, length).repeat_interleave(repeat).unsqueeze(1)
     key_pos = torch.arange(length).unsqueeze(0)
-    visible = key_pos <= query_pos
+    upper = query_pos if limits is None else limits.repeat_interleave(repeat).unsqueeze(1)
+    visible = key_pos <= upper
     if window is not None:
         visible &= key_pos > query_pos - window
     return visible
@@ -272,7 +276,7 @@ def short_chunk_mask(ctx: StepContext, i: int, seq: PrefillSeq, window: int | No
     """Additive causal mask [1, new * group, context] for `_math_chunk` (query rows token-major)."""
     key = ("short", i, window)
     if key not in ctx.masks:
-        visible = visible_keys(seq.end - seq.start, seq.context_len, window, repeat=group)
+        visible = visible_keys(seq.end - seq.start, seq.context_len, window, repeat=group, limits=seq.key_limits)
         additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(0)
         ctx.masks[key] = additive.to(ctx.kv_cache.device)
     return ctx.masks[key]

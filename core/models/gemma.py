@@ -148,12 +148,15 @@ class GemmaModel(nn.Module):
             "sliding": RotaryEmbedding(_LayerTypeConfig(config, "sliding_attention"), head_dim),
             "full": RotaryEmbedding(_LayerTypeConfig(config, "full_attention"), head_dim)})
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # rounded as the reference does
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None,
                 carried: StageCarry | None = None) -> torch.Tensor | StageCarry:
         """As LlamaModel.forward (a pipeline stage's `carried` hidden states in, its own out)."""
         if carried is None:
-            hidden = self.embed_tokens(input_ids)
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # rounded as the reference does
+            hidden = self.embed(input_ids)
         else:
             hidden = carried.hidden
         ropes = {True: self.rotary["sliding"](positions, hidden.dtype),

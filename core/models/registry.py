@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from torch import nn
 
+from kvforge.core.models import gemma3_vision, idefics3
 from kvforge.core.models.gemma import GemmaForCausalLM
+from kvforge.core.models.gemma3_vision import Gemma3ForConditionalGeneration
 from kvforge.core.models.idefics3 import Idefics3ForConditionalGeneration
 from kvforge.core.models.llama import LlamaForCausalLM
 
@@ -22,6 +26,13 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM (1), Idefics3
     "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM2: the same model, its own name
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # Gemma 3 4B / 12B / 27B (pictures)
+}
+# a vision-language family's module: its processor's output as an ImagePrompt (`image_prompt`) and the tower's size
+# (`vision_parameter_count`), read where no model is built (the tokenizer, the memory estimate)
+VISION_FAMILIES: dict[str, ModuleType] = {
+    "Idefics3ForConditionalGeneration": idefics3, "SmolVLMForConditionalGeneration": idefics3,
+    "Gemma3ForConditionalGeneration": gemma3_vision,
 }
 # checkpoints of the bare model without its language-model head, as embedding models ship (Qwen3-Embedding,
 # gte-Qwen2, e5-mistral): served with the head tied to the embedding table (see core/loader.py build_model)
@@ -43,3 +54,11 @@ def model_class_for(config) -> type[nn.Module]:
             return MODEL_CLASSES.get(arch) or BASE_MODEL_CLASSES[arch]
     names = getattr(config, "architectures", None) or [config.model_type]
     raise ValueError(f"unsupported architecture {', '.join(names)}; supported: {', '.join(MODEL_CLASSES)}")
+
+
+def vision_family(architectures: list[str] | None) -> ModuleType:
+    for arch in architectures or []:
+        if arch in VISION_FAMILIES:
+            return VISION_FAMILIES[arch]
+    raise ValueError(f"no vision-language family for {', '.join(architectures or []) or 'this model'}; supported: "
+                     f"{', '.join(VISION_FAMILIES)}")

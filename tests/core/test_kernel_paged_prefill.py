@@ -67,9 +67,9 @@ def _case(chunks, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.f
     }
 
 
-def _reference(case, sliding_window=None, softcap=None) -> torch.Tensor:
-    """fp64 attention, one sequence at a time: causal from each query's position, within the window (scores
-    soft-capped first where `softcap` is given)."""
+def _reference(case, sliding_window=None, softcap=None, key_limits=None) -> torch.Tensor:
+    """fp64 attention, one sequence at a time: causal from each query's position (or up to its `key_limits` entry),
+    within the window counted back from its position (scores soft-capped first where `softcap` is given)."""
     q = case["q"].cpu().double()
     heads = q.shape[1]
     out = torch.zeros_like(q)
@@ -82,7 +82,7 @@ def _reference(case, sliding_window=None, softcap=None) -> torch.Tensor:
         v = values.double().repeat_interleave(group, 0)
         qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
         kpos = torch.arange(ctx).unsqueeze(0)
-        visible = kpos <= qpos
+        visible = kpos <= (qpos if key_limits is None else key_limits[start:end].cpu().long().unsqueeze(1))
         if sliding_window is not None:
             visible &= kpos > qpos - sliding_window
         scores = q[start:end].transpose(0, 1) @ k.transpose(1, 2) * case["scale"]
@@ -106,7 +106,7 @@ def _check(case, sliding_window=None, softcap=None, **kwargs) -> torch.Tensor:
     out = paged_prefill_attention(**_args(case), sliding_window=sliding_window, softcap=softcap, **kwargs)
     q = case["q"]
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    ref = _reference(case, sliding_window, softcap)
+    ref = _reference(case, sliding_window, softcap, kwargs.get("key_limits"))
     atol, rtol = TOL[q.dtype]
     torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
     return out
@@ -143,6 +143,19 @@ def test_soft_capping(window):
     case = _case([(7, 23), (1, 70), (19, 19)], 6, 2, 64, 5, seed=3)
     capped = _check(case, sliding_window=window, softcap=0.5)
     assert not torch.allclose(capped, paged_prefill_attention(**_args(case), sliding_window=window), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_rows_that_see_past_their_own_position(window):
+    """An image's tokens attending to the whole image (Gemma 3): rows with key limits past their position, in a fresh
+    chunk and in a chunk whose image began in the cached prefix, across 16-row tiles; the window still counts back
+    from each row's own position."""
+    case = _case([(40, 40), (20, 50)], heads=4, kv_heads=2, head_dim=32)
+    positions = list(range(40)) + list(range(30, 50))
+    limits = [25 if 10 <= p <= 25 else p for p in positions[:40]] + [40 if p <= 40 else p for p in positions[40:]]
+    key_limits = torch.tensor(limits, dtype=torch.int32, device=DEVICE)
+    out = _check(case, sliding_window=window, key_limits=key_limits, block_m=16, block_n=16)
+    assert not torch.allclose(out, paged_prefill_attention(**_args(case), sliding_window=window), atol=1e-3)
 
 
 def test_single_token_after_long_prefix():

@@ -156,3 +156,24 @@ def test_a_quantized_kv_pool_on_triton_kernels_gives_the_torch_kernels_tokens(tm
     assert llm.engine.stats().cached_tokens_total > 0
     _, torch_runs = _generate(tmp_path, prompts, kernels="torch", device=DEVICE, **common)
     assert triton_runs == torch_runs  # (HF's are full precision's: a random tiny model's 4-bit KV parts from them)
+
+
+def test_a_gemma3_vision_model_on_triton_kernels_gives_hfs_tokens(tmp_path, embedded_path):
+    """Gemma 3's image tokens attend to the whole image (the prefill kernel's key limits): pictures batched with a
+    text prompt in 8-token chunks (an image's 16 tokens go in one), HF's greedy tokens."""
+    from tests.helpers.tiny_models import save_tiny_gemma3_vision
+    from tests.helpers.vision import TEXT_AFTER, hf_generate, hf_inputs, picture, prompt_of, user
+
+    model, processor = save_tiny_gemma3_vision(tmp_path, embedded_path, seed=7)
+    cases = [(user(processor, "<image>" + TEXT_AFTER), [picture(1, 60, 60)]),
+             ("A text-only question about the weather in spring.", []),
+             (user(processor, "<image> then <image>."), [picture(2, 33, 64), picture(3, 64, 64)])]
+    llm = LLM(str(tmp_path), progress=False, dtype="float32", block_size=16, num_kv_blocks=32,
+              max_num_batched_tokens=8, kernels="triton")
+    try:
+        outs = llm.generate([prompt_of(processor, text, pictures) for text, pictures in cases],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_generate(model, hf_inputs(processor, text, pictures), NEW_TOKENS)
+                                               for text, pictures in cases]
+    finally:
+        llm.engine.close()

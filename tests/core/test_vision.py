@@ -1,59 +1,46 @@
-"""A vision-language model (Idefics3 / SmolVLM: core/models/idefics3.py) against HF transformers on a tiny random one:
-every prompt position's log-probability with one and with several images, greedy tokens batched with text-only
-prompts across chunked prefills and preemption, each image encoded once per request, and the prefix cache and the
-persisted KV keying an image's positions by its content (core/images.py)."""
+"""The vision-language families (Idefics3 / SmolVLM: core/models/idefics3.py; Gemma 3: core/models/gemma3_vision.py,
+whose image tokens attend to each other both ways) against HF transformers on tiny random ones: every prompt
+position's log-probability with one and with several images, greedy tokens batched with text-only prompts across
+chunked prefills (Gemma 3's with a budget smaller than an image: the image goes in one chunk) and preemption, each
+image encoded once per request, and the prefix cache and the persisted KV keying an image's positions by its content
+(core/images.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from kvforge.core import LLM, SamplingParams
 from kvforge.core.images import EncodedImages, ImageInput, ImagePrompt
-from kvforge.core.models.idefics3 import image_prompt
 from tests.helpers.tiny_models import save_tiny_idefics3
+from tests.helpers.vision import (
+    FAMILIES,
+    NEW_TOKENS,
+    TEXT_AFTER,
+    family_of,
+    hf_generate,
+    hf_inputs,
+    picture,
+    prompt_of,
+    user,
+)
 
-NEW_TOKENS = 12
-TEXT_AFTER = " Describe what you see in the picture above, in detail, with colours and shapes and every small thing."
 
-
-def picture(seed: int, height: int, width: int) -> tuple[Image.Image, bytes]:
-    """A random RGB picture and its bytes (what a client would send)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels), pixels.tobytes()
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, embedded_path):
-    path = tmp_path_factory.mktemp("idefics3")
-    model, processor = save_tiny_idefics3(path, embedded_path, seed=5)
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def vlm(request, tmp_path_factory, embedded_path):
+    build = FAMILIES[request.param][0]
+    path = tmp_path_factory.mktemp(request.param)
+    model, processor = build(path, embedded_path, seed=5)
     return path, model, processor
-
-
-def prompt_of(processor, text: str, pictures: list[tuple[Image.Image, bytes]]) -> ImagePrompt:
-    return image_prompt(processor, text, [image for image, _ in pictures],
-                        [ImageInput.digest_of(data) for _, data in pictures])
-
-
-def hf_inputs(processor, text: str, pictures) -> dict:
-    return processor(text=[text], images=[[image for image, _ in pictures]] if pictures else None,
-                     return_tensors="pt", add_special_tokens=False)
-
-
-def hf_generate(model, inputs: dict) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def test_every_prompt_position_matches_hf_with_one_and_with_several_images(vlm):
     """The log-probability of each prompt token after the ones before it (image positions included) within 1e-4 of
     HF's, a picture split into tiles with a global view and one small enough for a single tile."""
     path, model, processor = vlm
-    cases = [("User:<image>" + TEXT_AFTER, [picture(1, 50, 70)]),
-             ("User:<image> and <image> side by side." + TEXT_AFTER, [picture(2, 64, 40), picture(3, 20, 30)])]
+    cases = [(user(processor, "<image>" + TEXT_AFTER), [picture(1, 50, 70)]),
+             (user(processor, "<image> and <image> side by side." + TEXT_AFTER),
+              [picture(2, 64, 40), picture(3, 20, 30)])]
     llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=64)
     try:
         for text, pictures in cases:
@@ -73,15 +60,16 @@ def test_every_prompt_position_matches_hf_with_one_and_with_several_images(vlm):
 
 def test_batched_with_text_prompts_chunked_and_preempted_it_gives_hfs_tokens_encoding_each_image_once(vlm):
     path, model, processor = vlm
-    cases = [("User:<image>" + TEXT_AFTER, [picture(4, 60, 60)]),
+    cases = [(user(processor, "<image>" + TEXT_AFTER), [picture(4, 60, 60)]),
              ("A text-only question about the weather in spring.", []),
-             ("User:<image> then <image>." + TEXT_AFTER, [picture(5, 33, 64), picture(6, 64, 64)]),
+             (user(processor, "<image> then <image>." + TEXT_AFTER), [picture(5, 33, 64), picture(6, 64, 64)]),
              ("Another plain prompt" + TEXT_AFTER, [])]
     prompts = [prompt_of(processor, text, pictures) for text, pictures in cases]
     reference = [hf_generate(model, hf_inputs(processor, text, pictures)) for text, pictures in cases]
-    # 16-token chunks end inside images; 12 blocks of 16 cannot hold the batch: sequences are preempted
-    llm = LLM(str(path), progress=False, dtype="float32", block_size=16, num_kv_blocks=12,
-              max_num_batched_tokens=16, enable_prefix_caching=False)
+    # chunks that would end inside images; the blocks cannot hold the batch: sequences are preempted
+    _, _, budget, blocks = FAMILIES[family_of(processor)]
+    llm = LLM(str(path), progress=False, dtype="float32", block_size=16, num_kv_blocks=blocks,
+              max_num_batched_tokens=budget, enable_prefix_caching=False)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
         assert llm.engine.stats().preemptions_total > 0
@@ -97,7 +85,7 @@ def test_the_next_turn_reuses_the_images_blocks_and_another_image_never_does(vlm
     its own picture -- with the placeholder ids as keys it would read the first picture's KV."""
     path, model, processor = vlm
     first, other = picture(7, 64, 48), picture(8, 64, 48)
-    text = "User:<image>" + TEXT_AFTER
+    text = user(processor, "<image>" + TEXT_AFTER)
     llm = LLM(str(path), progress=False, dtype="float32", block_size=16, num_kv_blocks=128)
     try:
         [turn] = llm.generate(prompt_of(processor, text, [first]), SamplingParams(temperature=0, max_tokens=8))
@@ -123,7 +111,7 @@ def test_the_next_turn_reuses_the_images_blocks_and_another_image_never_does(vlm
 def test_a_restarted_engine_reads_the_image_turn_from_the_persisted_kv(vlm, tmp_path):
     path, model, processor = vlm
     pictures = [picture(9, 40, 64)]
-    text = "User:<image>" + TEXT_AFTER
+    text = user(processor, "<image>" + TEXT_AFTER)
     config = dict(progress=False, dtype="float32", block_size=16, num_kv_blocks=64, persist_kv=True,
                   data_dir=str(tmp_path), db_url=f"sqlite:///{tmp_path / 'kv.db'}")
     outputs = []
@@ -144,7 +132,7 @@ def test_a_restarted_engine_reads_the_image_turn_from_the_persisted_kv(vlm, tmp_
 
 def test_prompts_whose_images_do_not_fit_their_tokens_are_refused(vlm, embedded_path):
     path, _, processor = vlm
-    prompt = prompt_of(processor, "User:<image> look.", [picture(10, 32, 32)])
+    prompt = prompt_of(processor, user(processor, "<image> look."), [picture(10, 32, 32)])
     image = prompt.images[0]
     llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=16)
     try:
@@ -194,7 +182,7 @@ def test_the_memory_estimate_and_the_dashboard_count_the_vision_tower(vlm):
     try:
         runner, model = llm.engine.runner, llm.engine.runner.model
         estimate = estimate_memory(load_config(path), "float32", 1024)
-        tower = runner.weight_bytes(model.vision_model) + runner.weight_bytes(model.connector)
+        tower = sum(runner.weight_bytes(getattr(model, part)) for part in model.vision_modules)
         assert estimate["vision_bytes"] == tower
         assert abs(estimate["weights_bytes"] - runner.weight_bytes()) <= 0.01 * runner.weight_bytes()
         (stage,) = llm.engine.runtime().stages

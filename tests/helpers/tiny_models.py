@@ -178,3 +178,45 @@ def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int, plain_rope: b
         tokenizer=tokenizer, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE)
     processor.save_pretrained(path)
     return model, processor
+
+
+# Gemma 3's chat template in short (content parts: its text, "<start_of_image>" for each picture; "model" turns)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                       "image_token": "<image_soft_token>"}
+
+
+def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int):
+    """A tiny random Gemma 3 vision-language model (a 2-layer SigLIP tower on 64-pixel squares of 8-pixel patches,
+    average-pooled 2 x 2 into 16 soft tokens a picture; the tiny Gemma 3 decoder with its 16-token sliding window)
+    saved with the embedded tokenizer plus Gemma 3's image and turn tokens and an HF processor (PIL image processor).
+    Returns the HF model (fp32, eval) and the processor. A Gemma 3 chat template; <end_of_turn> ends a reply."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_path, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    text = tiny_configs()["gemma3"].to_dict() | {"vocab_size": len(tokenizer)}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=8, initializer_range=0.3, vision_use_head=False)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                          image_token_index=tokenizer.image_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a projector weight of the reference's scale (its init is zeros: every picture alike)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.3)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    model.save_pretrained(path)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 64, "width": 64}),
+                                tokenizer=tokenizer, image_seq_length=16, chat_template=GEMMA3_TEMPLATE)
+    processor.save_pretrained(path)
+    return model, processor
