@@ -1,4 +1,5 @@
-"""A vision-language model through `kvforge serve` (a tiny random Idefics3 / SmolVLM with SmolVLM's chat template):
+"""A vision-language model through `kvforge serve` (a tiny random Idefics3 / SmolVLM with SmolVLM's chat template, and
+for the openai and ollama clients' chats and the next turn a tiny random Gemma 3 with Gemma's template too):
 a picture through the openai client's chat and Responses APIs, the ollama client's images and the anthropic client's
 image blocks, each reply equal to HF transformers' greedy one for the same conversation (its processor's own chat
 template and pixels); the next turn of a chat about a picture read from the prefix cache without encoding it again;
@@ -18,7 +19,7 @@ import torch
 from PIL import Image
 
 from tests.helpers.server_process import ServeProcess
-from tests.helpers.tiny_models import save_tiny_idefics3
+from tests.helpers.tiny_models import save_tiny_gemma3_vision, save_tiny_idefics3
 
 MODEL = "tiny-vlm"
 QUESTION = "What is in this picture?"
@@ -46,6 +47,18 @@ def vlm(tmp_path_factory, embedded_path):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def gemma3_vlm(tmp_path_factory, embedded_path):
+    path = tmp_path_factory.mktemp("tiny-gemma3-vlm")
+    model, processor = save_tiny_gemma3_vision(path, embedded_path, seed=22)
+    server = ServeProcess("--model", str(path), "--served-model-name", MODEL, "--dtype", "float32")
+    yield server, model, processor
+    server.stop()
+
+
+FAMILIES = ["vlm", "gemma3_vlm"]  # the servers of both families
+
+
 def hf_reply(model, processor, conversation: list[dict], pictures: list[bytes]) -> tuple[str, int]:
     """HF's greedy reply text to `conversation` (HF content parts) and its prompt's length."""
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
@@ -60,10 +73,11 @@ def hf_reply(model, processor, conversation: list[dict], pictures: list[bytes]) 
 ASKED = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
 
 
-def test_openai_chat_with_a_picture_answers_as_hf(vlm):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_openai_chat_with_a_picture_answers_as_hf(request, family):
     from openai import OpenAI
 
-    server, model, processor = vlm
+    server, model, processor = request.getfixturevalue(family)
     picture = png(1)
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=MAX_TOKENS, messages=[
@@ -74,10 +88,11 @@ def test_openai_chat_with_a_picture_answers_as_hf(vlm):
     assert reply.usage.prompt_tokens == prompt_len
 
 
-def test_the_next_turn_reads_the_picture_from_the_cache_and_encodes_nothing(vlm):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_next_turn_reads_the_picture_from_the_cache_and_encodes_nothing(request, family):
     from openai import OpenAI
 
-    server, model, processor = vlm
+    server, model, processor = request.getfixturevalue(family)
     picture = png(2)
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture)}},
@@ -107,10 +122,11 @@ def test_responses_api_input_image_answers_as_hf(vlm):
     assert response.output_text == hf_reply(model, processor, ASKED, [picture])[0]
 
 
-def test_ollama_client_images_answer_as_hf(vlm):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ollama_client_images_answer_as_hf(request, family):
     import ollama
 
-    server, model, processor = vlm
+    server, model, processor = request.getfixturevalue(family)
     picture = png(4)
     client = ollama.Client(host=server.url)
     reply = client.chat(model=MODEL, messages=[{"role": "user", "content": QUESTION, "images": [picture]}],
