@@ -28,8 +28,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PROJECTORS = {"idefics3": "Idefics3ForConditionalGeneration"}  # clip.projector_type -> the checkpoint's architecture
-IMAGE_TOKENS = {"idefics3": "<image>"}  # the placeholder each projector's processor expands
+# clip.projector_type -> the checkpoint's architecture
+PROJECTORS = {"idefics3": "Idefics3ForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
+# the placeholder each projector's processor expands
+IMAGE_TOKENS = {"idefics3": "<image>", "gemma3": "<start_of_image>"}
+# Gemma 3's image tokens, as its HF tokenizer names them (a GGUF's vocabulary may lack the soft token: added then)
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 
 def projector_for(gguf: Path) -> Path | None:
@@ -76,33 +80,73 @@ def _array_field(path: str, size: int, mtime_ns: int, key: str) -> tuple | None:
 def vision_checkpoint_config(text_config, mmproj: Path, tokenizer):
     """The checkpoint config of the model `text_config` describes with the projector `mmproj` (transformers' own
     config class for it), and the processor that prepares its pictures."""
-    from transformers import Idefics3Config, Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-
     from kvforge.core.model_files import read_gguf_header
 
     meta = read_gguf_header(mmproj).metadata
     image_size, patch = int(meta["clip.vision.image_size"]), int(meta["clip.vision.patch_size"])
-    scale = int(meta.get("clip.vision.projector.scale_factor", 2))
     vision = dict(hidden_size=int(meta["clip.vision.embedding_length"]),
                   intermediate_size=int(meta["clip.vision.feed_forward_length"]),
                   num_hidden_layers=int(meta["clip.vision.block_count"]),
                   num_attention_heads=int(meta["clip.vision.attention.head_count"]),
                   layer_norm_eps=float(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
                   image_size=image_size, patch_size=patch, hidden_act="gelu_pytorch_tanh")
-    image_token = IMAGE_TOKENS[meta.get("clip.projector_type")]
+    normalize = dict(image_mean=[float(v) for v in array_field(mmproj, "clip.vision.image_mean") or (0.5, 0.5, 0.5)],
+                     image_std=[float(v) for v in array_field(mmproj, "clip.vision.image_std") or (0.5, 0.5, 0.5)])
+    kind = meta.get("clip.projector_type")
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    if kind == "gemma3":
+        config, processor = _gemma3(text_config, meta, vision, normalize, tokenizer, tied)
+    else:
+        config, processor = _idefics3(text_config, meta, vision, normalize, tokenizer, tied)
+    config.architectures = [PROJECTORS[kind]]
+    return config, processor
+
+
+def _idefics3(text_config, meta: dict, vision: dict, normalize: dict, tokenizer, tied: bool):
+    from transformers import Idefics3Config, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    image_size, patch = vision["image_size"], vision["patch_size"]
+    scale = int(meta.get("clip.vision.projector.scale_factor", 2))
     config = Idefics3Config(text_config=text_config.to_dict(), vision_config=vision, scale_factor=scale,
-                            image_token_id=tokenizer.convert_tokens_to_ids(image_token),
-                            tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)))
-    config.architectures = [PROJECTORS[meta.get("clip.projector_type")]]
+                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKENS["idefics3"]),
+                            tie_word_embeddings=tied)
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": int(meta.get("clip.vision.preproc_image_size", image_size))},
-        max_image_size={"longest_edge": image_size},
-        image_mean=[float(v) for v in array_field(mmproj, "clip.vision.image_mean") or (0.5, 0.5, 0.5)],
-        image_std=[float(v) for v in array_field(mmproj, "clip.vision.image_std") or (0.5, 0.5, 0.5)])
+        max_image_size={"longest_edge": image_size}, **normalize)
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                   image_seq_len=(image_size // patch) ** 2 // scale ** 2)
     return config, processor
+
+
+def _gemma3(text_config, meta: dict, vision: dict, normalize: dict, tokenizer, tied: bool):
+    """Gemma 3's: its patches pooled scale x scale (llama.cpp writes the scale only where it is not 4: 896-pixel
+    squares of 14-pixel patches into 256 tokens); the tokenizer's image tokens named (see `gemma3_tokenizer`)."""
+    from transformers import Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    image_size, patch = vision["image_size"], vision["patch_size"]
+    scale = int(meta.get("clip.vision.projector.scale_factor", 4))
+    tokens = (image_size // patch // scale) ** 2
+    config = Gemma3Config(text_config=text_config.to_dict(), vision_config=vision | {"vision_use_head": False},
+                          mm_tokens_per_image=tokens, boi_token_index=tokenizer.boi_token_id,
+                          eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id,
+                          tie_word_embeddings=tied)
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}, **normalize)
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=tokens)
+    return config, processor
+
+
+def gemma3_tokenizer(index: Path):
+    """The index's tokenizer with Gemma 3's image tokens named (boi / eoi / image token: its processor reads them), the
+    soft token added where the GGUF's vocabulary lacks it (its rows are the tower's, never looked up)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(index, extra_special_tokens=GEMMA3_TOKENS)
+    missing = [token for token in GEMMA3_TOKENS.values() if token not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    return tokenizer
 
 
 def save_processor_config(processor, out: Path) -> None:
@@ -113,19 +157,27 @@ def save_processor_config(processor, out: Path) -> None:
 
 
 def checkpoint_names(config) -> dict[str, str]:
-    """The projector file's tensor names -> the checkpoint's (model.vision_model.*, model.connector.*), by gguf's name
-    map for clip files (what llama.cpp's converter names them with)."""
+    """The projector file's tensor names -> the checkpoint's (the tower's and projector's as transformers names them),
+    by gguf's name map for clip files (what llama.cpp's converter names them with)."""
     import gguf
 
     layers = config.vision_config.num_hidden_layers
-    names = ["model.vision_model.embeddings.patch_embedding", "model.vision_model.embeddings.position_embedding",
-             "model.vision_model.post_layernorm", "model.connector.modality_projection.proj"]
+    if config.architectures[0] == PROJECTORS["gemma3"]:
+        tower = "vision_tower.vision_model"
+        # the projection is a bare parameter (its name ends in _weight); the map knows it as a module
+        out = {"mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+               "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight"}
+        names = []
+    else:
+        tower, out = "model.vision_model", {}
+        names = ["model.connector.modality_projection.proj"]
+    names += [f"{tower}.embeddings.{part}" for part in ("patch_embedding", "position_embedding")]
+    names.append(f"{tower}.post_layernorm")
     for i in range(layers):
-        layer = f"model.vision_model.encoder.layers.{i}"
+        layer = f"{tower}.encoder.layers.{i}"
         names += [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")]
         names += [f"{layer}.{p}" for p in ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2")]
     mapping = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, layers)
-    out = {}
     for name in names:
         theirs = mapping.get_name(name)
         if theirs is None:
@@ -133,6 +185,10 @@ def checkpoint_names(config) -> dict[str, str]:
         for suffix in (".weight", ".bias"):
             out[theirs + suffix] = name + suffix
     return out
+
+
+# tensors llama.cpp's converter changed: Gemma 3's projector norm stored as 1 + weight (transformers' stores weight)
+OFFSET_TENSORS = {"mm.soft_emb_norm.weight": -1.0}
 
 
 def tensors(mmproj: Path, names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,6 +212,8 @@ def tensors(mmproj: Path, names: dict[str, str]) -> Iterator[tuple[str, torch.Te
             values = torch.from_numpy(np.array(raw)).view(FLOAT_DTYPES[tensor.ggml_type]).view(shape)
         else:
             values = torch.from_numpy(dequantize(np.array(raw), GGMLQuantizationType(tensor.ggml_type))).view(shape)
+        if tensor.name in OFFSET_TENSORS:
+            values = values.float() + OFFSET_TENSORS[tensor.name]
         yield name, values
 
 
@@ -165,9 +223,13 @@ def add_projector(index: Path, mmproj: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from kvforge.core.gguf_source import INDEX_FILE
+    from kvforge.core.model_files import read_gguf_header
 
-    config, processor = vision_checkpoint_config(AutoConfig.from_pretrained(index), mmproj,
-                                                 AutoTokenizer.from_pretrained(index))
+    gemma = read_gguf_header(mmproj).metadata.get("clip.projector_type") == "gemma3"
+    tokenizer = gemma3_tokenizer(index) if gemma else AutoTokenizer.from_pretrained(index)
+    config, processor = vision_checkpoint_config(AutoConfig.from_pretrained(index), mmproj, tokenizer)
+    if gemma:
+        tokenizer.save_pretrained(index)
     save_processor_config(processor, index)
     config.save_pretrained(index)
     entries = json.loads((index / INDEX_FILE).read_text())

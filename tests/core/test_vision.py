@@ -250,3 +250,39 @@ def test_a_gguf_with_its_mmproj_beside_it_reads_pictures_as_hf(vlm_gguf):
     assert paired.parameters == sum(p.numel() for p in model.parameters())
     assert paired.parameters - tower == sum(p.numel() for n, p in model.named_parameters()
                                             if not ("vision_model." in n or "connector." in n))
+
+
+def test_a_gemma3_gguf_with_its_mmproj_reads_pictures_as_hf(tmp_path_factory, embedded_path, gemma_gguf_path):
+    """Gemma 3 as llama.cpp's file pair (the decoder with Gemma's own vocabulary from the real 270M file, its norms
+    stored as 1 + weight; the projector's matrices F16, its norm as 1 + weight, the pooling scale in its metadata):
+    paired, the image tokens named in the index's tokenizer, HF's token ids and pixels, every prompt position's
+    log-probability within 1e-4 of HF's."""
+    from tests.helpers.tiny_models import save_tiny_gemma3_vision
+    from tests.helpers.vlm_gguf import write_gemma3_gguf_pair
+
+    model, processor = save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-gguf-shape"), embedded_path, seed=6,
+                                               gemma_gguf=gemma_gguf_path)
+    text_file, mmproj = write_gemma3_gguf_pair(model, processor, gemma_gguf_path, tmp_path_factory.mktemp("pair"))
+    for name, values in model.named_parameters():  # the reference holds what the F16 projector holds
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and values.dim() == 2 \
+                and "embeddings" not in name:
+            values.data.copy_(values.data.half().float())
+    llm = LLM(str(text_file), progress=False, dtype="float32", num_kv_blocks=64)
+    try:
+        assert llm.engine.config.quant == "gguf" and llm.tokenizer.takes_images
+        text = user(processor, "<image> and <image> side by side." + TEXT_AFTER)
+        pictures = [picture(11, 64, 40), picture(12, 20, 30)]
+        prompt = llm.tokenizer.encode_with_images(text, [image for image, _ in pictures],
+                                                  [ImageInput.digest_of(data) for _, data in pictures])
+        inputs = hf_inputs(processor, text, pictures)
+        assert prompt.token_ids == inputs["input_ids"][0].tolist()
+        torch.testing.assert_close(torch.cat([image.pixels["pixel_values"] for image in prompt.images]),
+                                   inputs["pixel_values"], atol=0, rtol=0)
+        [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
+        with torch.inference_mode():
+            logits = model(**inputs).logits[0, :-1].float()
+        theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    finally:
+        llm.engine.close()

@@ -192,23 +192,35 @@ GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_im
                        "image_token": "<image_soft_token>"}
 
 
-def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int):
+def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int, gemma_gguf: Path | None = None):
     """A tiny random Gemma 3 vision-language model (a 2-layer SigLIP tower on 64-pixel squares of 8-pixel patches,
     average-pooled 2 x 2 into 16 soft tokens a picture; the tiny Gemma 3 decoder with its 16-token sliding window)
     saved with the embedded tokenizer plus Gemma 3's image and turn tokens and an HF processor (PIL image processor).
-    Returns the HF model (fp32, eval) and the processor. A Gemma 3 chat template; <end_of_turn> ends a reply."""
+    Returns the HF model (fp32, eval) and the processor. A Gemma 3 chat template; <end_of_turn> ends a reply.
+    `gemma_gguf` (a Gemma 3 GGUF file): its tokenizer instead (Gemma's own vocabulary and chat template, the image soft
+    token added past it as transformers' Gemma 3 tokenizer has it), and the decoder as a Gemma 3 GGUF can describe it
+    (transformers' reader takes the rest from Gemma 3's defaults): a tied head, query_pre_attn_scalar 256, both
+    layers sliding (the full one is every 6th)."""
     from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_path, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
-    tokenizer.chat_template = GEMMA3_TEMPLATE
+    if gemma_gguf is None:
+        tokenizer = AutoTokenizer.from_pretrained(embedded_path, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+        tokenizer.chat_template = GEMMA3_TEMPLATE
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name,
+                                                  extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    gguf_shape = gemma_gguf is not None
     text = tiny_configs()["gemma3"].to_dict() | {"vocab_size": len(tokenizer)}
+    if gguf_shape:
+        text |= {"query_pre_attn_scalar": 256, "layer_types": ["sliding_attention"] * 2, "tie_word_embeddings": True}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
                   patch_size=8, initializer_range=0.3, vision_use_head=False)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
                           boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
-                          image_token_index=tokenizer.image_token_id, tie_word_embeddings=False)
+                          image_token_index=tokenizer.image_token_id, tie_word_embeddings=gguf_shape)
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():  # a projector weight of the reference's scale (its init is zeros: every picture alike)
@@ -217,6 +229,6 @@ def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int):
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     model.save_pretrained(path)
     processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 64, "width": 64}),
-                                tokenizer=tokenizer, image_seq_length=16, chat_template=GEMMA3_TEMPLATE)
+                                tokenizer=tokenizer, image_seq_length=16, chat_template=tokenizer.chat_template)
     processor.save_pretrained(path)
     return model, processor

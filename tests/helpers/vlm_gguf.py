@@ -1,9 +1,12 @@
-"""A tiny HF Idefics3 / SmolVLM model as the two GGUF files llama.cpp runs it from, as its convert_hf_to_gguf.py writes
-them. The text model: `LlamaModel` (architecture llama; SmolVLM's `text_model.` prefix dropped, Q / K rows permuted,
-a `rope_freqs` tensor for llama3 rope scaling, `_set_vocab_gpt2`'s tokenizer: the embedded model's fields with the
-added tokens appended, special ones CONTROL) plus the chat template and <end_of_utterance> (the generation config's
-eos) as eos. The projector (`--mmproj`): `SmolVLMModel(MmprojModel)` (architecture clip, projector type idefics3, the
-vision tower and connector under gguf's TensorNameMap names, the embeddings F32, the rest F32 or F16).
+"""A tiny HF Idefics3 / SmolVLM or Gemma 3 model as the two GGUF files llama.cpp runs it from, as its
+convert_hf_to_gguf.py writes them. Gemma 3: the text model `Gemma3Model` (architecture gemma3, every norm stored as
+1 + weight, the head tied), the projector `Gemma3VisionModel` (projector type gemma3, its soft_emb_norm stored as
+1 + weight, the pooling scale written where it is not 4). SmolVLM: the text model: `LlamaModel` (architecture llama;
+SmolVLM's `text_model.` prefix dropped, Q / K rows permuted, a `rope_freqs` tensor for llama3 rope scaling,
+`_set_vocab_gpt2`'s tokenizer: the embedded model's fields with the added tokens appended, special ones CONTROL) plus
+the chat template and <end_of_utterance> (the generation config's eos) as eos. The projector (`--mmproj`):
+`SmolVLMModel(MmprojModel)` (architecture clip, projector type idefics3, the vision tower and connector under gguf's
+TensorNameMap names, the embeddings F32, the rest F32 or F16).
 
 transformers' GGUF reader ignores `rope_freqs`: compare logits through it with a plain rope
 (`save_tiny_idefics3(..., plain_rope=True)`)."""
@@ -11,6 +14,7 @@ transformers' GGUF reader ignores `rope_freqs`: compare logits through it with a
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,6 +42,41 @@ def write_smolvlm_gguf_pair(model, processor, directory: Path, text_name: str = 
     `directory / mmproj_name` (clip; its matrices F16 with `mmproj_f16`, the embeddings and vectors always F32)."""
     return (_write_text(model, processor, Path(directory) / text_name),
             _write_mmproj(model, processor, Path(directory) / mmproj_name, mmproj_f16))
+
+
+def write_gemma3_gguf_pair(model, processor, gemma_gguf: Path, directory: Path,
+                           text_name: str = "gemma-3-tiny-F32.gguf",
+                           mmproj_name: str = "mmproj-gemma-3-tiny-F16.gguf") -> tuple[Path, Path]:
+    """`model` (a tiny HF Gemma3ForConditionalGeneration from save_tiny_gemma3_vision with `gemma_gguf`'s tokenizer)
+    and its `processor` as `directory / text_name` (gemma3, F32, `gemma_gguf`'s tokenizer fields) and
+    `directory / mmproj_name` (clip, its matrices F16)."""
+    return (_write_gemma3_text(model, processor, gemma_gguf, Path(directory) / text_name),
+            _write_mmproj(model, processor, Path(directory) / mmproj_name, True))
+
+
+def _write_gemma3_text(model, processor, gemma_gguf: Path, path: Path) -> Path:
+    config = model.config.text_config
+    writer = GGUFWriter(str(path), MODEL_ARCH_NAMES[MODEL_ARCH.GEMMA3])
+    writer.add_type(GGUFType.MODEL)
+    rope = dict(config.rope_parameters["full_attention"])
+    add_decoder_fields(writer, SimpleNamespace(**config.to_dict() | {"rope_parameters": rope}))  # the global base
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_vocab_size(config.vocab_size)
+    for key, value, kind, sub in _tokenizer_fields(model, processor, gemma_gguf):
+        writer.add_key_value(key, value, GGUFValueType(kind), GGUFValueType(sub) if sub is not None else None)
+    names = get_tensor_name_map(MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("model.language_model."):  # the tower, the projector and the tied head
+            continue
+        name = name.replace("model.language_model.", "model.")
+        values = tensor.detach().float().numpy()
+        if name.endswith("norm.weight"):  # Gemma3Model.modify_tensors: llama.cpp multiplies by the weight itself
+            values = values + 1
+        writer.add_tensor(names.get_name(name, try_suffixes=SUFFIXES), np.ascontiguousarray(values))
+    return _close(writer, path)
 
 
 def _write_text(model, processor, path: Path) -> Path:
@@ -69,31 +108,37 @@ def _write_text(model, processor, path: Path) -> Path:
     return _close(writer, path)
 
 
-def _tokenizer_fields(model, processor) -> list[tuple[str, object, int, int | None]]:
-    """The embedded model's tokenizer fields, the tokens past its vocabulary appended as get_vocab_base marks them
-    (special added tokens CONTROL, other added ones USER_DEFINED, ids with no token UNUSED `[PAD<id>]`); eos the
-    generation config's, the processor's chat template."""
+def _tokenizer_fields(model, processor, source: Path | None = None) -> list[tuple[str, object, int, int | None]]:
+    """The tokenizer fields of `source` (a GGUF; None: the embedded model's), the tokens past its vocabulary appended
+    as get_vocab_base marks them (special added tokens CONTROL, other added ones USER_DEFINED, ids with no token
+    UNUSED `[PAD<id>]`; a SentencePiece vocabulary's scores -1000); eos the generation config's, the processor's
+    chat template (where it has one)."""
     from kvforge.app.bench.real_shapes import tokenizer_fields
     from kvforge.core.loader import embedded_gguf_path
 
     tokenizer = processor.tokenizer
     eos = model.generation_config.eos_token_id
-    replaced = {"tokenizer.ggml.eos_token_id": eos[0] if isinstance(eos, list) else eos,
-                "tokenizer.chat_template": processor.chat_template or tokenizer.chat_template}
+    replaced = {"tokenizer.ggml.eos_token_id": eos[0] if isinstance(eos, list) else eos}
+    if processor.chat_template or tokenizer.chat_template:
+        replaced["tokenizer.chat_template"] = processor.chat_template or tokenizer.chat_template
     fields = [(key, replaced.get(key, value), kind, sub) for key, value, kind, sub in tokenizer_fields(
-        embedded_gguf_path())]
+        source or embedded_gguf_path())]
     tokens = next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
     types = next(value for key, value, _, _ in fields if key == "tokenizer.ggml.token_type")
+    scores = next((value for key, value, _, _ in fields if key == "tokenizer.ggml.scores"), None)
     for i in range(len(tokens), model.config.text_config.vocab_size):
         added = tokenizer.added_tokens_decoder.get(i)
         tokens.append(added.content if added else f"[PAD{i}]")
         types.append(TokenType.UNUSED if added is None else TokenType.CONTROL if added.special
                      else TokenType.USER_DEFINED)
+        if scores is not None:
+            scores.append(-1000.0)
     return fields
 
 
 def _write_mmproj(model, processor, path: Path, f16: bool) -> Path:
     vision, images = model.config.vision_config, processor.image_processor
+    gemma = model.config.model_type == "gemma3"
     writer = GGUFWriter(str(path), MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ])
     writer.add_type(GGUFType.MMPROJ)
     writer.add_file_type(LlamaFileType.MOSTLY_F16 if f16 else LlamaFileType.ALL_F32)
@@ -107,17 +152,31 @@ def _write_mmproj(model, processor, path: Path, f16: bool) -> Path:
     writer.add_vision_head_count(vision.num_attention_heads)
     writer.add_vision_image_mean([float(v) for v in images.image_mean])
     writer.add_vision_image_std([float(v) for v in images.image_std])
-    writer.add_clip_projector_type(VisionProjectorType.IDEFICS3)
     writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
-    writer.add_vision_projector_scale_factor(model.config.scale_factor)
     writer.add_vision_use_gelu(True)
-    writer.add_vision_preproc_image_size(images.size.get("longest_edge", vision.image_size))
+    if gemma:
+        writer.add_clip_projector_type(VisionProjectorType.GEMMA3)
+        scale = vision.image_size // vision.patch_size // int(model.config.mm_tokens_per_image ** 0.5)
+        if scale != 4:  # Gemma3VisionModel.set_gguf_parameters: 4 is the default
+            writer.add_vision_projector_scale_factor(scale)
+    else:
+        writer.add_clip_projector_type(VisionProjectorType.IDEFICS3)
+        writer.add_vision_projector_scale_factor(model.config.scale_factor)
+        writer.add_vision_preproc_image_size(images.size.get("longest_edge", vision.image_size))
     names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
     for name, tensor in model.state_dict().items():
-        if "vision_model" not in name and "model.connector" not in name:
+        if gemma:
+            if not name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+                continue
+            # Gemma3VisionModel.modify_tensors: transformers 4's names, _weight as .weight, the norm as 1 + weight
+            name = name.replace("model.vision_tower.", "vision_tower.vision_model.").replace(
+                "model.multi_modal_projector.", "multi_modal_projector.").replace("_weight", ".weight")
+        elif "vision_model" not in name and "model.connector" not in name:
             continue
         values = tensor.detach().float().numpy()
-        if f16 and values.ndim > 1 and ".embeddings." not in name:  # SmolVLMModel.tensor_force_quant
+        if "soft_emb_norm" in name:
+            values = values + 1
+        if f16 and values.ndim > 1 and ".embeddings." not in name:  # tensor_force_quant: the matrices F16
             values = values.astype(np.float16)
         writer.add_tensor(names.get_name(name, try_suffixes=SUFFIXES), np.ascontiguousarray(values))
     return _close(writer, path)
