@@ -209,7 +209,11 @@ def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int, gemma_gg
         tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
         tokenizer.chat_template = GEMMA3_TEMPLATE
     else:
-        tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name,
+        from kvforge.core.loader import resolve_model
+
+        # the tokenizer of the file's index (written once per file version; transformers' own GGUF conversion of
+        # Gemma's 262k tokens takes half a minute)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(str(gemma_gguf)),
                                                   extra_special_tokens=GEMMA3_IMAGE_TOKENS)
         tokenizer.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
     gguf_shape = gemma_gguf is not None
