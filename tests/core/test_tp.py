@@ -38,11 +38,10 @@ def chat_prompts(embedded_path):
 
 
 @pytest.fixture(scope="module")
-def tp1_llm(embedded_path):
-    """One rank, fp32: the reference and the one-rank side of the forked samples."""
-    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32")
-    yield llm
-    llm.engine.close()
+def tp1_llm(embedded_llm):
+    """One rank, fp32: the reference and the one-rank side of the forked samples (the session's embedded engine:
+    the same model, dtype and kernels as a one-rank engine built here; only its KV pool is larger)."""
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +51,25 @@ def reference(tp1_llm, chat_prompts):
     return tokens
 
 
-@pytest.mark.parametrize("config", [
-    {}, {"decoding": "ngram", "decoding_options": {"min_n": 1}},
-    {"decoding": "draft", "decoding_options": {"model": "embedded"}},
-], ids=["plain", "ngram", "draft-model"])
-def test_tp2_equals_tp1_on_the_embedded_model(embedded_path, chat_prompts, reference, config):
+def _assert_two_rounds_equal_tp1(rounds, stats, chat_prompts, reference) -> None:
     """Two rounds: the second hits the prefix cache (its prompts' blocks were computed by the first)."""
-    if config.get("decoding") == "draft":
-        config = {**config, "decoding_options": {"model": str(embedded_path)}}
-    (first, second), stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, tp_size=2, **config)
+    first, second = rounds
     assert first == reference
     assert second == reference
     assert stats.cached_tokens_total >= sum(len(p) // 16 * 16 for p in chat_prompts)
-    if config:
-        assert stats.spec_drafted_tokens_total > 0 and stats.spec_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("config", [
+    {"decoding": "ngram", "decoding_options": {"min_n": 1}},
+    {"decoding": "draft", "decoding_options": {"model": "embedded"}},
+], ids=["ngram", "draft-model"])
+def test_tp2_equals_tp1_on_the_embedded_model_with_speculation(embedded_path, chat_prompts, reference, config):
+    """Without speculation: TestOneTP2EngineOfTheEmbeddedModel.test_tp2_equals_tp1_on_the_embedded_model."""
+    if config.get("decoding") == "draft":
+        config = {**config, "decoding_options": {"model": str(embedded_path)}}
+    rounds, stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, tp_size=2, **config)
+    _assert_two_rounds_equal_tp1(rounds, stats, chat_prompts, reference)
+    assert stats.spec_drafted_tokens_total > 0 and stats.spec_accepted_tokens_total > 0
     assert not _children()
 
 
@@ -85,7 +89,12 @@ def _tiny(tmp_path_factory, embedded_path, name: str, config=None) -> tuple:
     return path, random_prompts((1, 5, 17, 40, 63), seed=7)
 
 
-TP_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head", "qwen2_moe", "mixtral",
+# what a split of each family's weights meets: qkv bias and tied embeddings (qwen2), per-head q/k norms and a head_dim
+# of its own (qwen3), Gemma's model class, soft-capping and windows (gemma2), fused checkpoint tensors and a window
+# (phi3), a replicated KV head, shared and routed experts, whole-projection q/k norms. Llama 3 (rope scaling) and
+# Mistral (a window) add nothing here: each rank turns and windows its own heads exactly as one rank does (both are
+# the Llama class with 2 KV heads, split 1 + 1 like qwen3's); test_parity_tiny / test_triton_engine run them.
+TP_ARCHS = ["qwen2", "qwen3", "gemma2", "phi3", "llama-1-kv-head", "qwen2_moe", "mixtral",
             "olmoe", "olmoe-1-kv-head"]  # OLMoE: q/k norms over the whole projection, all-reduced
 
 
@@ -113,6 +122,14 @@ def tp2_llm(embedded_path):
 
 class TestOneTP2EngineOfTheEmbeddedModel:
     """Checks that each need a two-rank engine of the embedded model and leave it as it was share one."""
+
+    def test_tp2_equals_tp1_on_the_embedded_model(self, tp2_llm, chat_prompts, reference):
+        """First in the class: its first round is computed on the fresh engine, the second hits the prefix cache."""
+        rounds = []
+        for _ in range(2):
+            rounds.append([o.token_ids for o in tp2_llm.generate(chat_prompts, GREEDY)])
+            assert tp2_llm.engine.stats().kv_blocks_used == 0
+        _assert_two_rounds_equal_tp1(rounds, tp2_llm.engine.stats(), chat_prompts, reference)
 
     def test_forked_samples_get_their_partial_block_copied_on_every_rank(self, tp1_llm, tp2_llm, chat_prompts):
         """n = 3 seeded samples fork at the prompt's end: each gets a copy of its partial last block, on every
@@ -207,15 +224,18 @@ def quantized(quant_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", ["bnb-int8", "bnb-nf4", "gptq-act-order", "gptq", "awq"])
+BNB_FP32 = {"quant_options": {"compute_dtype": "float32"}}  # see test_quantized_tp2_equals_tp1
+
+
+@pytest.mark.parametrize("case", ["bnb-nf4", "gptq-act-order", "gptq", "awq"])
 def test_quantized_tp2_equals_tp1(quant_model, quantized, case):
     """bitsandbytes quantizes each rank's shard (nf4's 64-value blocks stay aligned); GPTQ / AWQ shards stay
     group-aligned (act-order keeps every group's scales on each rank; plain GPTQ renumbers a row shard's
     groups). Every matmul in fp32, bitsandbytes' too (its default compute dtype is bf16, whose rounding of the
-    row-parallel partial sums flips near-ties of a random model)."""
+    row-parallel partial sums flips near-ties of a random model). bnb-int8: TestBnbInt8OneRankAndTwo."""
     dense, prompts = quant_model
     if case.startswith("bnb"):
-        path, config = dense, {"quant": case, "quant_options": {"compute_dtype": "float32"}}
+        path, config = dense, {"quant": case, **BNB_FP32}
     else:
         options = {"gptq-act-order": dict(method="gptq", group_size=64, sym=False, desc_act=True),
                    "gptq": dict(method="gptq", group_size=64, sym=True),
@@ -226,25 +246,49 @@ def test_quantized_tp2_equals_tp1(quant_model, quantized, case):
     assert tp2 == tp1
 
 
-def test_bnb_int8_row_shards_take_the_whole_rows_scale(quant_model):
-    """A row-parallel layer's int8 scale is per output row: rank 0's share of o_proj (its first 384 of 576
-    inputs) holds exactly the codes and scales of those columns of the one-rank layer."""
-    def o_proj(llm):
-        layer = llm.engine.runner.model.model.layers[1].self_attn.o_proj
-        return layer.bnb_codes.clone(), layer.bnb_scb.clone()
-
+@pytest.fixture(scope="class")
+def bnb_int8_engines(quant_model):
+    """The dense 2-layer model quantized by bitsandbytes int8 on one rank and on two (fp32, as greedy_rounds builds
+    them), for one class of tests, closed after it."""
     dense, _ = quant_model
-    one = LLM(str(dense), progress=False, num_kv_blocks=8, quant="bnb-int8")
-    codes, scb = o_proj(one)
-    one.engine.close()
-    two = LLM(str(dense), progress=False, num_kv_blocks=8, quant="bnb-int8", tp_size=2)
+    config = dict(progress=False, kv_cache_bytes=64 << 20, dtype="float32", quant="bnb-int8", **BNB_FP32)
+    one = LLM(str(dense), **config)
     try:
+        two = LLM(str(dense), tp_size=2, **config)
+    except BaseException:
+        one.engine.close()
+        raise
+    yield one, two
+    two.engine.close()
+    one.engine.close()
+    assert not _children()
+
+
+class TestBnbInt8OneRankAndTwo:
+    """bitsandbytes int8 on one rank and on two: the tokens, and how the shards were cut; one pair of engines."""
+
+    def test_quantized_tp2_equals_tp1(self, quant_model, bnb_int8_engines):
+        """bnb-int8's case of test_quantized_tp2_equals_tp1, on the class's engines."""
+        _, prompts = quant_model
+        tokens = []
+        for llm in bnb_int8_engines:
+            tokens.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+            assert llm.engine.stats().kv_blocks_used == 0
+        assert tokens[1] == tokens[0]
+
+    def test_bnb_int8_row_shards_take_the_whole_rows_scale(self, bnb_int8_engines):
+        """A row-parallel layer's int8 scale is per output row: rank 0's share of o_proj (its first 384 of 576
+        inputs) holds exactly the codes and scales of those columns of the one-rank layer."""
+        def o_proj(llm):
+            layer = llm.engine.runner.model.model.layers[1].self_attn.o_proj
+            return layer.bnb_codes.clone(), layer.bnb_scb.clone()
+
+        one, two = bnb_int8_engines
+        codes, scb = o_proj(one)
         shard_codes, shard_scb = o_proj(two)
-    finally:
-        two.engine.close()
-    assert codes.shape == (576, 576)
-    assert torch.equal(shard_scb, scb)
-    assert torch.equal(shard_codes, codes[:, :384])
+        assert codes.shape == (576, 576)
+        assert torch.equal(shard_scb, scb)
+        assert torch.equal(shard_codes, codes[:, :384])
 
 
 def test_a_split_that_cannot_be_made_is_refused_and_leaves_no_process(embedded_path):
