@@ -33,11 +33,10 @@ def chat_prompts(embedded_path):
 
 
 @pytest.fixture(scope="module")
-def one_process(embedded_path):
-    """One process, fp32: the reference."""
-    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32")
-    yield llm
-    llm.engine.close()
+def one_process(embedded_llm):
+    """One process, fp32: the reference (the session's embedded engine: the same model, dtype and kernels as a
+    one-process engine built here; only its KV pool is larger)."""
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")
@@ -57,35 +56,18 @@ def test_stages_split_the_work_not_only_the_layers(embedded_path):
     assert [s.count for s in thirds] == [5, 12, 13] and thirds[-1].last == 30
 
 
-@pytest.mark.parametrize("layout", [{"pp_size": 2}, {"pp_size": 2, "tp_size": 2}], ids=["pp2", "pp2xtp2"])
-def test_pipeline_equals_one_process_on_the_embedded_model(embedded_path, chat_prompts, reference, layout):
+def _assert_two_rounds_equal_one_process(rounds, stats, chat_prompts, reference) -> None:
     """Two rounds: the second hits the prefix cache (blocks computed by the first, on every stage)."""
-    (first, second), stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, **layout)
+    first, second = rounds
     assert first == reference and second == reference
     assert stats.cached_tokens_total >= sum(len(p) // 16 * 16 for p in chat_prompts)
+
+
+def test_pipeline_x_tensor_parallel_equals_one_process_on_the_embedded_model(embedded_path, chat_prompts, reference):
+    """PP = 2 x TP = 2 (PP = 2 alone: TestOnePP2EngineOfTheEmbeddedModel.test_pipeline_equals_one_process...)."""
+    rounds, stats = greedy_rounds(embedded_path, chat_prompts, rounds=2, pp_size=2, tp_size=2)
+    _assert_two_rounds_equal_one_process(rounds, stats, chat_prompts, reference)
     assert not rank_processes()
-
-
-def test_steps_stay_in_flight_on_different_sequences(embedded_path, chat_prompts, reference):
-    """While one step's last stage runs, the engine launches the next on the other sequences: two in flight, never
-    a sequence in both."""
-    llm = LLM(str(embedded_path), progress=False, kv_cache_bytes=64 << 20, dtype="float32", pp_size=2)
-    engine = llm.engine
-    depths, overlaps = [], []
-    submit = engine.runner.submit
-
-    def watched(batch):
-        launched = {id(item.seq) for item in batch}
-        overlaps.append(launched & engine._busy)
-        depths.append(len(engine._in_flight) + 1)
-        return submit(batch)
-
-    engine.runner.submit = watched
-    try:
-        assert [o.token_ids for o in llm.generate(chat_prompts, GREEDY)] == reference
-    finally:
-        engine.close()
-    assert max(depths) == 2 and not any(overlaps)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "gemma2"])
@@ -127,6 +109,38 @@ def pp2_llm(embedded_path):
 
 class TestOnePP2EngineOfTheEmbeddedModel:
     """Checks that each need a two-stage engine of the embedded model and leave it as it was share one."""
+
+    def test_pipeline_equals_one_process_on_the_embedded_model(self, pp2_llm, chat_prompts, reference):
+        """First in the class: its first round is computed on the fresh engine, the second hits the prefix cache."""
+        rounds = []
+        for _ in range(2):
+            rounds.append([o.token_ids for o in pp2_llm.generate(chat_prompts, GREEDY)])
+            assert pp2_llm.engine.stats().kv_blocks_used == 0
+        _assert_two_rounds_equal_one_process(rounds, pp2_llm.engine.stats(), chat_prompts, reference)
+
+    def test_steps_stay_in_flight_on_different_sequences(self, pp2_llm, chat_prompts, reference):
+        """While one step's last stage runs, the engine launches the next on the other sequences: two in flight,
+        never a sequence in both. The prefix cache is emptied first: every prompt is computed again, as on a fresh
+        engine."""
+        engine = pp2_llm.engine
+        engine.block_pool.reset_cache()
+        depths, overlaps = [], []
+        submit = engine.runner.submit
+
+        def watched(batch):
+            launched = {id(item.seq) for item in batch}
+            overlaps.append(launched & engine._busy)
+            depths.append(len(engine._in_flight) + 1)
+            return submit(batch)
+
+        engine.runner.submit = watched
+        try:
+            outs = pp2_llm.generate(chat_prompts, GREEDY)
+        finally:
+            engine.runner.submit = submit
+        assert [o.token_ids for o in outs] == reference
+        assert max(depths) == 2 and not any(overlaps)
+        assert engine.stats().kv_blocks_used == 0
 
     def test_forked_samples_get_their_partial_block_copied_on_every_stage(self, one_process, pp2_llm,
                                                                           chat_prompts):
