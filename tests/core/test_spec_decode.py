@@ -104,13 +104,32 @@ def test_greedy_outputs_identical_in_one_batch(name, embedded_path, prompts, ref
     assert speculated and all(0 <= m["spec_acceptance_rate"] <= 1 for m in speculated)
 
 
+SELF_DRAFTING_K = 4
+
+
+@pytest.fixture(scope="module")
+def self_drafting(embedded_path):
+    """The target drafting for itself (k = 4), by a second copy of the model ("model") or by all 30 of its own layers
+    ("layers"): each built once for the module's tests that need it. Every test leaves it idle with no block in use
+    (its own last assertion), so the next one finds it as built but for the prefix cache and the stats' totals."""
+    built = {}
+
+    def get(drafter: str) -> LLM:
+        if drafter not in built:
+            source = {"model": str(embedded_path)} if drafter == "model" else {"layers": 30}
+            built[drafter] = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20,
+                                 decoding="draft",
+                                 decoding_options=source | {"k": SELF_DRAFTING_K, "max_batch_size": 8})
+        return built[drafter]
+    return get
+
+
 @pytest.mark.parametrize("drafter", ["model", "layers"])
-def test_draft_equal_to_target_accepts_every_draft(drafter, embedded_path, prompts):
-    """The target drafting for itself at temperature 0: every draft is accepted, k + 1 tokens per step."""
-    k = 4
-    source = {"model": str(embedded_path)} if drafter == "model" else {"layers": 30}
-    llm = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20, decoding="draft",
-              decoding_options=source | {"k": k, "max_batch_size": 8})
+def test_draft_equal_to_target_accepts_every_draft(drafter, self_drafting, prompts):
+    """The target drafting for itself at temperature 0: every draft is accepted, k + 1 tokens per step (the engine's
+    acceptance totals too: whatever ran on it before was accepted whole, or they would not be 1.0)."""
+    k = SELF_DRAFTING_K
+    llm = self_drafting(drafter)
     # 1 token from the prompt's forward, then 6 verification steps of k + 1 tokens
     params = SamplingParams(temperature=0, max_tokens=1 + 6 * (k + 1), ignore_eos=True)
     outs = llm.generate(prompts[:4], params)
@@ -191,15 +210,15 @@ def test_rejected_drafts_leave_no_stale_kv(embedded_path, prompts, reference):
     assert_no_blocks_in_use(llm)
 
 
-def test_abort_while_speculating_frees_every_block(embedded_path, prompts):
-    llm = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20, decoding="draft",
-              decoding_options={"layers": 30, "max_batch_size": 8})
+def test_abort_while_speculating_frees_every_block(self_drafting, prompts):
+    llm = self_drafting("layers")
     engine = llm.engine
+    drafted = engine.stats().spec_drafted_tokens_total
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
     for _ in range(4):
         engine.step()
     assert engine.speculator.proposer.kv_blocks_used() > 0
-    assert engine.stats().spec_drafted_tokens_total > 0
+    assert engine.stats().spec_drafted_tokens_total > drafted
     for request_id in ids:
         engine.abort(request_id)
     assert_no_blocks_in_use(llm)
@@ -228,14 +247,13 @@ def test_decoding_options_are_validated(embedded_path):
             LLM(str(embedded_path), progress=False, num_kv_blocks=8, decoding=decoding, decoding_options=options)
 
 
-def test_draft_model_rolls_back_its_rejected_drafts(embedded_path, prompts):
+def test_draft_model_rolls_back_its_rejected_drafts(self_drafting, prompts):
     """After a rejection the drafter's own KV past the shared prefix is dropped: its next drafts equal those
     of a drafter that never saw the rejected ones."""
     from kvforge.core.request import Sequence
 
-    llm = LLM(str(embedded_path), progress=False, dtype="float32", num_kv_blocks=64, decoding="draft",
-              decoding_options={"model": str(embedded_path), "k": 4})
-    proposer = llm.engine.speculator.proposer
+    proposer = self_drafting("model").engine.speculator.proposer
+    assert proposer.kv_blocks_used() == 0
     seq = Sequence("mirror", prompts[0], SamplingParams(temperature=0))
     seq.output_token_ids = [proposer.propose([seq], [1])[0].token_ids[0]]
     first = proposer.propose([seq], [4])[0].token_ids
