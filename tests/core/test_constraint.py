@@ -108,18 +108,27 @@ def test_preemption_recompute_keeps_the_grammar(embedded_path, embedded_llm):
             valid_json(out.text, PERSON)
 
 
+ITEMS = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 4, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "maximum": 99}, "tag": {"enum": ["a", "b"]}},
+    "required": ["id", "tag"], "additionalProperties": False}}}, "required": ["items"]}
+ITEMS_CHAT = [{"role": "user", "content": "List four items as JSON: each has an id and a tag."}]
+
+
+@pytest.fixture(scope="module")
+def items_without_speculation(embedded_llm):
+    """The greedy constrained reply to ITEMS_CHAT without speculation (one run for every drafter compared with it)."""
+    return embedded_llm.chat(ITEMS_CHAT, greedy(max_tokens=110, constraint=Constraint.json_schema(ITEMS)))[0]
+
+
 @pytest.mark.parametrize("decoding, options", [("ngram", {"min_n": 1, "max_batch_size": 8}),
                                                ("draft", {"layers": 20, "k": 3, "max_batch_size": 8})])
-def test_speculation_under_a_constraint(embedded_path, embedded_llm, decoding, options):
+def test_speculation_under_a_constraint(embedded_path, items_without_speculation, decoding, options):
     """Drafts (n-gram, or a drafter that samples them with probabilities) are checked against the grammar before
     verification and masked per draft position: greedy constrained outputs equal those without speculation,
     drafts were verified and accepted, sampled ones validate."""
-    schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 4, "items": {
-        "type": "object", "properties": {"id": {"type": "integer", "maximum": 99}, "tag": {"enum": ["a", "b"]}},
-        "required": ["id", "tag"], "additionalProperties": False}}}, "required": ["items"]}
-    chat = [{"role": "user", "content": "List four items as JSON: each has an id and a tag."}]
+    schema, chat = ITEMS, ITEMS_CHAT
     params = greedy(max_tokens=110, constraint=Constraint.json_schema(schema))
-    reference = embedded_llm.chat(chat, params)[0]
+    reference = items_without_speculation
     spec = LLM(str(embedded_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20, decoding=decoding,
                decoding_options=options)
     out = spec.chat(chat, params)[0]
