@@ -1,4 +1,4 @@
-"""A tiny HF Idefics3 / SmolVLM or Gemma 3 model as the two GGUF files llama.cpp runs it from, as its
+"""An HF vision-language model (Idefics3 / SmolVLM, Gemma 3) as the two GGUF files llama.cpp runs it from, as its
 convert_hf_to_gguf.py writes them. Gemma 3: the text model `Gemma3Model` (architecture gemma3, every norm stored as
 1 + weight, the head tied), the projector `Gemma3VisionModel` (projector type gemma3, its soft_emb_norm stored as
 1 + weight, the pooling scale written where it is not 4). SmolVLM: the text model: `LlamaModel` (architecture llama;
@@ -30,9 +30,25 @@ from gguf import (
     get_tensor_name_map,
 )
 
-from tests.helpers.moe_gguf import _permute, add_decoder_fields
-
 SUFFIXES = (".weight", ".bias")
+
+
+def add_decoder_fields(writer: GGUFWriter, config) -> None:
+    """The shape fields convert_hf_to_gguf.py writes for any decoder, from an HF config."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def permute_qk(weights: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's two rotary halves interleaved."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
 
 
 def write_smolvlm_gguf_pair(model, processor, directory: Path, text_name: str = "SmolVLM-tiny-F32.gguf",
@@ -98,7 +114,7 @@ def _write_text(model, processor, path: Path) -> Path:
         name = name.replace("text_model.", "")  # LlamaModel.filter_tensors, for SmolVLM
         values = tensor.detach().float().numpy()
         if name.endswith("q_proj.weight") or name.endswith("k_proj.weight"):
-            values = _permute(values, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+            values = permute_qk(values, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
         writer.add_tensor(names.get_name(name, try_suffixes=SUFFIXES), np.ascontiguousarray(values))
     if config.rope_parameters.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: plain / scaled
         rotary = model.model.text_model.rotary_emb

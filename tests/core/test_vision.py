@@ -198,8 +198,8 @@ def test_the_memory_estimate_and_the_dashboard_count_the_vision_tower(vlm):
 def vlm_gguf(tmp_path_factory, embedded_path):
     """The tiny model (plain rope: transformers' GGUF reader ignores rope_freqs) as llama.cpp's file pair, beside a
     text-only GGUF of the same width whose vocabulary has no image token."""
+    from kvforge.app.bench.hf_to_gguf import write_smolvlm_gguf_pair
     from tests.helpers.hostile_files import tiny_gguf
-    from tests.helpers.vlm_gguf import write_smolvlm_gguf_pair
 
     model, processor = save_tiny_idefics3(tmp_path_factory.mktemp("idefics3-plain"), embedded_path, seed=6,
                                           plain_rope=True)
@@ -257,8 +257,8 @@ def test_a_gemma3_gguf_with_its_mmproj_reads_pictures_as_hf(tmp_path_factory, em
     stored as 1 + weight; the projector's matrices F16, its norm as 1 + weight, the pooling scale in its metadata):
     paired, the image tokens named in the index's tokenizer, HF's token ids and pixels, every prompt position's
     log-probability within 1e-4 of HF's."""
+    from kvforge.app.bench.hf_to_gguf import write_gemma3_gguf_pair
     from tests.helpers.tiny_models import save_tiny_gemma3_vision
-    from tests.helpers.vlm_gguf import write_gemma3_gguf_pair
 
     model, processor = save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-gguf-shape"), embedded_path, seed=6,
                                                gemma_gguf=gemma_gguf_path)

@@ -14,6 +14,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from kvforge.app.bench.hf_to_gguf import add_decoder_fields, permute_qk
+
 ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 # HF v5's names within a layer (the experts stacked, as transformers 5 holds them) -> llama.cpp's
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -63,18 +65,6 @@ def write_moe_gguf(model, path: Path, experts: GGMLQuantizationType = GGMLQuanti
     return path
 
 
-def add_decoder_fields(writer: GGUFWriter, config) -> None:
-    """The shape fields convert_hf_to_gguf.py writes for any decoder, from an HF config."""
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-
-
 def _gguf_tensors(name: str, tensor: torch.Tensor, experts: GGMLQuantizationType, config):
     """(GGUF name, float32 values, blocks or None) for one HF tensor; a stacked expert tensor is quantized and the
     HF tensor set to its dequantized values."""
@@ -97,11 +87,5 @@ def _gguf_tensors(name: str, tensor: torch.Tensor, experts: GGMLQuantizationType
         values = values.reshape(-1)
     if config.model_type == "mixtral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
-        values = _permute(values, heads)
+        values = permute_qk(values, heads)
     return [(f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}", np.ascontiguousarray(values), None)]
-
-
-def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: each head's two rotary halves interleaved."""
-    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
-        weights.shape)

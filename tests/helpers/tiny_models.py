@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kvforge.app.bench.vision_shapes import IDEFICS3_TOKENS, SMOLVLM_TEMPLATE
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6)
 
@@ -137,17 +139,6 @@ def save_tiny_embedding_model(path: Path, embedded_path: Path, seed: int, poolin
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": config.hidden_size, pooling: True, "include_prompt": True}))
     return model
-
-
-# SmolVLM-256M-Instruct's chat template (content parts: its text, "<image>" for each picture)
-SMOLVLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
-IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
-                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
 
 
 def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int, plain_rope: bool = False):
