@@ -82,22 +82,30 @@ def test_rows_are_sane_and_ratios_come_from_the_same_run(run):
     assert all(rows[("kvforge-fp32", b)]["tpot_s"]["p50"] > 0 for b in BATCHES)
 
 
-def test_gguf_runs_the_same_comparison_on_another_file(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def gguf_run(tmp_path_factory):
+    """--gguf on the tiny shape's Q4_K_M file, in 2 --rounds (what test_rounds_run_every_engine_in_turn reads: the
+    two engines take turns): stdout, the JSON report and the file."""
+    from kvforge.app.bench.real_shapes import shape_gguf
+
+    tmp = tmp_path_factory.mktemp("bench-peers-gguf")
+    gguf_path = shape_gguf("tiny", "q4_k_m", root=tmp)
+    out = tmp / "other.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--gguf", str(gguf_path), "--engines",
+         "kvforge-gguf,llama.cpp", "--no-peers", "--rounds", "2", "--prompts", "1", "--batches", "1",
+         "--output-tokens", str(OUTPUT_TOKENS), "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, json.loads(out.read_text()), gguf_path
+
+
+def test_gguf_runs_the_same_comparison_on_another_file(gguf_run, tmp_path, capsys):
     """--gguf: kvforge-gguf serves that file (the tiny shape in Q4_K_M, app/bench/real_shapes.py: a file other than
     the embedded model, of another quantization) from its blocks, the report names it, and llama.cpp's quantization
     is the file's, not the embedded model's (Q4_1)."""
-    from kvforge.app.bench.real_shapes import shape_gguf
-
-    gguf_path = shape_gguf("tiny", "q4_k_m", root=tmp_path)
-    out = tmp_path / "other.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--gguf", str(gguf_path), "--engines",
-         "kvforge-gguf,llama.cpp", "--no-peers", "--prompts", "1", "--batches", "1", "--output-tokens",
-         str(OUTPUT_TOKENS), "--threads", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
-    assert report["model"] == str(gguf_path.resolve()) and f"peers: {report['model']};" in result.stdout
+    stdout, report, gguf_path = gguf_run
+    assert report["model"] == str(gguf_path.resolve()) and f"peers: {report['model']};" in stdout
     engines = {e["engine"]: e for e in report["engines"]}
     assert engines["kvforge-gguf"]["status"] == "ok"
     info = engines["kvforge-gguf"]["info"]
@@ -282,19 +290,14 @@ def test_rounds_report_medians_and_every_rounds_own_ratio(run):
     assert median_rows([first]) is first
 
 
-def test_rounds_run_every_engine_in_turn(embedded_path, tmp_path, capsys):
-    out = tmp_path / "rounds.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "kvforge.app.cli", "bench", "peers", "--engines", "kvforge-fp32", "--no-peers",
-         "--rounds", "2", "--prompts", "1", "--batches", "1", "--output-tokens", "2", "--threads", "1",
-         "--json", str(out)], capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(out.read_text())
+def test_rounds_run_every_engine_in_turn(gguf_run, capsys):
+    """--rounds 2 (gguf_run's): every engine once a round, in the same order, the row the median of the rounds."""
+    stdout, report, _ = gguf_run
     assert [(e["engine"], e["round"], e["status"]) for e in report["engines"]] == [
-        ("kvforge-fp32", 1, "ok"), ("kvforge-fp32", 2, "ok")]
+        ("kvforge-gguf", 1, "ok"), ("llama.cpp", 1, "skipped"), ("kvforge-gguf", 2, "ok"), ("llama.cpp", 2, "skipped")]
     (row,) = report["rows"]
     assert len(row["rounds_tok_s"]) == 2 and min(row["rounds_tok_s"]) <= row["output_tok_s"] <= max(row["rounds_tok_s"])
-    assert "medians of 2 rounds" in result.stdout and "kvforge-fp32 #2" in result.stdout
+    assert "medians of 2 rounds" in stdout and "kvforge-gguf #2" in stdout
     from kvforge.app.cli import main
 
     assert main(["bench", "peers", "--rounds", "0"]) == 2  # refused in this process
