@@ -61,16 +61,17 @@ def test_served_from_its_own_blocks(gemma_gguf_path, gemma_fp32):
     default dtype."""
     from kvforge.core.config import resolve_dtype
 
+    # the dense conversion's greedy tokens (logprobs change no token: they are read off the same logits)
+    top = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    ref = gemma_fp32.generate(_prompts(gemma_fp32), top)
+    reference = [o.token_ids for o in ref]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    reference = [o.token_ids for o in gemma_fp32.generate(_prompts(gemma_fp32), greedy)]
     dense32 = LLM(str(gemma_gguf_path), progress=False, dtype="float32", kv_cache_bytes=128 << 20,
                   quant_options={"kernel": "dense"})
     assert dense32.engine.config.quant == "gguf"
     assert [o.token_ids for o in dense32.generate(_prompts(dense32), greedy)] == reference
     del dense32
 
-    top = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    ref = gemma_fp32.generate(_prompts(gemma_fp32), top)
     ref_ppl = perplexity(gemma_fp32.engine, _eval_ids(gemma_fp32))
     for dtype in dict.fromkeys(["float32", resolve_dtype("auto")]):
         native = LLM(str(gemma_gguf_path), progress=False, kv_cache_bytes=128 << 20, dtype=dtype)
