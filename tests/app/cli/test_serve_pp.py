@@ -7,20 +7,10 @@ from __future__ import annotations
 import signal
 
 import httpx
-import pytest
 
-from kvforge.core import LLM, SamplingParams
-from tests.app.cli.test_serve_tp import MAX_TOKENS, QUESTION, _gone, ask
+from tests.app.cli.test_serve_tp import _gone, ask
 from tests.helpers.processes import rank_processes
 from tests.helpers.server_process import ServeProcess
-
-
-@pytest.fixture(scope="module")
-def reference_text(embedded_path):
-    # what the server serves by default: the embedded GGUF from its own blocks, in one process
-    llm = LLM(progress=False, kv_cache_bytes=64 << 20, dtype="float32")
-    (out,) = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    return out.text
 
 
 def _serve(tmp_path) -> ServeProcess:

@@ -9,22 +9,12 @@ import time
 
 import httpx
 import psutil
-import pytest
 
-from kvforge.core import LLM, SamplingParams
 from tests.helpers.processes import rank_processes
 from tests.helpers.server_process import ServeProcess
 
 QUESTION = "Name three primary colors."
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def reference_text(embedded_path):
-    # what the server serves by default: the embedded GGUF from its own blocks, on one rank
-    llm = LLM(progress=False, kv_cache_bytes=64 << 20, dtype="float32")
-    (out,) = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    return out.text
 
 
 def _serve(tmp_path) -> tuple[ServeProcess, psutil.Process]:
