@@ -17,6 +17,7 @@ from tests.helpers.vision import (
     FAMILIES,
     NEW_TOKENS,
     TEXT_AFTER,
+    assert_prompt_logprobs_match_hf,
     family_of,
     hf_generate,
     hf_inputs,
@@ -47,13 +48,7 @@ def test_every_prompt_position_matches_hf_with_one_and_with_several_images(vlm):
             prompt = prompt_of(processor, text, pictures)
             inputs = hf_inputs(processor, text, pictures)
             assert prompt.token_ids == inputs["input_ids"][0].tolist()
-            [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-            ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
-            with torch.inference_mode():
-                logits = model(**inputs).logits[0, :-1].float()
-            theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
-            assert ours.shape == theirs.shape
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+            assert_prompt_logprobs_match_hf(llm, prompt, model, inputs)
     finally:
         llm.engine.close()
 
@@ -233,12 +228,7 @@ def test_a_gguf_with_its_mmproj_beside_it_reads_pictures_as_hf(vlm_gguf):
         assert prompt.token_ids == inputs["input_ids"][0].tolist()
         ours_pixels = torch.cat([image.pixels["pixel_values"] for image in prompt.images])
         torch.testing.assert_close(ours_pixels, inputs["pixel_values"][0], atol=0, rtol=0)
-        [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-        ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
-        with torch.inference_mode():
-            logits = model(**inputs).logits[0, :-1].float()
-        theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        assert_prompt_logprobs_match_hf(llm, prompt, model, inputs)
     finally:
         llm.engine.close()
     names = model_names(directory)
@@ -278,11 +268,6 @@ def test_a_gemma3_gguf_with_its_mmproj_reads_pictures_as_hf(tmp_path_factory, em
         assert prompt.token_ids == inputs["input_ids"][0].tolist()
         torch.testing.assert_close(torch.cat([image.pixels["pixel_values"] for image in prompt.images]),
                                    inputs["pixel_values"], atol=0, rtol=0)
-        [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-        ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
-        with torch.inference_mode():
-            logits = model(**inputs).logits[0, :-1].float()
-        theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        assert_prompt_logprobs_match_hf(llm, prompt, model, inputs)
     finally:
         llm.engine.close()

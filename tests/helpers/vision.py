@@ -54,3 +54,17 @@ def hf_generate(model, inputs: dict, new_tokens: int = NEW_TOKENS) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+
+
+def assert_prompt_logprobs_match_hf(llm, prompt: ImagePrompt, model, inputs: dict) -> None:
+    """Every prompt position's log-probability (image positions included) from `llm` within 1e-4 of the HF model's
+    on the processor's `inputs` for the same prompt."""
+    from kvforge.core import SamplingParams
+
+    [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
+    with torch.inference_mode():
+        logits = model(**inputs).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, -1).gather(1, inputs["input_ids"][0, 1:].view(-1, 1)).view(-1)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
