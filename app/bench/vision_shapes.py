@@ -27,6 +27,16 @@ VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num
               patch_size=16)
 
 
+def smolvlm_tokenizer(embedded_path: Path):
+    """The embedded model's tokenizer with Idefics3's image tokens and SmolVLM's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    tokenizer.chat_template = SMOLVLM_TEMPLATE
+    return tokenizer
+
+
 def smolvlm_shape(root: Path, log=None) -> tuple[Path, Path, Path]:
     """(the safetensors checkpoint directory, the GGUF text file, its mmproj beside it) under `root`, written on first
     use (seeded: the same weights every time)."""
@@ -42,15 +52,13 @@ def smolvlm_shape(root: Path, log=None) -> tuple[Path, Path, Path]:
 
 def _write(checkpoint: Path, pair: Path, text_name: str, mmproj_name: str) -> None:
     import torch
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     from kvforge.app.bench.hf_to_gguf import write_smolvlm_gguf_pair
     from kvforge.core.loader import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
-    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
-    tokenizer.chat_template = SMOLVLM_TEMPLATE
+    tokenizer = smolvlm_tokenizer(resolve_model(None))
     config = Idefics3Config(vision_config=VISION, text_config=TEXT | {"vocab_size": len(tokenizer)}, scale_factor=4,
                             tie_word_embeddings=True, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
     torch.manual_seed(0)

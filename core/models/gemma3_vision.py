@@ -22,7 +22,7 @@ from torch import nn
 from kvforge.core.images import ImageInput, ImagePrompt
 from kvforge.core.models.gemma import GemmaForCausalLM, GemmaRMSNorm
 from kvforge.core.models.siglip import VisionTransformer, tower_parameter_count
-from kvforge.core.models.vision import ImageRows, split_images
+from kvforge.core.models.vision import ImageRows, processed, split_images
 from kvforge.core.quant_config import QuantConfig
 
 
@@ -83,8 +83,7 @@ def image_prompt(processor, text: str, pictures: list, digests: list[bytes]) -> 
     """`text` (a rendered prompt with one `<start_of_image>` per picture) and its pictures (PIL images) through the
     model's HF processor: the token ids with every picture expanded into its crops' soft tokens, and each picture's
     ImageInput (its crops' pixels, the positions of its soft tokens, attended both ways, `digests`' hash)."""
-    out = processor(text=[text], images=[pictures] if pictures else None, return_tensors="pt",
-                    return_text_replacement_offsets=True, add_special_tokens=False)
+    out = processed(processor, text, pictures)
     tokenizer = processor.tokenizer
     tiles = {"pixel_values": out["pixel_values"]} if pictures else {}
     return split_images(out, tokenizer.image_token, tokenizer.image_token_id, processor.image_seq_length, tiles,

@@ -19,7 +19,7 @@ from torch import nn
 from kvforge.core.images import ImageInput, ImagePrompt
 from kvforge.core.models.llama import LlamaForCausalLM
 from kvforge.core.models.siglip import VisionTransformer, tower_parameter_count
-from kvforge.core.models.vision import ImageRows, split_images
+from kvforge.core.models.vision import ImageRows, processed, split_images
 from kvforge.core.quant_config import QuantConfig
 
 
@@ -85,8 +85,7 @@ def image_prompt(processor, text: str, pictures: list, digests: list[bytes]) -> 
     """`text` (a rendered prompt with one `<image>` per picture) and its pictures (PIL images) through the model's HF
     processor: the token ids with every image expanded into its tiles' tokens, and each picture's ImageInput (its
     tiles' pixels, the positions of its `<image>` tokens, `digests`' hash)."""
-    out = processor(text=[text], images=[pictures] if pictures else None, return_tensors="pt",
-                    return_text_replacement_offsets=True, add_special_tokens=False)
+    out = processed(processor, text, pictures)
     tiles = {name: out[name][0] for name in ("pixel_values", "pixel_attention_mask") if pictures}
     return split_images(out, processor.image_token, processor.tokenizer.convert_tokens_to_ids(processor.image_token),
                         processor.image_seq_len, tiles, digests)

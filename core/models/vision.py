@@ -61,6 +61,13 @@ class ImageRows:
             first += tiles
 
 
+def processed(processor, text: str, pictures: list):
+    """A rendered prompt and its pictures (PIL images) through the model's HF processor, with each placeholder's
+    replacement text (what `split_images` counts the image tokens in)."""
+    return processor(text=[text], images=[pictures] if pictures else None, return_tensors="pt",
+                     return_text_replacement_offsets=True, add_special_tokens=False)
+
+
 def split_images(processed, image_token: str, image_token_id: int, tokens_per_tile: int,
                  tiles: dict[str, torch.Tensor], digests: list[bytes], bidirectional: bool = False) -> ImagePrompt:
     """A processor's output for one prompt (`processed`: asked with return_text_replacement_offsets) as an ImagePrompt:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kvforge.app.bench.vision_shapes import IDEFICS3_TOKENS, SMOLVLM_TEMPLATE
+from kvforge.app.bench.vision_shapes import smolvlm_tokenizer
+from kvforge.core.gguf_mmproj import GEMMA3_TOKENS
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6)
@@ -147,12 +148,10 @@ def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int, plain_rope: b
     processor (PIL image processor: pictures up to 64 pixels split into 32-pixel tiles and a global view). Returns
     the HF model (fp32, eval) and the processor. SmolVLM's chat template, and <end_of_utterance> ends a reply.
     `plain_rope`: the decoder's rope without Llama 3's scaling (a GGUF read back by transformers ignores rope_freqs)."""
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_path)
-    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
-    tokenizer.chat_template = SMOLVLM_TEMPLATE
+    tokenizer = smolvlm_tokenizer(embedded_path)
     text = tiny_configs()["llama3"].to_dict() | {"vocab_size": len(tokenizer)}
     if plain_rope:
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
@@ -166,7 +165,7 @@ def save_tiny_idefics3(path: Path, embedded_path: Path, seed: int, plain_rope: b
     model.save_pretrained(path)
     processor = Idefics3Processor(
         image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
-        tokenizer=tokenizer, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE)
+        tokenizer=tokenizer, image_seq_len=4, chat_template=tokenizer.chat_template)
     processor.save_pretrained(path)
     return model, processor
 
@@ -179,8 +178,6 @@ GEMMA3_TEMPLATE = (
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
     "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                       "image_token": "<image_soft_token>"}
 
 
 def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int, gemma_gguf: Path | None = None):
@@ -196,7 +193,7 @@ def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int, gemma_gg
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     if gemma_gguf is None:
-        tokenizer = AutoTokenizer.from_pretrained(embedded_path, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+        tokenizer = AutoTokenizer.from_pretrained(embedded_path, extra_special_tokens=GEMMA3_TOKENS)
         tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
         tokenizer.chat_template = GEMMA3_TEMPLATE
     else:
@@ -205,7 +202,7 @@ def save_tiny_gemma3_vision(path: Path, embedded_path: Path, seed: int, gemma_gg
         # the tokenizer of the file's index (written once per file version; transformers' own GGUF conversion of
         # Gemma's 262k tokens takes half a minute)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(str(gemma_gguf)),
-                                                  extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+                                                  extra_special_tokens=GEMMA3_TOKENS)
         tokenizer.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
     gguf_shape = gemma_gguf is not None
     text = tiny_configs()["gemma3"].to_dict() | {"vocab_size": len(tokenizer)}
